@@ -1,0 +1,54 @@
+"""Errors raised by every Broker implementation."""
+
+from __future__ import annotations
+
+
+class BrokerError(Exception):
+    """Base class of every error a broker raises on purpose."""
+
+
+class InvalidTask(BrokerError, ValueError):
+    """The request is malformed (bad queue name, negative TTL, ...). Nothing was stored."""
+
+
+class TaskNotFound(BrokerError, LookupError):
+    """No task has this id."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(f"task {task_id!r} not found")
+        self.task_id = task_id
+
+
+class DuplicateTask(BrokerError):
+    """A live task already holds this (queue, unique_key) claim."""
+
+    def __init__(self, queue: str, unique_key: str, existing_id: str) -> None:
+        super().__init__(
+            f"queue {queue!r} already has live task {existing_id!r} with unique key {unique_key!r}"
+        )
+        self.queue = queue
+        self.unique_key = unique_key
+        self.existing_id = existing_id
+
+
+class LeaseLost(BrokerError):
+    """The task is no longer active under this lease id (reaped, canceled, or re-leased)."""
+
+    def __init__(self, task_id: str, lease_id: str) -> None:
+        super().__init__(f"lease {lease_id!r} on task {task_id!r} is lost")
+        self.task_id = task_id
+        self.lease_id = lease_id
+
+
+class InvalidState(BrokerError):
+    """The task exists but is in a state that does not allow this operation."""
+
+    def __init__(self, task_id: str, state: str, operation: str) -> None:
+        super().__init__(f"cannot {operation} task {task_id!r} in state {state!r}")
+        self.task_id = task_id
+        self.state = state
+        self.operation = operation
+
+
+class BrokerClosed(BrokerError):
+    """The broker was closed."""

@@ -1,0 +1,243 @@
+"""The Broker interface: the only durable state in Conveyor.
+
+Every implementation (memory, postgres) passes the same conformance suite
+(``conveyor_broker.testing``). Rules every implementation keeps:
+
+- "now" comes from the injected :class:`~conveyor_broker.clock.Clock`, never from the
+  system or the database;
+- every method is safe to call concurrently;
+- every batch method commits all-or-nothing;
+- lease-scoped methods match ``state == ACTIVE and lease_id == lease_id`` and raise
+  :class:`~conveyor_broker.errors.LeaseLost` otherwise;
+- every state change is reported to the event sink after it is committed.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+
+from conveyor_broker.types import (
+    AckItem,
+    BrokerInfo,
+    EnqueueResult,
+    LeaseRef,
+    NewTask,
+    QueueStats,
+    ReapedTask,
+    Task,
+    TaskEvent,
+    TaskPage,
+    TaskState,
+)
+
+#: Called once per committed state change, in commit order. Must not block.
+EventSink = Callable[[TaskEvent], None]
+
+#: Most tasks one EnqueueBatch may carry.
+MAX_BATCH = 1000
+#: Default for NewTask.max_retry when it is None.
+DEFAULT_MAX_RETRY = 25
+
+
+class Broker(abc.ABC):
+    """The durable task store. See the module docstring for the rules."""
+
+    # ------------------------------------------------------------------ enqueue
+
+    @abc.abstractmethod
+    async def enqueue(self, task: NewTask) -> EnqueueResult:
+        """Store one task. Same as ``enqueue_batch([task])[0]``."""
+
+    @abc.abstractmethod
+    async def enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
+        """Store up to MAX_BATCH tasks, all-or-nothing, and return them in order.
+
+        The initial state is BLOCKED when ``depends_on`` names a task that is not
+        COMPLETED (unknown ids raise InvalidTask), else AGGREGATING when ``group`` is set,
+        else SCHEDULED when ``process_at`` is after now, else PENDING.
+        ``available_at`` is ``process_at`` or now.
+
+        Idempotent on id: a task whose id is already stored is returned as stored, with
+        ``created=False``, and nothing about it changes. Raises InvalidTask for bad input
+        (see ``conveyor_broker.validation``), DuplicateTask when a unique key is held by a
+        live task (or twice within the batch). Claims whose ``unique_until`` has passed are
+        freed first. Nothing is stored when anything raises.
+        """
+
+    # -------------------------------------------------------------------- lease
+
+    @abc.abstractmethod
+    async def lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
+        """Lease up to ``limit`` due tasks of ``queue`` in one round trip.
+
+        Due: state PENDING or RETRY, ``available_at <= now`` and not past ``expires_at``.
+        Oldest ``available_at`` first, then id. Each leased task becomes ACTIVE with a new
+        ``lease_id``, ``lease_expires_at = now + ttl``, ``started_at = now``. Concurrent
+        callers never receive the same task. Pause is the dispatcher's business: lease
+        does not look at it.
+        """
+
+    @abc.abstractmethod
+    async def extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
+        """Set ``lease_expires_at = now + ttl`` and return it. Raises LeaseLost."""
+
+    @abc.abstractmethod
+    async def extend_leases(self, leases: Sequence[LeaseRef], ttl: timedelta) -> list[LeaseRef]:
+        """Extend many leases in one round trip; return the ones that are lost."""
+
+    @abc.abstractmethod
+    async def set_progress(self, task_id: str, lease_id: str, progress: bytes) -> None:
+        """Store the running task's progress. Raises LeaseLost."""
+
+    # ----------------------------------------------------------------- outcomes
+
+    @abc.abstractmethod
+    async def ack(self, task_id: str, lease_id: str, result: bytes | None = None) -> Task:
+        """ACTIVE -> COMPLETED, storing ``result``; ``completed_at = now``. Raises LeaseLost."""
+
+    @abc.abstractmethod
+    async def ack_batch(self, items: Sequence[AckItem]) -> list[bool]:
+        """Ack many tasks in one transaction. Returns, per item, False when its lease was
+        lost (that item is skipped; the others still complete)."""
+
+    @abc.abstractmethod
+    async def fail(
+        self,
+        task_id: str,
+        lease_id: str,
+        error: str,
+        retry_delay: timedelta,
+        *,
+        skip_retry: bool = False,
+    ) -> Task:
+        """A failed attempt. ``retried`` goes up by one and ``last_error = error``.
+
+        When ``skip_retry`` or ``retried`` (before the increment) ``>= max_retry``: ARCHIVED
+        with ``completed_at = now``. Otherwise RETRY with ``available_at = now +
+        retry_delay``. The lease is cleared. Raises LeaseLost.
+        """
+
+    @abc.abstractmethod
+    async def release(self, task_id: str, lease_id: str) -> Task:
+        """Give a task back untouched: ACTIVE -> PENDING, due now, ``retried`` unchanged.
+        Raises LeaseLost."""
+
+    @abc.abstractmethod
+    async def archive(self, task_id: str, lease_id: str, error: str) -> Task:
+        """ACTIVE -> ARCHIVED at once (skip-retry), ``last_error = error``. Raises LeaseLost."""
+
+    # -------------------------------------------------------- maintenance sweeps
+
+    @abc.abstractmethod
+    async def reap_expired_leases(
+        self, limit: int = 1000, retry_delay: timedelta = timedelta(0)
+    ) -> list[ReapedTask]:
+        """ACTIVE tasks with ``lease_expires_at <= now`` fail with LEASE_EXPIRED_ERROR:
+        RETRY (due after ``retry_delay``) or ARCHIVED when exhausted, like ``fail``."""
+
+    @abc.abstractmethod
+    async def promote_scheduled(self, limit: int = 1000) -> dict[str, int]:
+        """SCHEDULED tasks with ``available_at <= now`` become PENDING. Returns the number
+        promoted per queue (queues with none are left out)."""
+
+    @abc.abstractmethod
+    async def purge_terminal(
+        self,
+        *,
+        archive_retention: timedelta,
+        default_retention: timedelta = timedelta(0),
+        limit: int = 1000,
+    ) -> int:
+        """Delete terminal rows past their retention and return how many.
+
+        COMPLETED rows go when ``completed_at + (retention or default_retention) <= now``;
+        ARCHIVED and CANCELED rows when ``completed_at + archive_retention <= now``. Also
+        frees lapsed unique claims (``unique_until <= now``) on rows it keeps.
+        """
+
+    @abc.abstractmethod
+    async def archive_expired(self, limit: int = 1000) -> list[Task]:
+        """Waiting tasks with ``expires_at <= now`` become ARCHIVED with
+        ``last_error = EXPIRED_ERROR``. Returns them."""
+
+    # ------------------------------------------------------- inspection / admin
+
+    @abc.abstractmethod
+    async def pending_count(self, queue: str | None = None) -> dict[str, int]:
+        """Due tasks (what ``lease`` would pick now) per queue; queues with none are left
+        out. With ``queue``, only that queue."""
+
+    @abc.abstractmethod
+    async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:
+        """Per-state counts for every queue that has tasks or a stored flag, sorted by
+        name; with ``queue``, a single entry (all zeros for an unknown queue)."""
+
+    @abc.abstractmethod
+    async def get_task(self, task_id: str) -> Task:
+        """The stored task. Raises TaskNotFound."""
+
+    @abc.abstractmethod
+    async def list_tasks(
+        self,
+        *,
+        queue: str | None = None,
+        state: TaskState | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TaskPage:
+        """Tasks ordered by id, filtered by queue and state. ``cursor`` is the
+        ``next_cursor`` of the previous page. ``limit`` in 1..1000 (InvalidTask otherwise);
+        a malformed cursor raises InvalidTask."""
+
+    @abc.abstractmethod
+    async def cancel_task(self, task_id: str) -> Task:
+        """Waiting -> CANCELED (``completed_at = now``). ACTIVE -> ARCHIVED with
+        CANCELED_WHILE_RUNNING_ERROR (the lease is gone, so the worker's result will be
+        dropped; the caller tells the worker to stop). Terminal -> InvalidState."""
+
+    @abc.abstractmethod
+    async def delete_task(self, task_id: str) -> None:
+        """Delete a task that is not ACTIVE (InvalidState if it is)."""
+
+    @abc.abstractmethod
+    async def run_task_now(self, task_id: str) -> Task:
+        """SCHEDULED, RETRY or PENDING -> PENDING, due now. Other states: InvalidState."""
+
+    @abc.abstractmethod
+    async def reschedule_task(self, task_id: str, process_at: datetime) -> Task:
+        """PENDING, SCHEDULED or RETRY -> SCHEDULED at ``process_at`` (PENDING when it is
+        not after now). Other states: InvalidState."""
+
+    @abc.abstractmethod
+    async def archive_task(self, task_id: str) -> Task:
+        """A waiting task -> ARCHIVED with ARCHIVED_BY_ADMIN_ERROR. Other states:
+        InvalidState."""
+
+    @abc.abstractmethod
+    async def revive_task(self, task_id: str) -> Task:
+        """ARCHIVED -> PENDING, due now, ``retried = 0``, ``completed_at`` cleared.
+        Other states: InvalidState."""
+
+    @abc.abstractmethod
+    async def set_queue_paused(self, queue: str, paused: bool) -> None:
+        """Persist the pause flag of ``queue`` (the queue need not have tasks)."""
+
+    @abc.abstractmethod
+    async def queue_paused(self, queue: str) -> bool:
+        """The stored pause flag (False for a queue never paused)."""
+
+    @abc.abstractmethod
+    async def info(self) -> BrokerInfo:
+        """What this broker is."""
+
+    # --------------------------------------------------------------- lifecycle
+
+    @abc.abstractmethod
+    def set_event_sink(self, sink: EventSink | None) -> None:
+        """Report every committed state change to ``sink`` (None stops reporting)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release resources. Later calls raise BrokerClosed."""

@@ -1,0 +1,208 @@
+"""The broker's data model: task states, the new-task request, stored tasks, events."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+
+class TaskState(StrEnum):
+    """Lifecycle states. See the spec's "Task lifecycle"."""
+
+    PENDING = "pending"
+    SCHEDULED = "scheduled"
+    AGGREGATING = "aggregating"
+    BLOCKED = "blocked"
+    ACTIVE = "active"
+    RETRY = "retry"
+    COMPLETED = "completed"
+    ARCHIVED = "archived"
+    CANCELED = "canceled"
+
+
+#: States a task waits in before it is leased.
+WAITING_STATES: frozenset[TaskState] = frozenset(
+    {
+        TaskState.PENDING,
+        TaskState.SCHEDULED,
+        TaskState.AGGREGATING,
+        TaskState.BLOCKED,
+        TaskState.RETRY,
+    }
+)
+#: States a task never leaves (except ARCHIVED, which an admin may revive).
+TERMINAL_STATES: frozenset[TaskState] = frozenset(
+    {TaskState.COMPLETED, TaskState.ARCHIVED, TaskState.CANCELED}
+)
+#: States in which a unique-key claim is held.
+INCOMPLETE_STATES: frozenset[TaskState] = frozenset(set(TaskState) - TERMINAL_STATES)
+#: States Lease picks from (when due).
+LEASABLE_STATES: frozenset[TaskState] = frozenset({TaskState.PENDING, TaskState.RETRY})
+
+
+class OnFailure(StrEnum):
+    """What a dependent does when a dependency fails for good."""
+
+    BLOCK = "block"
+    CONTINUE = "continue"
+    CASCADE_CANCEL = "cascade_cancel"
+
+
+#: last_error of a task archived by ArchiveExpired.
+EXPIRED_ERROR = "task expired before dispatch"
+#: last_error of a task archived by an admin cancel while it was running.
+CANCELED_WHILE_RUNNING_ERROR = "canceled by an operator while running"
+#: last_error of a task archived by an admin ArchiveTask.
+ARCHIVED_BY_ADMIN_ERROR = "archived by an operator"
+#: last_error of a task whose lease expired (set by ReapExpiredLeases).
+LEASE_EXPIRED_ERROR = "lease expired"
+
+
+@dataclass(frozen=True, slots=True)
+class NewTask:
+    """A task to enqueue. Only ``queue`` and ``type`` are required.
+
+    ``id`` makes enqueue idempotent: enqueuing an id that exists returns the stored task
+    unchanged. ``max_retry=None`` takes the broker's default.
+    """
+
+    queue: str
+    type: str
+    payload: bytes = b""
+    id: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    max_retry: int | None = None
+    timeout: timedelta | None = None
+    deadline: datetime | None = None
+    process_at: datetime | None = None
+    expires_at: datetime | None = None
+    retention: timedelta | None = None
+    unique_key: str | None = None
+    unique_ttl: timedelta | None = None
+    group: str | None = None
+    depends_on: tuple[str, ...] = ()
+    on_failure: OnFailure = OnFailure.BLOCK
+    concurrency_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """A stored task: identity, options, and its mutable execution fields.
+
+    ``lease_id``/``lease_expires_at`` are set only while ACTIVE. ``available_at`` is when a
+    PENDING/SCHEDULED/RETRY task becomes due. ``completed_at`` is when it reached a terminal
+    state. ``unique_until`` is when a TTL-bounded unique claim lapses.
+    """
+
+    id: str
+    queue: str
+    type: str
+    payload: bytes
+    headers: Mapping[str, str]
+    state: TaskState
+    max_retry: int
+    retried: int
+    timeout: timedelta | None
+    deadline: datetime | None
+    process_at: datetime | None
+    expires_at: datetime | None
+    retention: timedelta | None
+    unique_key: str | None
+    unique_until: datetime | None
+    group: str | None
+    depends_on: tuple[str, ...]
+    on_failure: OnFailure
+    concurrency_key: str | None
+    available_at: datetime
+    lease_id: str | None
+    lease_expires_at: datetime | None
+    progress: bytes | None
+    result: bytes | None
+    last_error: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    completed_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueResult:
+    """The stored task, and whether this call created it (False: the id existed)."""
+
+    task: Task
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AckItem:
+    """One completion in an AckBatch."""
+
+    task_id: str
+    lease_id: str
+    result: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRef:
+    """A (task id, lease id) pair naming one delivery."""
+
+    task_id: str
+    lease_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReapedTask:
+    """A task whose lease expired, and where ReapExpiredLeases put it."""
+
+    task_id: str
+    queue: str
+    state: TaskState
+
+
+@dataclass(frozen=True, slots=True)
+class TaskPage:
+    """One page of ListTasks; ``next_cursor`` is None on the last page."""
+
+    tasks: list[Task]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """Per-state task counts of one queue, and its pause flag."""
+
+    queue: str
+    paused: bool
+    counts: Mapping[TaskState, int]
+
+    def count(self, state: TaskState) -> int:
+        """Tasks in ``state`` (0 when none)."""
+        return self.counts.get(state, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerInfo:
+    """What a broker is: its driver name and schema version."""
+
+    driver: str
+    version: str
+    schema_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEvent:
+    """A lifecycle event: task ``task_id`` entered ``state`` at ``at``.
+
+    ``previous_state`` is None when the task was just created, and ``state`` is None when
+    the task was deleted.
+    """
+
+    task_id: str
+    queue: str
+    type: str
+    state: TaskState | None
+    previous_state: TaskState | None
+    at: datetime
+    error: str | None = None

@@ -1,0 +1,107 @@
+"""Input checks shared by every broker, so each rejects the same bad input the same way."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from conveyor_broker.errors import InvalidTask
+from conveyor_broker.ids import is_ulid
+from conveyor_broker.types import NewTask
+
+#: Queue names are single NATS subject tokens: letters, digits, '_' and '-'.
+QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+MAX_TYPE_LEN = 256
+MAX_KEY_LEN = 256
+MAX_HEADERS = 64
+MAX_HEADER_LEN = 4096
+#: Default cap on one task's payload.
+MAX_PAYLOAD = 1024 * 1024
+MAX_RETRY_CAP = 1000
+MAX_DEPENDENCIES = 100
+
+
+def check_queue(queue: str) -> None:
+    """Raise InvalidTask unless ``queue`` is a valid queue name."""
+    if not isinstance(queue, str) or not QUEUE_RE.match(queue):
+        raise InvalidTask(
+            f"invalid queue name {queue!r}: 1-128 letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def check_task_id(task_id: str) -> None:
+    """Raise InvalidTask unless ``task_id`` is a ULID string."""
+    if not isinstance(task_id, str) or not is_ulid(task_id):
+        raise InvalidTask(f"invalid task id {task_id!r}: expected a 26-character ULID")
+
+
+def _check_aware(name: str, value: datetime | None) -> None:
+    if value is not None and value.tzinfo is None:
+        raise InvalidTask(f"{name} must be timezone-aware")
+
+
+def _check_positive(name: str, value: timedelta | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < timedelta(0) or (value == timedelta(0) and not allow_zero):
+        raise InvalidTask(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
+    """Raise InvalidTask describing the first problem with ``task``."""
+    check_queue(task.queue)
+    if not task.type or len(task.type) > MAX_TYPE_LEN:
+        raise InvalidTask(f"task type must be 1-{MAX_TYPE_LEN} characters")
+    if task.id is not None:
+        check_task_id(task.id)
+    if not isinstance(task.payload, bytes | bytearray | memoryview):
+        raise InvalidTask("payload must be bytes")
+    if len(task.payload) > max_payload:
+        raise InvalidTask(f"payload is {len(task.payload)} bytes; the limit is {max_payload}")
+    if len(task.headers) > MAX_HEADERS:
+        raise InvalidTask(f"at most {MAX_HEADERS} headers")
+    for key, value in task.headers.items():
+        if not isinstance(key, str) or not isinstance(value, str) or not key:
+            raise InvalidTask("headers must map non-empty strings to strings")
+        if len(key) + len(value) > MAX_HEADER_LEN:
+            raise InvalidTask(f"header {key!r} is longer than {MAX_HEADER_LEN} characters")
+    if task.max_retry is not None and not 0 <= task.max_retry <= MAX_RETRY_CAP:
+        raise InvalidTask(f"max_retry must be in 0..{MAX_RETRY_CAP}, got {task.max_retry}")
+    _check_positive("timeout", task.timeout)
+    _check_positive("retention", task.retention, allow_zero=True)
+    _check_positive("unique_ttl", task.unique_ttl)
+    for name in ("deadline", "process_at", "expires_at"):
+        _check_aware(name, getattr(task, name))
+    if task.unique_ttl is not None and not task.unique_key:
+        raise InvalidTask("unique_ttl needs a unique_key")
+    for name in ("unique_key", "group", "concurrency_key"):
+        value = getattr(task, name)
+        if value is not None and not 0 < len(value) <= MAX_KEY_LEN:
+            raise InvalidTask(f"{name} must be 1-{MAX_KEY_LEN} characters")
+    if len(task.depends_on) > MAX_DEPENDENCIES:
+        raise InvalidTask(f"at most {MAX_DEPENDENCIES} dependencies")
+    for dep in task.depends_on:
+        check_task_id(dep)
+    if task.id is not None and task.id in task.depends_on:
+        raise InvalidTask("a task cannot depend on itself")
+
+
+def check_batch(
+    tasks: Sequence[NewTask], *, max_batch: int, max_payload: int = MAX_PAYLOAD
+) -> None:
+    """Check every task of a batch and its size."""
+    if len(tasks) > max_batch:
+        raise InvalidTask(f"a batch holds at most {max_batch} tasks, got {len(tasks)}")
+    for index, task in enumerate(tasks):
+        try:
+            check_new_task(task, max_payload=max_payload)
+        except InvalidTask as exc:
+            raise InvalidTask(f"task {index}: {exc}") from None
+
+
+def check_limit(limit: int, *, upper: int = 1000) -> None:
+    """Raise InvalidTask unless 1 <= limit <= upper."""
+    if not 1 <= limit <= upper:
+        raise InvalidTask(f"limit must be in 1..{upper}, got {limit}")
