@@ -1,0 +1,155 @@
+"""Service settings: one object per service, read from flags and ``CONVEYOR_*`` variables.
+
+Precedence: command-line flag, then environment variable, then default. Every field of a
+settings class is a flag (``--lease-ttl 30``) and a variable (``CONVEYOR_LEASE_TTL=30``);
+durations are seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Annotated, Literal, Self
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def default_instance_id() -> str:
+    """``<host>-<pid>-<random>``: unique per process, readable in logs."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class CommonSettings(BaseSettings):
+    """Settings every service shares."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_",
+        extra="forbid",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+    )
+
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated"
+    )
+    subject_prefix: str = Field(
+        "conveyor", description="Prefix of every NATS subject and KV bucket"
+    )
+    broker: Literal["postgres", "memory"] = Field(
+        "postgres", description="Broker driver; memory only makes sense inside `conveyor dev`"
+    )
+    dsn: str = Field(
+        "postgresql://postgres@127.0.0.1:5432/conveyor",
+        description="PostgreSQL DSN (postgres broker)",
+    )
+    db_pool_size: int = Field(10, ge=1, description="Postgres connection pool size")
+    instance_id: str = Field(
+        default_factory=default_instance_id, description="This process's name in the cluster"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level")
+    log_format: Literal["text", "json"] = Field("text", description="Log format")
+    lease_ttl: float = Field(
+        30.0, gt=0, description="Seconds a dispatched task stays leased without a heartbeat"
+    )
+
+    @property
+    def lease_ttl_delta(self) -> timedelta:
+        """``lease_ttl`` as a timedelta."""
+        return timedelta(seconds=self.lease_ttl)
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> Self:
+        """Settings from ``argv`` flags (None: no flags) over the environment."""
+        if argv is None:
+            return cls()
+        return cls(_cli_parse_args=list(argv))
+
+
+class ApiSettings(CommonSettings):
+    """services/api: TaskService, WorkerService, AdminService."""
+
+    host: str = Field("0.0.0.0", description="gRPC listen address")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC listen port (0: any free port)")
+    register_tick: float = Field(
+        5.0, gt=0, description="Seconds between a gateway's capacity re-announcements"
+    )
+    max_payload: int = Field(1024 * 1024, gt=0, description="Largest task payload in bytes")
+    max_result: int = Field(1024 * 1024, gt=0, description="Largest task result in bytes")
+    default_max_retry: int = Field(25, ge=0, description="max_retry of a task that does not set it")
+    default_retention: float = Field(
+        86400.0, ge=0, description="Seconds a completed task is kept when it sets no retention"
+    )
+    min_sdk_version: str = Field("0.1.0", description="Oldest worker SDK version accepted")
+    enqueue_batch_window: float = Field(
+        0.002, ge=0, description="Seconds concurrent enqueues wait to share one commit"
+    )
+    enqueue_batch_max: int = Field(
+        500, ge=1, le=1000, description="Most enqueues in one group commit"
+    )
+    auth_tokens: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Accepted bearer tokens (empty: see allow_unauthenticated)",
+    )
+    allow_unauthenticated: bool = Field(
+        False, description="Run without auth tokens (dev mode sets this)"
+    )
+    read_only: bool = Field(False, description="Reject AdminService mutations")
+
+    @field_validator("auth_tokens", mode="before")
+    @classmethod
+    def _split_tokens(cls, value: object) -> object:
+        # Environment variables carry a comma-separated list, not JSON.
+        if isinstance(value, str):
+            return [token.strip() for token in value.split(",") if token.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _auth_fails_closed(self) -> Self:
+        if not self.auth_tokens and not self.allow_unauthenticated:
+            raise ValueError(
+                "no auth tokens configured: set CONVEYOR_AUTH_TOKENS or, knowingly, "
+                "CONVEYOR_ALLOW_UNAUTHENTICATED=true"
+            )
+        return self
+
+
+class DispatcherSettings(CommonSettings):
+    """services/dispatcher: one dispatch loop per owned queue."""
+
+    batch_max: int = Field(100, ge=1, le=1000, description="Most tasks leased in one round trip")
+    owner_ttl: float = Field(
+        5.0, gt=0, description="Seconds a queue-ownership key lives without a refresh"
+    )
+    idle_timeout: float = Field(
+        30.0, gt=0, description="Seconds without work before a queue is given up"
+    )
+    dispatch_timeout: float = Field(
+        2.0, gt=0, description="Seconds to wait for a gateway's dispatch reply"
+    )
+
+
+class MaintenanceSettings(CommonSettings):
+    """services/maintenance: scheduler and reaper (leader-elected)."""
+
+    promote_tick: float = Field(1.0, gt=0, description="Seconds between scheduler passes")
+    reap_tick: float = Field(1.0, gt=0, description="Seconds between reaper passes")
+    leader_ttl: float = Field(
+        5.0, gt=0, description="Seconds a leadership key lives without a refresh"
+    )
+    archive_retention: float = Field(
+        7 * 86400.0, ge=0, description="Seconds archived and canceled tasks are kept"
+    )
+    default_retention: float = Field(
+        86400.0, ge=0, description="Seconds a completed task is kept when it sets no retention"
+    )
+    sweep_limit: int = Field(1000, ge=1, description="Most rows one sweep touches")
+
+
+class WebhookSettings(CommonSettings):
+    """services/webhook: webhook workers."""
+
+    reconcile_tick: float = Field(5.0, gt=0, description="Seconds between registration reconciles")

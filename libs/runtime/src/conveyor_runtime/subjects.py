@@ -1,0 +1,80 @@
+"""The NATS subjects services coordinate over (DESIGN.md, "NATS subjects").
+
+Every message on them is a hint: losing one may delay work, never lose or duplicate it.
+Payloads are the protobuf messages of ``conveyor_protos.v1.cluster_pb2`` (and
+``service_pb2.TaskEvent`` for events).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subject names under a configurable prefix (default ``conveyor``)."""
+
+    prefix: str = "conveyor"
+
+    # ---- per queue: api/maintenance/gateways -> dispatcher
+    def wake(self, queue: str) -> str:
+        """``Wake``: due work may exist on ``queue``."""
+        return f"{self.prefix}.q.{queue}.wake"
+
+    def register(self, queue: str) -> str:
+        """``Register``: a gateway's capacity for ``queue``."""
+        return f"{self.prefix}.q.{queue}.register"
+
+    def done(self, queue: str) -> str:
+        """``Done``: credit refill after completions."""
+        return f"{self.prefix}.q.{queue}.done"
+
+    def control(self, queue: str) -> str:
+        """``Control``: pause/resume or limits changed; reload from the broker."""
+        return f"{self.prefix}.q.{queue}.control"
+
+    def owner_changed(self, queue: str) -> str:
+        """Dispatcher -> gateways (empty body): a new owner claimed ``queue``; re-register now."""
+        return f"{self.prefix}.q.{queue}.owner"
+
+    def queue_wildcard(self, kind: str) -> str:
+        """Subscribe to ``kind`` (wake, register, done, control, owner) for every queue."""
+        return f"{self.prefix}.q.*.{kind}"
+
+    @staticmethod
+    def queue_of(subject: str) -> str:
+        """The queue token of a ``<prefix>.q.<queue>.<kind>`` subject."""
+        return subject.rsplit(".", 2)[-2]
+
+    # ---- per gateway: dispatcher/api -> gateway
+    def dispatch(self, gateway: str) -> str:
+        """Request/reply ``DispatchRequest`` -> ``DispatchReply``."""
+        return f"{self.prefix}.gw.{gateway}.dispatch"
+
+    def cancel(self) -> str:
+        """``CancelBroadcast`` to every gateway: abort a running task if you hold it."""
+        return f"{self.prefix}.cancel"
+
+    # ---- events and dependency resolution
+    def events(self, queue: str, state: str) -> str:
+        """``TaskEvent``: a task of ``queue`` entered ``state``."""
+        return f"{self.prefix}.events.{queue}.{state}"
+
+    def events_wildcard(self) -> str:
+        """Every lifecycle event."""
+        return f"{self.prefix}.events.>"
+
+    def resolve(self) -> str:
+        """``Resolve`` (queue group ``resolvers``): a task reached a terminal state."""
+        return f"{self.prefix}.resolve"
+
+    # ---- JetStream key-value buckets
+    @property
+    def owners_bucket(self) -> str:
+        """KV bucket: queue -> dispatcher instance that owns it."""
+        return f"{self.prefix}_owners"
+
+    @property
+    def leaders_bucket(self) -> str:
+        """KV bucket: singleton role (reaper, scheduler, ...) -> instance that leads it."""
+        return f"{self.prefix}_leaders"
