@@ -7,9 +7,33 @@ Every implementation (memory, postgres) passes the same conformance suite
   system or the database;
 - every method is safe to call concurrently;
 - every batch method commits all-or-nothing;
-- lease-scoped methods match ``state == ACTIVE and lease_id == lease_id`` and raise
-  :class:`~conveyor_broker.errors.LeaseLost` otherwise;
-- every state change is reported to the event sink after it is committed.
+- lease-scoped methods (``extend_lease``, ``set_progress``, ``ack``, ``fail``,
+  ``release``, ``archive``; per item ``extend_leases`` and ``ack_batch``) match
+  ``state == ACTIVE and lease_id == lease_id`` and raise
+  :class:`~conveyor_broker.errors.LeaseLost` otherwise: also for an unknown task and for
+  any lease id that does not match (malformed ones included). They do not look at
+  ``lease_expires_at``: a lease past its expiry still works until the reaper takes it;
+- every change of a task's state is reported to the event sink after it is committed and
+  before the method returns: one event per task that was created (``previous_state``
+  None), changed state, or was deleted (``state`` None). Changes that leave the state as it
+  was (``extend_lease``, ``set_progress``, ``run_task_now`` of a PENDING task, a
+  ``reschedule_task`` that stays SCHEDULED, an idempotent re-enqueue) report nothing.
+  ``error`` is the task's ``last_error`` when the new state is RETRY or ARCHIVED, else
+  None. An exception raised by the sink is logged and swallowed.
+
+Conventions of every method:
+
+- a malformed task id (not a ULID) raises InvalidTask; a well-formed unknown one raises
+  TaskNotFound, except in lease-scoped methods (LeaseLost, above);
+- bad input raises InvalidTask before anything changes: invalid queue names, ``limit``
+  outside 1..MAX_BATCH, lease ``ttl <= 0``, negative ``retry_delay`` or retention,
+  naive datetimes, more than MAX_BATCH items in one batch;
+- every change sets ``updated_at = now``; leaving ACTIVE clears ``lease_id`` and
+  ``lease_expires_at``;
+- a sweep with a ``limit`` takes the oldest rows first, then by id: by
+  ``lease_expires_at`` (reap), ``available_at`` (promote), ``expires_at``
+  (archive_expired), ``completed_at`` (purge);
+- after ``close`` every method except ``close`` and ``set_event_sink`` raises BrokerClosed.
 """
 
 from __future__ import annotations
@@ -54,16 +78,30 @@ class Broker(abc.ABC):
     async def enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
         """Store up to MAX_BATCH tasks, all-or-nothing, and return them in order.
 
+        Items are taken in order, so an item may name an earlier item of the same batch
+        (in ``depends_on`` or as a repeated id) as if it were already stored.
+
         The initial state is BLOCKED when ``depends_on`` names a task that is not
         COMPLETED (unknown ids raise InvalidTask), else AGGREGATING when ``group`` is set,
         else SCHEDULED when ``process_at`` is after now, else PENDING.
-        ``available_at`` is ``process_at`` or now.
+        ``available_at`` is ``process_at`` or now. ``max_retry`` None takes the broker's
+        default; ``unique_until`` is ``now + unique_ttl`` (None without a ``unique_ttl``);
+        ``created_at = updated_at = now``; ``retried`` is 0; the other execution fields are
+        None.
 
         Idempotent on id: a task whose id is already stored is returned as stored, with
-        ``created=False``, and nothing about it changes. Raises InvalidTask for bad input
-        (see ``conveyor_broker.validation``), DuplicateTask when a unique key is held by a
-        live task (or twice within the batch). Claims whose ``unique_until`` has passed are
-        freed first. Nothing is stored when anything raises.
+        ``created=False``, and nothing about it changes (the new request is not compared
+        with it, and its unique key is not checked). Raises InvalidTask for bad input
+        (see ``conveyor_broker.validation``) or an unknown dependency, DuplicateTask when
+        a unique key is held by a live task (or twice within the batch). InvalidTask wins
+        when a batch has both. With several conflicts, ``existing_id`` names the holder
+        of one of them (a stored task or an earlier item of the batch).
+
+        Unique claims: a task holds the claim on ``(queue, unique_key)`` while its state is
+        not terminal and ``unique_until`` is None or after now. So a claim lapses at
+        ``unique_until`` and is freed when its holder completes, is archived or canceled,
+        or is deleted. Freeing a claim never changes the holder's ``unique_key`` or
+        ``unique_until`` as read back. Nothing is stored when anything raises.
         """
 
     # -------------------------------------------------------------------- lease
@@ -72,11 +110,12 @@ class Broker(abc.ABC):
     async def lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
         """Lease up to ``limit`` due tasks of ``queue`` in one round trip.
 
-        Due: state PENDING or RETRY, ``available_at <= now`` and not past ``expires_at``.
-        Oldest ``available_at`` first, then id. Each leased task becomes ACTIVE with a new
-        ``lease_id``, ``lease_expires_at = now + ttl``, ``started_at = now``. Concurrent
-        callers never receive the same task. Pause is the dispatcher's business: lease
-        does not look at it.
+        Due: state PENDING or RETRY, ``available_at <= now`` and ``expires_at`` None or
+        after now. Oldest ``available_at`` first, then id. Each leased task becomes ACTIVE
+        with a new ``lease_id`` (a ULID), ``lease_expires_at = now + ttl``,
+        ``started_at = now`` and ``progress`` None (a new attempt reports afresh).
+        ``retried`` and ``last_error`` are unchanged. Concurrent callers never receive the
+        same task. Pause is the dispatcher's business: lease does not look at it.
         """
 
     @abc.abstractmethod
@@ -85,7 +124,8 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def extend_leases(self, leases: Sequence[LeaseRef], ttl: timedelta) -> list[LeaseRef]:
-        """Extend many leases in one round trip; return the ones that are lost."""
+        """Extend many leases in one round trip; return the ones that are lost, in input
+        order. The others get ``lease_expires_at = now + ttl``."""
 
     @abc.abstractmethod
     async def set_progress(self, task_id: str, lease_id: str, progress: bytes) -> None:
@@ -100,7 +140,8 @@ class Broker(abc.ABC):
     @abc.abstractmethod
     async def ack_batch(self, items: Sequence[AckItem]) -> list[bool]:
         """Ack many tasks in one transaction. Returns, per item, False when its lease was
-        lost (that item is skipped; the others still complete)."""
+        lost (that item is skipped; the others still complete). Items are applied in
+        order, so a repeated item is lost the second time."""
 
     @abc.abstractmethod
     async def fail(
@@ -116,17 +157,19 @@ class Broker(abc.ABC):
 
         When ``skip_retry`` or ``retried`` (before the increment) ``>= max_retry``: ARCHIVED
         with ``completed_at = now``. Otherwise RETRY with ``available_at = now +
-        retry_delay``. The lease is cleared. Raises LeaseLost.
+        retry_delay``. The lease is cleared; ``progress`` is kept. Raises LeaseLost;
+        InvalidTask for a negative ``retry_delay``.
         """
 
     @abc.abstractmethod
     async def release(self, task_id: str, lease_id: str) -> Task:
-        """Give a task back untouched: ACTIVE -> PENDING, due now, ``retried`` unchanged.
-        Raises LeaseLost."""
+        """Give a task back untouched: ACTIVE -> PENDING, due now (``available_at = now``),
+        ``retried`` and ``last_error`` unchanged. Raises LeaseLost."""
 
     @abc.abstractmethod
     async def archive(self, task_id: str, lease_id: str, error: str) -> Task:
-        """ACTIVE -> ARCHIVED at once (skip-retry), ``last_error = error``. Raises LeaseLost."""
+        """ACTIVE -> ARCHIVED at once (skip-retry): ``last_error = error``,
+        ``completed_at = now``, ``retried`` unchanged. Raises LeaseLost."""
 
     # -------------------------------------------------------- maintenance sweeps
 
@@ -135,12 +178,15 @@ class Broker(abc.ABC):
         self, limit: int = 1000, retry_delay: timedelta = timedelta(0)
     ) -> list[ReapedTask]:
         """ACTIVE tasks with ``lease_expires_at <= now`` fail with LEASE_EXPIRED_ERROR:
-        RETRY (due after ``retry_delay``) or ARCHIVED when exhausted, like ``fail``."""
+        RETRY (due after ``retry_delay``) or ARCHIVED when exhausted, exactly like
+        ``fail`` (``retried`` goes up by one). Returns them, oldest
+        ``lease_expires_at`` first."""
 
     @abc.abstractmethod
     async def promote_scheduled(self, limit: int = 1000) -> dict[str, int]:
-        """SCHEDULED tasks with ``available_at <= now`` become PENDING. Returns the number
-        promoted per queue (queues with none are left out)."""
+        """SCHEDULED tasks with ``available_at <= now`` become PENDING (``available_at``
+        unchanged). Returns the number promoted per queue (queues with none are left
+        out)."""
 
     @abc.abstractmethod
     async def purge_terminal(
@@ -152,15 +198,18 @@ class Broker(abc.ABC):
     ) -> int:
         """Delete terminal rows past their retention and return how many.
 
-        COMPLETED rows go when ``completed_at + (retention or default_retention) <= now``;
-        ARCHIVED and CANCELED rows when ``completed_at + archive_retention <= now``. Also
-        frees lapsed unique claims (``unique_until <= now``) on rows it keeps.
+        COMPLETED rows go when ``completed_at + retention <= now``, where a task's own
+        ``retention`` (zero included) wins over ``default_retention`` when it is set;
+        ARCHIVED and CANCELED rows when ``completed_at + archive_retention <= now``. Rows
+        in other states are never purged. Purged rows report no events. An implementation
+        may also drop lapsed unique claims here (housekeeping; not observable).
         """
 
     @abc.abstractmethod
     async def archive_expired(self, limit: int = 1000) -> list[Task]:
-        """Waiting tasks with ``expires_at <= now`` become ARCHIVED with
-        ``last_error = EXPIRED_ERROR``. Returns them."""
+        """Waiting tasks (any of WAITING_STATES) with ``expires_at <= now`` become ARCHIVED
+        with ``last_error = EXPIRED_ERROR`` and ``completed_at = now``. Returns them,
+        oldest ``expires_at`` first. ACTIVE tasks are left alone."""
 
     # ------------------------------------------------------- inspection / admin
 
@@ -171,8 +220,9 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:
-        """Per-state counts for every queue that has tasks or a stored flag, sorted by
-        name; with ``queue``, a single entry (all zeros for an unknown queue)."""
+        """Per-state counts for every queue that has tasks (in any state) or a stored
+        pause flag, sorted by name; with ``queue``, a single entry (all zeros for an
+        unknown queue). ``counts`` maps every TaskState, zeros included."""
 
     @abc.abstractmethod
     async def get_task(self, task_id: str) -> Task:
@@ -188,41 +238,49 @@ class Broker(abc.ABC):
         cursor: str | None = None,
     ) -> TaskPage:
         """Tasks ordered by id, filtered by queue and state. ``cursor`` is the
-        ``next_cursor`` of the previous page. ``limit`` in 1..1000 (InvalidTask otherwise);
-        a malformed cursor raises InvalidTask."""
+        ``next_cursor`` of the previous page (an opaque string); ``next_cursor`` is None
+        exactly when no matching task follows the page. ``limit`` in 1..1000 (InvalidTask
+        otherwise); a malformed cursor raises InvalidTask."""
 
     @abc.abstractmethod
     async def cancel_task(self, task_id: str) -> Task:
         """Waiting -> CANCELED (``completed_at = now``). ACTIVE -> ARCHIVED with
-        CANCELED_WHILE_RUNNING_ERROR (the lease is gone, so the worker's result will be
-        dropped; the caller tells the worker to stop). Terminal -> InvalidState."""
+        CANCELED_WHILE_RUNNING_ERROR and ``completed_at = now`` (the lease is gone, so the
+        worker's result will be dropped; the caller tells the worker to stop).
+        ``retried`` is unchanged. Terminal -> InvalidState."""
 
     @abc.abstractmethod
     async def delete_task(self, task_id: str) -> None:
-        """Delete a task that is not ACTIVE (InvalidState if it is)."""
+        """Delete a task that is not ACTIVE (InvalidState if it is). Its unique claim,
+        if any, is freed."""
 
     @abc.abstractmethod
     async def run_task_now(self, task_id: str) -> Task:
-        """SCHEDULED, RETRY or PENDING -> PENDING, due now. Other states: InvalidState."""
-
-    @abc.abstractmethod
-    async def reschedule_task(self, task_id: str, process_at: datetime) -> Task:
-        """PENDING, SCHEDULED or RETRY -> SCHEDULED at ``process_at`` (PENDING when it is
-        not after now). Other states: InvalidState."""
-
-    @abc.abstractmethod
-    async def archive_task(self, task_id: str) -> Task:
-        """A waiting task -> ARCHIVED with ARCHIVED_BY_ADMIN_ERROR. Other states:
-        InvalidState."""
-
-    @abc.abstractmethod
-    async def revive_task(self, task_id: str) -> Task:
-        """ARCHIVED -> PENDING, due now, ``retried = 0``, ``completed_at`` cleared.
+        """SCHEDULED, RETRY or PENDING -> PENDING, due now (``available_at = now``).
         Other states: InvalidState."""
 
     @abc.abstractmethod
+    async def reschedule_task(self, task_id: str, process_at: datetime) -> Task:
+        """PENDING, SCHEDULED or RETRY -> SCHEDULED with ``available_at = process_at``;
+        when ``process_at`` is not after now, PENDING with ``available_at = now``. The
+        task's ``process_at`` option is left as enqueued. Other states: InvalidState; a
+        naive ``process_at``: InvalidTask."""
+
+    @abc.abstractmethod
+    async def archive_task(self, task_id: str) -> Task:
+        """A waiting task -> ARCHIVED with ARCHIVED_BY_ADMIN_ERROR and ``completed_at =
+        now``. Other states: InvalidState."""
+
+    @abc.abstractmethod
+    async def revive_task(self, task_id: str) -> Task:
+        """ARCHIVED -> PENDING, due now, ``retried = 0``, ``completed_at`` cleared
+        (``last_error`` is kept as history). Other states: InvalidState. Raises
+        DuplicateTask when another live task holds its (unlapsed) unique claim."""
+
+    @abc.abstractmethod
     async def set_queue_paused(self, queue: str, paused: bool) -> None:
-        """Persist the pause flag of ``queue`` (the queue need not have tasks)."""
+        """Persist the pause flag of ``queue`` (the queue need not have tasks). Any call,
+        ``paused=False`` included, stores a flag, so the queue shows in ``queue_stats``."""
 
     @abc.abstractmethod
     async def queue_paused(self, queue: str) -> bool:
@@ -240,4 +298,4 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None:
-        """Release resources. Later calls raise BrokerClosed."""
+        """Release resources. Later calls raise BrokerClosed; closing twice is harmless."""

@@ -47,6 +47,9 @@ class CommonSettings(BaseSettings):
         description="PostgreSQL DSN (postgres broker)",
     )
     db_pool_size: int = Field(10, ge=1, description="Postgres connection pool size")
+    auto_migrate: bool = Field(
+        True, description="Apply pending database migrations at start (postgres broker)"
+    )
     instance_id: str = Field(
         default_factory=default_instance_id, description="This process's name in the cluster"
     )
@@ -54,6 +57,11 @@ class CommonSettings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="Log format")
     lease_ttl: float = Field(
         30.0, gt=0, description="Seconds a dispatched task stays leased without a heartbeat"
+    )
+    health_file: str | None = Field(
+        None,
+        description="Touch this file every few seconds while connected to NATS and the broker "
+        "(for `conveyor health`)",
     )
 
     @property
@@ -82,6 +90,12 @@ class ApiSettings(CommonSettings):
     default_max_retry: int = Field(25, ge=0, description="max_retry of a task that does not set it")
     default_retention: float = Field(
         86400.0, ge=0, description="Seconds a completed task is kept when it sets no retention"
+    )
+    timeout_grace: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds past an attempt's timeout or deadline before the server cancels "
+        "it and fails the attempt itself",
     )
     min_sdk_version: str = Field("0.1.0", description="Oldest worker SDK version accepted")
     enqueue_batch_window: float = Field(
@@ -130,6 +144,12 @@ class DispatcherSettings(CommonSettings):
     dispatch_timeout: float = Field(
         2.0, gt=0, description="Seconds to wait for a gateway's dispatch reply"
     )
+    register_tick: float = Field(
+        5.0,
+        gt=0,
+        description="Gateways' re-registration period; a registration not refreshed "
+        "for 3 ticks is forgotten",
+    )
 
 
 class MaintenanceSettings(CommonSettings):
@@ -153,3 +173,42 @@ class WebhookSettings(CommonSettings):
     """services/webhook: webhook workers."""
 
     reconcile_tick: float = Field(5.0, gt=0, description="Seconds between registration reconciles")
+
+
+#: Every service's settings class, by service name (the order of the reference).
+SERVICE_SETTINGS: dict[str, type[CommonSettings]] = {
+    "common": CommonSettings,
+    "api": ApiSettings,
+    "dispatcher": DispatcherSettings,
+    "maintenance": MaintenanceSettings,
+    "webhook": WebhookSettings,
+}
+
+
+def reference_markdown() -> str:
+    """The configuration reference as Markdown tables (the README embeds it)."""
+    lines: list[str] = []
+    common = set(CommonSettings.model_fields)
+    for service, cls in SERVICE_SETTINGS.items():
+        own = [name for name in cls.model_fields if service == "common" or name not in common]
+        if not own:
+            continue
+        title = "Every service" if service == "common" else f"`{service}`"
+        lines += [
+            f"#### {title}",
+            "",
+            "| variable | flag | default | meaning |",
+            "|---|---|---|---|",
+        ]
+        for name in own:
+            field = cls.model_fields[name]
+            if field.default_factory is not None:
+                default = "(per process)" if name == "instance_id" else "(empty)"
+            else:
+                default = f"`{field.default}`"
+            flag = f"`--{name.replace('_', '-')}`"
+            lines.append(
+                f"| `CONVEYOR_{name.upper()}` | {flag} | {default} | {field.description} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""Conveyor's Python SDK: enqueue tasks with a Client, run them with a Worker, operate
+the queues with an AdminClient.
+
+::
+
+    from conveyor import AsyncClient, Worker
+
+    async with AsyncClient("127.0.0.1:50051") as client:
+        await client.enqueue("email.send", {"to": "a@example.com"}, queue="emails")
+
+    worker = Worker("127.0.0.1:50051", queues={"emails": 1})
+
+    @worker.task("email.send")
+    async def send(payload, ctx):
+        ...
+
+    worker.run_forever()
+"""
+
+from __future__ import annotations
+
+from conveyor._admin import AdminClient, AsyncAdminClient
+from conveyor._admin_types import BatchActionResult, QueueInfo, TaskEvent, TaskPage
+from conveyor._admin_wire import AsyncEventStream, EventStream
+from conveyor._backoff import ReconnectBackoff
+from conveyor._client import AsyncClient, Client
+from conveyor._codec import Codec, JsonCodec, RawCodec
+from conveyor._context import TaskContext
+from conveyor._errors import (
+    AlreadyExists,
+    CodecError,
+    ConveyorError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    RetryAfter,
+    SkipRetry,
+    TaskNotFound,
+    Unauthenticated,
+    Unavailable,
+)
+from conveyor._types import (
+    EnqueueResult,
+    OnFailure,
+    TaskInfo,
+    TaskOptions,
+    TaskSpec,
+    TaskState,
+    spec,
+)
+from conveyor._version import __version__
+from conveyor._worker import Worker
+
+__all__ = [
+    "AdminClient",
+    "AlreadyExists",
+    "AsyncAdminClient",
+    "AsyncClient",
+    "AsyncEventStream",
+    "BatchActionResult",
+    "Client",
+    "Codec",
+    "CodecError",
+    "ConveyorError",
+    "DeadlineExceeded",
+    "EnqueueResult",
+    "EventStream",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "JsonCodec",
+    "OnFailure",
+    "PermissionDenied",
+    "QueueInfo",
+    "RawCodec",
+    "ReconnectBackoff",
+    "ResourceExhausted",
+    "RetryAfter",
+    "SkipRetry",
+    "TaskContext",
+    "TaskEvent",
+    "TaskInfo",
+    "TaskNotFound",
+    "TaskOptions",
+    "TaskPage",
+    "TaskSpec",
+    "TaskState",
+    "Unauthenticated",
+    "Unavailable",
+    "Worker",
+    "__version__",
+    "spec",
+]

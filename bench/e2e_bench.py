@@ -1,0 +1,192 @@
+"""End-to-end benchmark: Postgres-backed services as processes, SDK workers, no-op tasks.
+
+    uv run python -m bench.e2e_bench [--tasks 20000] [--workers 2] [--concurrency 64]
+
+Starts a private nats-server, a throwaway database (dropped afterwards), one api, one
+dispatcher, one maintenance process and SDK worker processes; then
+
+1. throughput: enqueues a burst of no-op tasks into the empty database and drains it,
+   reporting enqueue rate and tasks/s drained end to end (first enqueue to last completion);
+2. latency at light load: enqueues one task at a time at a low rate and reports
+   enqueue -> handler-start latency p50/p95/p99 (both ends read CLOCK_MONOTONIC).
+
+Prints a summary and writes bench/results/e2e.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from conveyor import AsyncClient, spec
+from conveyor_broker.postgres import migrate
+from conveyor_runtime.embedded_nats import EmbeddedNats
+
+from tests.e2e.harness import Cluster, wait_for
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class RecordTail:
+    """Reads the workers' record file incrementally: each poll parses only the new bytes.
+
+    Re-reading the whole file on every poll (megabytes by the end of a burst) would cost
+    the benchmark a good share of a core, taken from the processes it measures.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._offset = 0
+        self._partial = b""
+        self.lines: dict[str, list[list[str]]] = {"start": [], "done": []}
+
+    def reset(self) -> None:
+        """Empty the file and forget what was read."""
+        self._path.write_text("")
+        self._offset = 0
+        self._partial = b""
+        self.lines = {"start": [], "done": []}
+
+    def count(self, kind: str) -> int:
+        """Lines of ``kind`` written so far."""
+        if self._path.exists():
+            with self._path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+            self._offset += len(data)
+            *complete, self._partial = (self._partial + data).split(b"\n")
+            for line in complete:
+                fields = line.decode().split()
+                if fields and fields[0] in self.lines:
+                    self.lines[fields[0]].append(fields)
+        return len(self.lines[kind])
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by nearest rank."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))
+    return ordered[index]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    admin = args.admin_dsn
+    name = f"conveyor_bench_{uuid.uuid4().hex[:8]}"
+    conn = await asyncpg.connect(admin)
+    await conn.execute(f'CREATE DATABASE "{name}"')
+    await conn.close()
+    dsn = admin.rpartition("/")[0] + f"/{name}"
+    workdir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
+    nats = EmbeddedNats()
+    nats.start()
+    cluster = Cluster(dsn=dsn, nats_url=nats.url, workdir=workdir)
+    cluster.settings_env["CONVEYOR_LOG_LEVEL"] = "warning"
+    try:
+        await migrate(dsn)
+        api = await cluster.start_api()
+        cluster.start_dispatcher()
+        cluster.start_maintenance()
+        target = f"127.0.0.1:{api.port}"
+        record = workdir / "record.txt"
+        tail = RecordTail(record)
+        for _ in range(args.workers):
+            cluster.start_worker(
+                target, queues={"bench": 1}, concurrency=args.concurrency, record=record
+            )
+
+        async with AsyncClient(target) as client:
+            # Warm up: every worker connected and one task through.
+            await client.enqueue("e2e.noop", {}, queue="bench")
+            await wait_for(lambda: tail.count("done") >= 1, timeout=60, message="warm-up task")
+            tail.reset()
+
+            # 1. Throughput: a burst into the (nearly) empty table, drained at once.
+            t0 = time.perf_counter()
+            batch = 1000
+            pending = [
+                client.enqueue_batch([spec("e2e.noop", {}, queue="bench") for _ in range(batch)])
+                for _ in range(args.tasks // batch)
+            ]
+            for chunk in range(0, len(pending), 4):
+                await asyncio.gather(*pending[chunk : chunk + 4])
+            t_enqueued = time.perf_counter()
+            await wait_for(
+                lambda: tail.count("done") >= args.tasks,
+                timeout=600,
+                interval=0.02,
+                message="burst drained",
+            )
+            t_drained = time.perf_counter()
+
+            # 2. Latency at light load.
+            tail.reset()
+            sent: dict[str, int] = {}
+            for _ in range(args.latency_samples):
+                before = time.monotonic_ns()
+                task = await client.enqueue("e2e.noop", {}, queue="bench")
+                sent[task.id] = before
+                await asyncio.sleep(1 / args.latency_rate)  # the light load's pacing
+            await wait_for(
+                lambda: tail.count("start") >= len(sent),
+                timeout=60,
+                message="latency tasks",
+            )
+        starts = {f[1]: int(f[5]) for f in tail.lines["start"]}
+        latencies = [(starts[i] - t) / 1e6 for i, t in sent.items() if i in starts]
+        result = {
+            "tasks": args.tasks,
+            "workers": args.workers,
+            "concurrency": args.concurrency,
+            "enqueue_per_s": round(args.tasks / (t_enqueued - t0)),
+            "drained_per_s": round(args.tasks / (t_drained - t0)),
+            "drain_seconds": round(t_drained - t0, 3),
+            "latency_ms": {
+                "samples": len(latencies),
+                "p50": round(percentile(latencies, 50), 2),
+                "p95": round(percentile(latencies, 95), 2),
+                "p99": round(percentile(latencies, 99), 2),
+                "mean": round(statistics.fmean(latencies), 2),
+            },
+        }
+        return result
+    finally:
+        cluster.stop_all()
+        nats.stop()
+        conn = await asyncpg.connect(admin)
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await conn.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tasks", type=int, default=20000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--latency-samples", type=int, default=300)
+    parser.add_argument("--latency-rate", type=float, default=50.0, help="tasks/s at light load")
+    parser.add_argument("--admin-dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "e2e.json").write_text(json.dumps(result, indent=2) + "\n")
+    lat = result["latency_ms"]
+    print(
+        f"e2e: {result['tasks']} no-op tasks, {result['workers']} workers x {result['concurrency']}\n"
+        f"  enqueue  {result['enqueue_per_s']:>8} tasks/s\n"
+        f"  drained  {result['drained_per_s']:>8} tasks/s end to end ({result['drain_seconds']} s)\n"
+        f"  latency  p50 {lat['p50']} ms  p95 {lat['p95']} ms  p99 {lat['p99']} ms  ({lat['samples']} samples)"
+    )
+
+
+if __name__ == "__main__":
+    main()

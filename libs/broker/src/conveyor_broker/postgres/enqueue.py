@@ -1,0 +1,233 @@
+"""EnqueueBatch for Postgres: plan the rows, insert them in one statement, map conflicts.
+
+A batch with no unique keys and no dependencies (the hot path) is a single INSERT, atomic
+on its own. Otherwise the batch runs in one transaction: read what it depends on (stored
+ids, dependency states, live unique claims), check the items in order exactly as the
+interface describes, insert, and roll everything back on any error. The INSERT's
+``ON CONFLICT DO NOTHING`` is the backstop for races with concurrent writers: a row it
+skips is either already stored (idempotent on id) or lost its unique key to a writer that
+committed first (DuplicateTask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from conveyor_broker.errors import BrokerError, DuplicateTask, InvalidTask
+from conveyor_broker.ids import new_ids
+from conveyor_broker.postgres import queries
+from conveyor_broker.postgres.rows import enqueue_params, new_task, task_from_row
+from conveyor_broker.types import EnqueueResult, NewTask, Task, TaskState
+
+if TYPE_CHECKING:
+    import asyncpg
+    from asyncpg.pool import PoolConnectionProxy
+
+    Connection = asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]
+
+# A row skipped by the INSERT whose id is not stored and whose key has no live holder
+# lost a race with a writer that has finished since; the batch is tried again.
+_ATTEMPTS = 3
+
+
+def _lock_order(task: Task) -> tuple[bool, str, str, str]:
+    # Concurrent batches insert (and so wait on each other's unique entries) in one global
+    # order, so two of them can never wait on each other: a deadlock would abort one.
+    return (task.unique_key is None, task.queue, task.unique_key or "", task.id)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The batch after id assignment."""
+
+    ids: list[str]
+    #: For each item, the index of the first item with the same id.
+    first: list[int]
+
+
+@dataclass(slots=True)
+class _Known:
+    """What the database says about the ids and keys a batch mentions."""
+
+    stored: dict[str, Task] = field(default_factory=dict)
+    dependency_states: dict[str, str] = field(default_factory=dict)
+    holders: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
+def plan_ids(tasks: Sequence[NewTask], now: datetime) -> Plan:
+    """Assign ids; a repeated id within the batch refers to its first occurrence."""
+    generated = iter(new_ids(now, sum(1 for task in tasks if task.id is None)))
+    ids = [task.id if task.id is not None else next(generated) for task in tasks]
+    first_of: dict[str, int] = {}
+    first = [first_of.setdefault(task_id, index) for index, task_id in enumerate(ids)]
+    return Plan(ids, first)
+
+
+def needs_transaction(tasks: Sequence[NewTask]) -> bool:
+    """True when the batch needs more than the single-statement hot path."""
+    return any(task.unique_key is not None or task.depends_on for task in tasks)
+
+
+async def enqueue_plain(
+    conn: Connection, tasks: Sequence[NewTask], plan: Plan, now: datetime, default_max_retry: int
+) -> list[EnqueueResult]:
+    """The hot path: no unique keys, no dependencies. One INSERT, plus a read-back of the
+    tasks whose id was already stored."""
+    fresh = [i for i in range(len(tasks)) if plan.first[i] == i]
+    todo = [_build(tasks[i], plan.ids[i], False, now, default_max_retry) for i in fresh]
+    results: dict[str, EnqueueResult] = {}
+    for _ in range(_ATTEMPTS):
+        rows = await conn.fetch(
+            queries.ENQUEUE, *enqueue_params(sorted(todo, key=_lock_order), now)
+        )
+        inserted = {row[0] for row in rows}
+        results.update((t.id, EnqueueResult(t, True)) for t in todo if t.id in inserted)
+        skipped = [t.id for t in todo if t.id not in inserted]
+        if not skipped:
+            return _in_order(plan, results)
+        for stored in await _stored(conn, skipped):
+            results[stored.id] = EnqueueResult(stored, False)
+        # A skipped id that is gone again was deleted in between: insert it anew.
+        todo = [t for t in todo if t.id not in results]
+        if not todo:
+            return _in_order(plan, results)
+    raise BrokerError("enqueue kept racing with concurrent deletes; try again")
+
+
+async def enqueue_checked(
+    conn: Connection, tasks: Sequence[NewTask], plan: Plan, now: datetime, default_max_retry: int
+) -> list[EnqueueResult]:
+    """Unique keys or dependencies: the whole batch in one transaction, all-or-nothing."""
+    for _ in range(_ATTEMPTS):
+        try:
+            async with conn.transaction():
+                return await _enqueue_in_transaction(conn, tasks, plan, now, default_max_retry)
+        except _Retry:
+            continue
+    raise BrokerError("enqueue kept racing with a concurrent writer; try again")
+
+
+class _Retry(Exception):
+    """Roll the transaction back and run the batch again."""
+
+
+async def _enqueue_in_transaction(
+    conn: Connection, tasks: Sequence[NewTask], plan: Plan, now: datetime, default_max_retry: int
+) -> list[EnqueueResult]:
+    known = await _read_known(conn, tasks, plan, now)
+    results = {task_id: EnqueueResult(task, False) for task_id, task in known.stored.items()}
+    planned: list[Task] = []
+    position: dict[str, int] = {}
+    claims: dict[tuple[str, str], str] = {}
+    # Item by item, as the interface reads. Bad input outranks a conflict, so the first
+    # duplicate is raised only once every item has been checked.
+    conflict: DuplicateTask | None = None
+    for i, task in enumerate(tasks):
+        task_id = plan.ids[i]
+        if plan.first[i] != i or task_id in known.stored:
+            continue
+        blocked = False
+        for dep in task.depends_on:
+            if dep in position:
+                blocked = True
+            elif dep in known.dependency_states:
+                blocked = blocked or known.dependency_states[dep] != TaskState.COMPLETED
+            else:
+                raise InvalidTask(f"task {i}: unknown dependency {dep!r}")
+        if task.unique_key is not None:
+            key = (task.queue, task.unique_key)
+            holder = claims.get(key) or known.holders.get(key)
+            if holder is not None:
+                conflict = conflict or DuplicateTask(task.queue, task.unique_key, holder)
+            claims[key] = task_id
+        position[task_id] = i
+        planned.append(_build(task, task_id, blocked, now, default_max_retry))
+    if conflict is not None:
+        raise conflict
+
+    rows = await conn.fetch(queries.ENQUEUE, *enqueue_params(sorted(planned, key=_lock_order), now))
+    inserted = {row[0] for row in rows}
+    results.update((t.id, EnqueueResult(t, True)) for t in planned if t.id in inserted)
+    skipped = [t for t in planned if t.id not in inserted]
+    if skipped:
+        # A concurrent writer committed the same id or a claim on the same key meanwhile.
+        for stored in await _stored(conn, [t.id for t in skipped]):
+            results[stored.id] = EnqueueResult(stored, False)
+        claimed = [t for t in skipped if t.id not in results and t.unique_key is not None]
+        if claimed:
+            await _raise_duplicate(conn, claimed, now)
+        if any(t.id not in results for t in skipped):
+            raise _Retry
+    edges = [(t.id, dep) for t in planned if t.id in inserted for dep in t.depends_on]
+    if edges:
+        await conn.execute(
+            queries.INSERT_DEPENDENCIES, [e[0] for e in edges], [e[1] for e in edges]
+        )
+    return _in_order(plan, results)
+
+
+async def _read_known(
+    conn: Connection, tasks: Sequence[NewTask], plan: Plan, now: datetime
+) -> _Known:
+    known = _Known()
+    given = sorted({task.id for task in tasks if task.id is not None})
+    if given:
+        known.stored = {task.id: task for task in await _stored(conn, given)}
+    batch_ids = set(plan.ids)
+    # Dependencies on ids of this batch are settled in order by the caller; only a
+    # repeated-but-stored id also needs its stored state.
+    lookup = sorted(
+        {dep for task in tasks for dep in task.depends_on} - (batch_ids - known.stored.keys())
+    )
+    if lookup:
+        rows = await conn.fetch(queries.STATES_BY_IDS, lookup)
+        known.dependency_states = {row[0]: row[1] for row in rows}
+    keys = sorted({(task.queue, task.unique_key) for task in tasks if task.unique_key is not None})
+    if keys:
+        rows = await conn.fetch(
+            queries.FREE_LAPSED_CLAIMS_AND_READ_HOLDERS,
+            [queue for queue, _ in keys],
+            [key for _, key in keys],
+            now,
+        )
+        known.holders = {(row[1], row[2]): row[0] for row in rows}
+    return known
+
+
+def _build(
+    task: NewTask, task_id: str, blocked: bool, now: datetime, default_max_retry: int
+) -> Task:
+    if blocked:
+        state = TaskState.BLOCKED
+    elif task.group is not None:
+        state = TaskState.AGGREGATING
+    elif task.process_at is not None and task.process_at > now:
+        state = TaskState.SCHEDULED
+    else:
+        state = TaskState.PENDING
+    max_retry = task.max_retry if task.max_retry is not None else default_max_retry
+    return new_task(task, task_id=task_id, state=state, now=now, max_retry=max_retry)
+
+
+async def _stored(conn: Connection, ids: list[str]) -> list[Task]:
+    return [task_from_row(row) for row in await conn.fetch(queries.TASKS_BY_IDS, ids)]
+
+
+async def _raise_duplicate(conn: Connection, claimed: list[Task], now: datetime) -> None:
+    for task in claimed:
+        assert task.unique_key is not None
+        holder = await conn.fetchval(queries.UNIQUE_HOLDER, task.queue, task.unique_key, now)
+        if holder is not None:
+            raise DuplicateTask(task.queue, task.unique_key, holder)
+
+
+def _in_order(plan: Plan, results: dict[str, EnqueueResult]) -> list[EnqueueResult]:
+    ordered: list[EnqueueResult] = []
+    for i, task_id in enumerate(plan.ids):
+        result = results[task_id]
+        # A repeated id within the batch: the first occurrence decided; the rest see it.
+        ordered.append(result if plan.first[i] == i else EnqueueResult(result.task, False))
+    return ordered

@@ -1,0 +1,127 @@
+-- The declared schema of the Postgres broker: what applying every migration in
+-- migrations/ produces. It is kept by hand beside the migrations, and a test applies both
+-- to fresh databases and asserts identical catalogs. To change the schema, add a
+-- migration AND update this file.
+
+-- Applied migrations (created and filled by conveyor_broker.postgres.migrate).
+CREATE TABLE conveyor_migrations (
+    version    integer NOT NULL,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL,
+    CONSTRAINT conveyor_migrations_pkey PRIMARY KEY (version)
+);
+
+CREATE TABLE conveyor_tasks (
+    id               text COLLATE "C" NOT NULL,
+    queue            text COLLATE "C" NOT NULL,
+    type             text NOT NULL,
+    -- Stored as given by the producer and never rewritten: execution fields below are
+    -- authoritative and overlaid on read.
+    payload          bytea NOT NULL,
+    headers          jsonb NOT NULL DEFAULT '{}'::jsonb,
+    state            text NOT NULL,
+    max_retry        integer NOT NULL,
+    retried          integer NOT NULL DEFAULT 0,
+    timeout          interval,
+    deadline         timestamptz,
+    process_at       timestamptz,
+    expires_at       timestamptz,
+    retention        interval,
+    unique_key       text COLLATE "C",
+    unique_until     timestamptz,
+    -- The claim this task holds on (queue, unique_claim): unique_key until the claim lapses
+    -- (unique_until passed), then NULL. unique_key itself stays as enqueued.
+    unique_claim     text COLLATE "C",
+    group_key        text COLLATE "C",
+    depends_on       text[] COLLATE "C" NOT NULL DEFAULT '{}',
+    on_failure       text NOT NULL DEFAULT 'block',
+    concurrency_key  text COLLATE "C",
+    available_at     timestamptz NOT NULL,
+    lease_id         text COLLATE "C",
+    lease_expires_at timestamptz,
+    progress         bytea,
+    result           bytea,
+    last_error       text,
+    created_at       timestamptz NOT NULL,
+    updated_at       timestamptz NOT NULL,
+    started_at       timestamptz,
+    completed_at     timestamptz,
+    CONSTRAINT conveyor_tasks_pkey PRIMARY KEY (id),
+    CONSTRAINT conveyor_tasks_state_check CHECK (state IN (
+        'pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry',
+        'completed', 'archived', 'canceled')),
+    CONSTRAINT conveyor_tasks_on_failure_check CHECK (
+        on_failure IN ('block', 'continue', 'cascade_cancel')),
+    CONSTRAINT conveyor_tasks_retry_check CHECK (max_retry >= 0 AND retried >= 0),
+    CONSTRAINT conveyor_tasks_unique_claim_check CHECK (
+        unique_claim IS NULL OR unique_claim = unique_key),
+    CONSTRAINT conveyor_tasks_lease_check CHECK (
+        (state = 'active') = (lease_id IS NOT NULL AND lease_expires_at IS NOT NULL))
+);
+
+-- Lease: the due set of one queue in lease order. The predicate must match the lease
+-- query's literal state list so the planner can prove it even with no statistics.
+CREATE INDEX conveyor_tasks_due_idx ON conveyor_tasks (queue, available_at, id)
+    WHERE state IN ('pending', 'retry');
+
+-- PromoteScheduled.
+CREATE INDEX conveyor_tasks_scheduled_idx ON conveyor_tasks (available_at, id)
+    WHERE state = 'scheduled';
+
+-- ReapExpiredLeases.
+CREATE INDEX conveyor_tasks_lease_expiry_idx ON conveyor_tasks (lease_expires_at, id)
+    WHERE state = 'active';
+
+-- ArchiveExpired: only tasks that have a pre-dispatch TTL and still wait.
+CREATE INDEX conveyor_tasks_expiry_idx ON conveyor_tasks (expires_at, id)
+    WHERE expires_at IS NOT NULL
+      AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'retry');
+
+-- PurgeTerminal.
+CREATE INDEX conveyor_tasks_terminal_idx ON conveyor_tasks (completed_at, id)
+    WHERE state IN ('completed', 'archived', 'canceled');
+
+-- QueueStats counts and ListTasks pages filtered by queue (and state).
+CREATE INDEX conveyor_tasks_queue_state_idx ON conveyor_tasks (queue, state, id);
+
+-- At most one incomplete task holds a claim on (queue, key). A lapsed claim is freed by
+-- setting unique_claim to NULL, which takes the row out of this index.
+CREATE UNIQUE INDEX conveyor_tasks_unique_idx ON conveyor_tasks (queue, unique_claim)
+    WHERE unique_claim IS NOT NULL
+      AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry');
+
+-- Freeing lapsed claims.
+CREATE INDEX conveyor_tasks_unique_until_idx ON conveyor_tasks (unique_until)
+    WHERE unique_claim IS NOT NULL AND unique_until IS NOT NULL;
+
+-- Per-queue settings. A row exists once a queue has a stored setting; a queue with no
+-- row has the defaults. NULL limits mean "no limit".
+CREATE TABLE conveyor_queues (
+    queue             text COLLATE "C" NOT NULL,
+    paused            boolean NOT NULL DEFAULT false,
+    -- Tasks per second the dispatcher may lease, and its burst.
+    rate_limit        double precision,
+    rate_burst        integer,
+    -- Most ACTIVE tasks per concurrency key.
+    concurrency_limit integer,
+    updated_at        timestamptz NOT NULL,
+    CONSTRAINT conveyor_queues_pkey PRIMARY KEY (queue),
+    CONSTRAINT conveyor_queues_rate_check CHECK (
+        (rate_limit IS NULL OR rate_limit > 0) AND (rate_burst IS NULL OR rate_burst > 0)),
+    CONSTRAINT conveyor_queues_concurrency_check CHECK (
+        concurrency_limit IS NULL OR concurrency_limit > 0)
+);
+
+-- Dependency edges: task_id waits for depends_on. The dependency may be purged before its
+-- dependent resolves, so depends_on carries no foreign key.
+CREATE TABLE conveyor_task_dependencies (
+    task_id    text COLLATE "C" NOT NULL,
+    depends_on text COLLATE "C" NOT NULL,
+    CONSTRAINT conveyor_task_dependencies_pkey PRIMARY KEY (task_id, depends_on),
+    CONSTRAINT conveyor_task_dependencies_task_id_fkey FOREIGN KEY (task_id)
+        REFERENCES conveyor_tasks (id) ON DELETE CASCADE
+);
+
+-- The resolver: "who waits for this task?"
+CREATE INDEX conveyor_task_dependencies_depends_on_idx
+    ON conveyor_task_dependencies (depends_on);

@@ -1,0 +1,270 @@
+"""Conversions between the broker's data model and the protobuf wire messages.
+
+Timestamps and durations travel as ``google.protobuf`` Timestamp/Duration; an unset
+message field means None. Every datetime that comes out of here is timezone-aware UTC.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from conveyor_broker.errors import InvalidTask
+from conveyor_broker.types import NewTask, OnFailure, Task, TaskEvent, TaskState
+from conveyor_protos.v1 import service_pb2, task_pb2
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+_STATE_TO_PROTO: dict[TaskState, task_pb2.TaskState] = {
+    TaskState.PENDING: task_pb2.TASK_STATE_PENDING,
+    TaskState.SCHEDULED: task_pb2.TASK_STATE_SCHEDULED,
+    TaskState.AGGREGATING: task_pb2.TASK_STATE_AGGREGATING,
+    TaskState.BLOCKED: task_pb2.TASK_STATE_BLOCKED,
+    TaskState.ACTIVE: task_pb2.TASK_STATE_ACTIVE,
+    TaskState.RETRY: task_pb2.TASK_STATE_RETRY,
+    TaskState.COMPLETED: task_pb2.TASK_STATE_COMPLETED,
+    TaskState.ARCHIVED: task_pb2.TASK_STATE_ARCHIVED,
+    TaskState.CANCELED: task_pb2.TASK_STATE_CANCELED,
+}
+_STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
+
+_ON_FAILURE_TO_PROTO: dict[OnFailure, task_pb2.OnFailure] = {
+    OnFailure.BLOCK: task_pb2.ON_FAILURE_BLOCK,
+    OnFailure.CONTINUE: task_pb2.ON_FAILURE_CONTINUE,
+    OnFailure.CASCADE_CANCEL: task_pb2.ON_FAILURE_CASCADE_CANCEL,
+}
+_ON_FAILURE_FROM_PROTO = {v: k for k, v in _ON_FAILURE_TO_PROTO.items()}
+
+
+# ---------------------------------------------------------------- scalars
+
+
+def state_to_proto(state: TaskState | None) -> task_pb2.TaskState:
+    """The proto enum value of ``state`` (UNSPECIFIED for None, i.e. deleted)."""
+    return task_pb2.TASK_STATE_UNSPECIFIED if state is None else _STATE_TO_PROTO[state]
+
+
+def state_from_proto(value: task_pb2.TaskState) -> TaskState | None:
+    """The broker state of a proto enum value (None for UNSPECIFIED or unknown)."""
+    return _STATE_FROM_PROTO.get(value)
+
+
+def on_failure_to_proto(value: OnFailure) -> task_pb2.OnFailure:
+    """The proto enum value of an OnFailure policy."""
+    return _ON_FAILURE_TO_PROTO[value]
+
+
+def on_failure_from_proto(value: task_pb2.OnFailure) -> OnFailure:
+    """The OnFailure policy of a proto enum value (UNSPECIFIED means BLOCK)."""
+    return _ON_FAILURE_FROM_PROTO.get(value, OnFailure.BLOCK)
+
+
+def timestamp(value: datetime) -> Timestamp:
+    """A Timestamp for an aware datetime."""
+    ts = Timestamp()
+    ts.FromDatetime(value)
+    return ts
+
+
+def duration(value: timedelta) -> Duration:
+    """A Duration for a timedelta."""
+    d = Duration()
+    d.FromTimedelta(value)
+    return d
+
+
+def from_timestamp(ts: Timestamp) -> datetime:
+    """An aware UTC datetime for a Timestamp."""
+    return ts.ToDatetime(tzinfo=UTC)
+
+
+def from_duration(d: Duration) -> timedelta:
+    """A timedelta for a Duration."""
+    return d.ToTimedelta()
+
+
+# ------------------------------------------------------------------ tasks
+
+
+def task_to_envelope(task: Task, *, attempt: int | None = None) -> task_pb2.TaskEnvelope:
+    """The delivery of a leased task to a worker.
+
+    ``attempt`` defaults to ``task.retried + 1`` (1 for the first attempt).
+    """
+    env = task_pb2.TaskEnvelope(
+        id=task.id,
+        queue=task.queue,
+        type=task.type,
+        payload=task.payload,
+        headers=dict(task.headers),
+        lease_id=task.lease_id or "",
+        attempt=task.retried + 1 if attempt is None else attempt,
+        max_retry=task.max_retry,
+        group=task.group or "",
+        concurrency_key=task.concurrency_key or "",
+    )
+    if task.timeout is not None:
+        env.timeout.FromTimedelta(task.timeout)
+    if task.deadline is not None:
+        env.deadline.FromDatetime(task.deadline)
+    if task.lease_expires_at is not None:
+        env.lease_expires_at.FromDatetime(task.lease_expires_at)
+    env.enqueued_at.FromDatetime(task.created_at)
+    return env
+
+
+def _options_to_proto(task: Task) -> task_pb2.TaskOptions:
+    options = task_pb2.TaskOptions(
+        max_retry=task.max_retry,
+        unique_key=task.unique_key or "",
+        group=task.group or "",
+        depends_on=list(task.depends_on),
+        on_failure=on_failure_to_proto(task.on_failure),
+        concurrency_key=task.concurrency_key or "",
+    )
+    if task.timeout is not None:
+        options.timeout.FromTimedelta(task.timeout)
+    if task.deadline is not None:
+        options.deadline.FromDatetime(task.deadline)
+    if task.process_at is not None:
+        options.process_at.FromDatetime(task.process_at)
+    if task.expires_at is not None:
+        options.expires_at.FromDatetime(task.expires_at)
+    if task.retention is not None:
+        options.retention.FromTimedelta(task.retention)
+    if task.unique_until is not None:
+        # The claim was taken at enqueue, so its TTL is measured from created_at.
+        options.unique_ttl.FromTimedelta(task.unique_until - task.created_at)
+    return options
+
+
+def task_to_proto(task: Task) -> task_pb2.Task:
+    """A stored task as read back over the API."""
+    pb = task_pb2.Task(
+        id=task.id,
+        queue=task.queue,
+        type=task.type,
+        payload=task.payload,
+        headers=dict(task.headers),
+        options=_options_to_proto(task),
+        state=state_to_proto(task.state),
+        max_retry=task.max_retry,
+        retried=task.retried,
+        progress=task.progress or b"",
+        result=task.result or b"",
+        last_error=task.last_error or "",
+    )
+    pb.created_at.FromDatetime(task.created_at)
+    pb.updated_at.FromDatetime(task.updated_at)
+    if task.started_at is not None:
+        pb.started_at.FromDatetime(task.started_at)
+    if task.completed_at is not None:
+        pb.completed_at.FromDatetime(task.completed_at)
+    if task.state in (TaskState.SCHEDULED, TaskState.RETRY):
+        pb.next_process_at.FromDatetime(task.available_at)
+    if task.lease_expires_at is not None:
+        pb.lease_expires_at.FromDatetime(task.lease_expires_at)
+    return pb
+
+
+def new_task_from_proto(pb: task_pb2.NewTask, now: datetime) -> NewTask:
+    """A producer's task as the broker takes it. ``process_in`` is resolved against ``now``.
+
+    Raises InvalidTask when both ``process_at`` and ``process_in`` are set; everything else
+    is checked by the broker.
+    """
+    opts = pb.options
+    has = opts.HasField
+    if has("process_at") and has("process_in"):
+        raise InvalidTask("process_at and process_in are exclusive")
+    process_at: datetime | None = None
+    if has("process_at"):
+        process_at = from_timestamp(opts.process_at)
+    elif has("process_in"):
+        process_at = now + from_duration(opts.process_in)
+    return NewTask(
+        queue=pb.queue,
+        type=pb.type,
+        payload=pb.payload,
+        id=pb.id or None,
+        headers=dict(pb.headers),
+        max_retry=opts.max_retry if has("max_retry") else None,
+        timeout=from_duration(opts.timeout) if has("timeout") else None,
+        deadline=from_timestamp(opts.deadline) if has("deadline") else None,
+        process_at=process_at,
+        expires_at=from_timestamp(opts.expires_at) if has("expires_at") else None,
+        retention=from_duration(opts.retention) if has("retention") else None,
+        unique_key=opts.unique_key or None,
+        unique_ttl=from_duration(opts.unique_ttl) if has("unique_ttl") else None,
+        group=opts.group or None,
+        depends_on=tuple(opts.depends_on),
+        on_failure=on_failure_from_proto(opts.on_failure),
+        concurrency_key=opts.concurrency_key or None,
+    )
+
+
+def new_task_to_proto(task: NewTask) -> task_pb2.NewTask:
+    """The wire form of a task to enqueue."""
+    opts = task_pb2.TaskOptions(
+        unique_key=task.unique_key or "",
+        group=task.group or "",
+        depends_on=list(task.depends_on),
+        on_failure=on_failure_to_proto(task.on_failure),
+        concurrency_key=task.concurrency_key or "",
+    )
+    if task.max_retry is not None:
+        opts.max_retry = task.max_retry
+    if task.timeout is not None:
+        opts.timeout.FromTimedelta(task.timeout)
+    if task.deadline is not None:
+        opts.deadline.FromDatetime(task.deadline)
+    if task.process_at is not None:
+        opts.process_at.FromDatetime(task.process_at)
+    if task.expires_at is not None:
+        opts.expires_at.FromDatetime(task.expires_at)
+    if task.retention is not None:
+        opts.retention.FromTimedelta(task.retention)
+    if task.unique_ttl is not None:
+        opts.unique_ttl.FromTimedelta(task.unique_ttl)
+    return task_pb2.NewTask(
+        id=task.id or "",
+        queue=task.queue,
+        type=task.type,
+        payload=task.payload,
+        headers=dict(task.headers),
+        options=opts,
+    )
+
+
+# ----------------------------------------------------------------- events
+
+
+def event_state_token(state: TaskState | None) -> str:
+    """The subject token of an event's state: the state's value, or ``deleted``."""
+    return "deleted" if state is None else state.value
+
+
+def event_to_proto(event: TaskEvent) -> service_pb2.TaskEvent:
+    """A lifecycle event on the wire (state UNSPECIFIED: the task was deleted)."""
+    pb = service_pb2.TaskEvent(
+        task_id=event.task_id,
+        queue=event.queue,
+        type=event.type,
+        state=state_to_proto(event.state),
+        previous_state=state_to_proto(event.previous_state),
+        error=event.error or "",
+    )
+    pb.at.FromDatetime(event.at)
+    return pb
+
+
+def event_from_proto(pb: service_pb2.TaskEvent) -> TaskEvent:
+    """The broker event of a wire event."""
+    return TaskEvent(
+        task_id=pb.task_id,
+        queue=pb.queue,
+        type=pb.type,
+        state=state_from_proto(pb.state),
+        previous_state=state_from_proto(pb.previous_state),
+        at=from_timestamp(pb.at),
+        error=pb.error or None,
+    )

@@ -1,0 +1,105 @@
+"""Publish the broker's lifecycle events to ``<prefix>.events.<queue>.<state>``.
+
+The broker calls its event sink inside its commit path, so the sink must never block:
+:class:`EventPublisher` only appends to a bounded buffer, and a background task turns
+the buffer into NATS publishes. Events are hints for watchers (WatchEvents, the
+dashboard); when the buffer overflows the oldest events are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections import deque
+
+from conveyor_broker.types import TaskEvent
+from nats.aio.client import Client as NatsClient
+
+from conveyor_runtime.codec import event_state_token, event_to_proto
+from conveyor_runtime.subjects import Subjects
+
+logger = logging.getLogger(__name__)
+
+
+class EventPublisher:
+    """A broker EventSink (call it with a TaskEvent) that publishes to NATS in the background.
+
+    Call it from the event loop's thread; calls from other threads are handed over to it.
+    """
+
+    def __init__(self, nc: NatsClient, subjects: Subjects, *, max_buffered: int = 100_000) -> None:
+        if max_buffered < 1:
+            raise ValueError("max_buffered must be >= 1")
+        self._nc = nc
+        self._subjects = subjects
+        self._buffer: deque[TaskEvent] = deque()
+        self._max = max_buffered
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
+        self.dropped = 0
+        self.published = 0
+
+    def __call__(self, event: TaskEvent) -> None:
+        """Queue ``event`` for publishing. Never blocks, never raises."""
+        if self._loop is not None and threading.get_ident() != self._thread:
+            self._loop.call_soon_threadsafe(self._append, event)
+            return
+        self._append(event)
+
+    def _append(self, event: TaskEvent) -> None:
+        if len(self._buffer) >= self._max:
+            self._buffer.popleft()
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 10_000 == 0:
+                logger.warning("events.dropped total=%d", self.dropped)
+        self._buffer.append(event)
+        self._wakeup.set()
+
+    @property
+    def backlog(self) -> int:
+        """Events queued and not yet published."""
+        return len(self._buffer)
+
+    async def start(self) -> None:
+        """Start publishing from a background task."""
+        if self._task is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.get_ident()
+            self._task = asyncio.create_task(self._run(), name="event-publisher")
+
+    async def stop(self, *, flush_within: float = 2.0) -> None:
+        """Publish what is buffered (for up to ``flush_within`` seconds), then stop."""
+        if self._task is None:
+            return
+        task, self._task = self._task, None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._publish_all(), flush_within)
+        self._loop = None
+
+    async def _publish_all(self) -> None:
+        while self._buffer:
+            event = self._buffer.popleft()
+            subject = self._subjects.events(event.queue, event_state_token(event.state))
+            await self._nc.publish(subject, event_to_proto(event).SerializeToString())
+            self.published += 1
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            try:
+                await self._publish_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # NATS is down or the connection is closing: keep the buffer, retry later.
+                logger.warning("events.publish_failed backlog=%d error=%r", self.backlog, exc)
+                await asyncio.sleep(0.5)
+                self._wakeup.set()

@@ -1,0 +1,145 @@
+"""Run a service as a process, and the per-process context every service works with.
+
+A service's ``__main__`` is a few lines::
+
+    async def main(settings: DispatcherSettings, stop: asyncio.Event) -> None:
+        async with open_runtime(settings, name="dispatcher") as rt:
+            dispatcher = Dispatcher(settings, rt.broker, rt.nc, rt.clock)
+            await dispatcher.start()
+            await stop.wait()
+            await dispatcher.stop()
+
+    sys.exit(run_service(main, DispatcherSettings.from_args(sys.argv[1:]), name="dispatcher"))
+
+The first SIGTERM/SIGINT sets ``stop`` (graceful); a second one cancels the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import uvloop
+from conveyor_broker.clock import Clock, SystemClock
+from conveyor_broker.interface import Broker
+from nats.aio.client import Client as NatsClient
+
+from conveyor_runtime import health
+from conveyor_runtime.broker_factory import open_broker
+from conveyor_runtime.events import EventPublisher
+from conveyor_runtime.logging import configure_logging
+from conveyor_runtime.nats_connect import close_nats, connect_nats
+from conveyor_runtime.settings import CommonSettings
+from conveyor_runtime.subjects import Subjects
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S", bound=CommonSettings)
+ServiceMain = Callable[[S, asyncio.Event], Coroutine[Any, Any, None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """What a service process works with: its broker, clock, NATS connection and subjects."""
+
+    settings: CommonSettings
+    broker: Broker
+    nc: NatsClient
+    clock: Clock
+    subjects: Subjects
+    events: EventPublisher | None
+
+
+@asynccontextmanager
+async def open_runtime(
+    settings: CommonSettings,
+    *,
+    name: str,
+    clock: Clock | None = None,
+    publish_events: bool = True,
+) -> AsyncIterator[Runtime]:
+    """Open the broker and the NATS connection; close both on the way out.
+
+    With ``publish_events`` the broker's lifecycle events are published to
+    ``<prefix>.events.<queue>.<state>`` (see :mod:`conveyor_runtime.events`).
+    """
+    clock = clock or SystemClock()
+    subjects = Subjects(settings.subject_prefix)
+    broker = await open_broker(settings, clock)
+    try:
+        nc = await connect_nats(settings.nats_url, name=f"{name}-{settings.instance_id}")
+        events = EventPublisher(nc, subjects) if publish_events else None
+        try:
+            if events is not None:
+                await events.start()
+                broker.set_event_sink(events)
+            beat = (
+                asyncio.create_task(health.beat(settings.health_file, nc, broker))
+                if settings.health_file
+                else None
+            )
+            try:
+                yield Runtime(settings, broker, nc, clock, subjects, events)
+            finally:
+                if beat is not None:
+                    beat.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await beat
+        finally:
+            broker.set_event_sink(None)
+            if events is not None:
+                await events.stop()
+            await close_nats(nc)
+    finally:
+        await broker.close()
+
+
+def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:
+    """Run ``main(settings, stop)`` on uvloop until it returns; the process exit code.
+
+    Logging is configured from the settings first. SIGTERM/SIGINT set ``stop``; a second
+    signal cancels ``main``. An exception out of ``main`` is logged and gives exit code 1.
+    """
+    configure_logging(settings.log_level, settings.log_format)
+
+    async def wrapper() -> None:
+        stop = asyncio.Event()
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+
+        first_signal_at: list[float] = []
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():
+                # Ctrl-C under a wrapper (uv run, a shell) often arrives twice at once:
+                # from the terminal and forwarded. Only a later, deliberate one forces.
+                if loop.time() - first_signal_at[0] < 1.0:
+                    return
+                logger.warning("service.forced_stop name=%s signal=%s", name, sig.name)
+                if task is not None:
+                    task.cancel()
+                return
+            logger.info("service.stopping name=%s signal=%s", name, sig.name)
+            first_signal_at.append(loop.time())
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        logger.info("service.starting name=%s instance=%s", name, settings.instance_id)
+        await main(settings, stop)
+        logger.info("service.stopped name=%s", name)
+
+    try:
+        uvloop.run(wrapper())
+    except asyncio.CancelledError:
+        return 1
+    except Exception:
+        logger.exception("service.crashed name=%s", name)
+        return 1
+    return 0

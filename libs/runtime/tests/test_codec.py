@@ -1,0 +1,160 @@
+"""Broker model <-> protobuf conversions."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from conveyor_broker.clock import FakeClock
+from conveyor_broker.errors import InvalidTask
+from conveyor_broker.memory import MemoryBroker
+from conveyor_broker.types import NewTask, OnFailure, TaskEvent, TaskState
+from conveyor_protos.v1 import service_pb2, task_pb2
+from conveyor_runtime.codec import (
+    event_from_proto,
+    event_state_token,
+    event_to_proto,
+    from_timestamp,
+    new_task_from_proto,
+    new_task_to_proto,
+    state_from_proto,
+    state_to_proto,
+    task_to_envelope,
+    task_to_proto,
+)
+
+START = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+def full_new_task(**overrides: object) -> NewTask:
+    fields: dict[str, object] = {
+        "queue": "emails",
+        "type": "email.send",
+        "payload": b"\x00payload",
+        "headers": {"trace": "abc"},
+        "max_retry": 7,
+        "timeout": timedelta(seconds=90),
+        "deadline": START + timedelta(hours=2),
+        "expires_at": START + timedelta(hours=1),
+        "retention": timedelta(minutes=5),
+        "unique_key": "user-1",
+        "unique_ttl": timedelta(minutes=10),
+        "concurrency_key": "tenant-9",
+        "on_failure": OnFailure.CONTINUE,
+    }
+    fields.update(overrides)
+    return NewTask(**fields)  # type: ignore[arg-type]
+
+
+async def test_envelope_carries_what_a_worker_needs() -> None:
+    clock = FakeClock(START)
+    broker = MemoryBroker(clock)
+    created = (await broker.enqueue(full_new_task())).task
+    clock.advance(timedelta(seconds=3))
+    (leased,) = await broker.lease("emails", 1, timedelta(seconds=30))
+
+    env = task_to_envelope(leased)
+    assert isinstance(env, task_pb2.TaskEnvelope)
+    assert (env.id, env.queue, env.type, env.payload) == (
+        created.id,
+        "emails",
+        "email.send",
+        b"\x00payload",
+    )
+    assert dict(env.headers) == {"trace": "abc"}
+    assert env.lease_id == leased.lease_id
+    assert env.attempt == 1
+    assert env.max_retry == 7
+    assert env.timeout.ToTimedelta() == timedelta(seconds=90)
+    assert from_timestamp(env.deadline) == START + timedelta(hours=2)
+    assert from_timestamp(env.lease_expires_at) == START + timedelta(seconds=33)
+    assert from_timestamp(env.enqueued_at) == START
+    assert env.concurrency_key == "tenant-9"
+    assert not env.group
+    assert task_to_envelope(leased, attempt=4).attempt == 4
+    # The envelope survives the wire.
+    assert task_pb2.TaskEnvelope.FromString(env.SerializeToString()) == env
+    await broker.close()
+
+
+async def test_task_proto_reflects_state_and_options() -> None:
+    clock = FakeClock(START)
+    broker = MemoryBroker(clock)
+    scheduled = (await broker.enqueue(full_new_task(process_at=START + timedelta(minutes=1)))).task
+    pb = task_to_proto(scheduled)
+    assert pb.state == task_pb2.TASK_STATE_SCHEDULED
+    assert pb.max_retry == 7
+    assert pb.retried == 0
+    assert from_timestamp(pb.next_process_at) == START + timedelta(minutes=1)
+    assert from_timestamp(pb.options.process_at) == START + timedelta(minutes=1)
+    assert pb.options.unique_key == "user-1"
+    assert pb.options.unique_ttl.ToTimedelta() == timedelta(minutes=10)
+    assert pb.options.retention.ToTimedelta() == timedelta(minutes=5)
+    assert pb.options.on_failure == task_pb2.ON_FAILURE_CONTINUE
+    assert from_timestamp(pb.created_at) == START
+    assert not pb.HasField("started_at")
+    assert not pb.HasField("lease_expires_at")
+
+    await broker.run_task_now(scheduled.id)
+    (active,) = await broker.lease("emails", 1, timedelta(seconds=30))
+    pb = task_to_proto(active)
+    assert pb.state == task_pb2.TASK_STATE_ACTIVE
+    assert pb.HasField("started_at")
+    assert from_timestamp(pb.lease_expires_at) == START + timedelta(seconds=30)
+    assert not pb.HasField("next_process_at")
+    await broker.close()
+
+
+def test_every_state_maps_both_ways() -> None:
+    for state in TaskState:
+        value = state_to_proto(state)
+        assert value != task_pb2.TASK_STATE_UNSPECIFIED
+        assert task_pb2.TaskState.Name(value) == f"TASK_STATE_{state.name}"
+        assert state_from_proto(value) is state
+    assert state_to_proto(None) == task_pb2.TASK_STATE_UNSPECIFIED
+    assert state_from_proto(task_pb2.TASK_STATE_UNSPECIFIED) is None
+
+
+def test_event_round_trip_and_subject_token() -> None:
+    event = TaskEvent(
+        task_id="01HZY0000000000000000000AA",
+        queue="emails",
+        type="email.send",
+        state=TaskState.RETRY,
+        previous_state=TaskState.ACTIVE,
+        at=START,
+        error="boom",
+    )
+    pb = event_to_proto(event)
+    assert isinstance(pb, service_pb2.TaskEvent)
+    assert pb.state == task_pb2.TASK_STATE_RETRY
+    assert pb.previous_state == task_pb2.TASK_STATE_ACTIVE
+    assert event_from_proto(service_pb2.TaskEvent.FromString(pb.SerializeToString())) == event
+    assert event_state_token(TaskState.RETRY) == "retry"
+
+    deleted = TaskEvent("01HZY0000000000000000000AB", "q", "t", None, TaskState.PENDING, START)
+    pb = event_to_proto(deleted)
+    assert pb.state == task_pb2.TASK_STATE_UNSPECIFIED
+    assert event_from_proto(pb) == deleted
+    assert event_state_token(None) == "deleted"
+
+
+def test_new_task_round_trip() -> None:
+    task = full_new_task(
+        id="01HZY0000000000000000000AC",
+        process_at=START + timedelta(days=1),
+        group="batch-1",
+        depends_on=("01HZY0000000000000000000AD",),
+    )
+    assert new_task_from_proto(new_task_to_proto(task), now=START) == task
+    bare = NewTask(queue="q", type="t")
+    assert new_task_from_proto(new_task_to_proto(bare), now=START) == bare
+
+
+def test_process_in_is_resolved_against_now_and_exclusive_with_process_at() -> None:
+    pb = task_pb2.NewTask(queue="q", type="t")
+    pb.options.process_in.FromTimedelta(timedelta(minutes=3))
+    assert new_task_from_proto(pb, now=START).process_at == START + timedelta(minutes=3)
+    pb.options.process_at.FromDatetime(START)
+    with pytest.raises(InvalidTask, match="exclusive"):
+        new_task_from_proto(pb, now=START)

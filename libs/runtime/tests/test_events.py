@@ -1,0 +1,122 @@
+"""EventPublisher: the broker's lifecycle events reach NATS on per-queue, per-state subjects."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from conveyor_broker.clock import FakeClock
+from conveyor_broker.memory import MemoryBroker
+from conveyor_broker.types import NewTask, TaskEvent, TaskState
+from conveyor_protos.v1 import service_pb2, task_pb2
+from conveyor_runtime.codec import event_from_proto
+from conveyor_runtime.events import EventPublisher
+from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
+from conveyor_runtime.subjects import Subjects
+from nats.aio.msg import Msg
+
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
+    """A connection to the session's private nats-server."""
+    client = await connect_nats(nats_url, name="runtime-test")
+    try:
+        yield client
+    finally:
+        await close_nats(client)
+
+
+@pytest.fixture
+def subjects() -> Subjects:
+    """Subjects and buckets no other test uses."""
+    return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
+
+
+async def collect(nc: NatsClient, subject: str, count: int) -> tuple[list[Msg], asyncio.Event]:
+    got: list[Msg] = []
+    enough = asyncio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        got.append(msg)
+        if len(got) >= count:
+            enough.set()
+
+    await nc.subscribe(subject, cb=on_msg)
+    await nc.flush()
+    return got, enough
+
+
+async def test_broker_events_are_published_per_queue_and_state(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    got, enough = await collect(nc, subjects.events_wildcard(), 4)
+    broker = MemoryBroker(FakeClock())
+    publisher = EventPublisher(nc, subjects)
+    await publisher.start()
+    broker.set_event_sink(publisher)
+    try:
+        first = (await broker.enqueue(NewTask(queue="emails", type="send"))).task
+        second = (await broker.enqueue(NewTask(queue="emails", type="send"))).task
+        await broker.lease("emails", 1, ttl=timedelta(seconds=30))
+        await broker.delete_task(second.id)
+        async with asyncio.timeout(TIMEOUT):
+            await enough.wait()
+    finally:
+        broker.set_event_sink(None)
+        await publisher.stop()
+        await broker.close()
+
+    p = subjects.prefix
+    assert [m.subject for m in got] == [
+        f"{p}.events.emails.pending",
+        f"{p}.events.emails.pending",
+        f"{p}.events.emails.active",
+        f"{p}.events.emails.deleted",
+    ]
+    events = [event_from_proto(service_pb2.TaskEvent.FromString(m.data)) for m in got]
+    assert events[0].task_id == first.id
+    assert events[0].previous_state is None
+    assert events[2].state is TaskState.ACTIVE
+    assert events[2].previous_state is TaskState.PENDING
+    assert events[3].task_id == second.id
+    assert service_pb2.TaskEvent.FromString(got[3].data).state == task_pb2.TASK_STATE_UNSPECIFIED
+    assert publisher.published == 4
+    assert publisher.backlog == 0
+
+
+async def test_overflow_drops_the_oldest_and_never_blocks(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    got, enough = await collect(nc, subjects.events_wildcard(), 2)
+    publisher = EventPublisher(nc, subjects, max_buffered=2)
+    at = datetime(2030, 1, 1, tzinfo=UTC)
+    # Not started yet: the sink only buffers.
+    for n in range(3):
+        publisher(TaskEvent(f"id{n}", "q", "t", TaskState.PENDING, None, at))
+    assert publisher.dropped == 1
+    assert publisher.backlog == 2
+    await publisher.start()
+    async with asyncio.timeout(TIMEOUT):
+        await enough.wait()
+    await publisher.stop()
+    ids = [service_pb2.TaskEvent.FromString(m.data).task_id for m in got]
+    assert ids == ["id1", "id2"]
+
+
+async def test_stop_flushes_what_is_buffered(nc: NatsClient, subjects: Subjects) -> None:
+    got, enough = await collect(nc, subjects.events_wildcard(), 50)
+    publisher = EventPublisher(nc, subjects)
+    await publisher.start()
+    at = datetime(2030, 1, 1, tzinfo=UTC)
+    for n in range(50):
+        publisher(TaskEvent(f"id{n}", "q", "t", TaskState.COMPLETED, TaskState.ACTIVE, at))
+    await publisher.stop()
+    await nc.flush()
+    async with asyncio.timeout(TIMEOUT):
+        await enough.wait()
+    assert len(got) == 50

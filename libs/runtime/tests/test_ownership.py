@@ -1,0 +1,190 @@
+"""KeyLease and LeaseKeeper against a real nats-server: claim, refresh, loss, expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from conveyor_runtime.embedded_nats import EmbeddedNats
+from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
+from conveyor_runtime.ownership import KeyLease, LeaseKeeper, open_lease_bucket
+from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.testing import eventually
+
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
+    """A connection to the session's private nats-server."""
+    client = await connect_nats(nats_url, name="runtime-test")
+    try:
+        yield client
+    finally:
+        await close_nats(client)
+
+
+@pytest.fixture
+def subjects() -> Subjects:
+    """Subjects and buckets no other test uses."""
+    return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
+
+
+async def test_claim_is_exclusive_and_release_frees_the_key(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=30)
+    first = KeyLease(kv, "emails", "node-a")
+    second = KeyLease(kv, "emails", "node-b")
+    assert await first.claim()
+    assert first.held
+    assert not await second.claim()
+    assert not second.held
+    assert await second.holder() == "node-a"
+    # Another key is independent.
+    assert await KeyLease(kv, "reports", "node-b").claim()
+
+    await first.release()
+    assert first.revision is None
+    assert await first.holder() is None
+    assert await second.claim()
+    assert await second.holder() == "node-b"
+
+
+async def test_refresh_needs_the_revision_we_wrote(nc: NatsClient, subjects: Subjects) -> None:
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=30)
+    lease = KeyLease(kv, "q1", "node-a")
+    assert await lease.claim()
+    before = lease.revision
+    assert await lease.refresh()
+    assert (lease.revision or 0) > (before or 0) > 0
+
+    # Someone overwrites the key: our compare-and-set must fail and we no longer hold it.
+    await kv.put("q1", b"node-b")
+    assert not await lease.refresh()
+    assert not lease.held
+    assert await lease.holder() == "node-b"
+    # Releasing a lease we lost does not delete the other owner's key.
+    await lease.release()
+    assert await lease.holder() == "node-b"
+
+
+async def test_an_unrefreshed_key_expires_and_can_be_claimed_by_another(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=1.0)
+    dead = KeyLease(kv, "q", "dead-node")
+    assert await dead.claim()
+    taker = KeyLease(kv, "q", "live-node")
+    assert not await taker.claim()
+
+    await eventually(taker.claim)
+    assert await taker.holder() == "live-node"
+    # The old owner finds out on its next refresh.
+    assert not await dead.refresh()
+
+
+async def test_keeper_refreshes_so_the_key_outlives_its_ttl(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    ttl = 1.5
+    kv = await open_lease_bucket(nc, subjects.leaders_bucket, ttl=ttl)
+    lost: list[str] = []
+    keeper = LeaseKeeper(kv, "node-a", ttl, lost.append)
+    await keeper.start()
+    try:
+        assert await keeper.claim("reaper")
+        assert await keeper.claim("reaper")  # claiming a held key is a no-op
+        first_revision = (await kv.get("reaper")).revision or 0
+
+        # Wait for enough refreshes to span more than one TTL (each is ttl/3 apart).
+        async def refreshed_past_ttl() -> bool:
+            return ((await kv.get("reaper")).revision or 0) >= first_revision + 4
+
+        await eventually(refreshed_past_ttl)
+        assert keeper.holds("reaper")
+        assert not await KeyLease(kv, "reaper", "node-b").claim()
+        assert lost == []
+    finally:
+        await keeper.stop()
+    # stop() released the key: the next claimer need not wait for the TTL.
+    assert await KeyLease(kv, "reaper", "node-b").claim()
+
+
+async def test_keeper_reports_a_lost_key_at_once(nc: NatsClient, subjects: Subjects) -> None:
+    ttl = 1.5
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=ttl)
+    lost = asyncio.Event()
+    lost_keys: list[str] = []
+
+    def on_lost(key: str) -> None:
+        lost_keys.append(key)
+        lost.set()
+
+    keeper = LeaseKeeper(kv, "node-a", ttl, on_lost)
+    await keeper.start()
+    try:
+        assert await keeper.claim("billing")
+        assert await keeper.claim("emails")
+        # Another node takes "billing" over (as if our key had expired in a partition).
+        await kv.delete("billing")
+        assert await KeyLease(kv, "billing", "node-b").claim()
+
+        async with asyncio.timeout(TIMEOUT):
+            await lost.wait()
+        assert lost_keys == ["billing"]
+        assert not keeper.holds("billing")
+        assert keeper.holds("emails")
+        assert keeper.held == frozenset({"emails"})
+    finally:
+        await keeper.stop()
+
+
+async def test_keeper_release_gives_the_key_up_without_reporting_a_loss(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=30)
+    lost: list[str] = []
+    keeper = LeaseKeeper(kv, "node-a", 30, lost.append)
+    other = LeaseKeeper(kv, "node-b", 30, lost.append)
+    assert await keeper.claim("q")
+    assert not await other.claim("q")
+    await keeper.release("q")
+    assert not keeper.holds("q")
+    assert await other.claim("q")
+    await keeper.refresh_now()
+    await other.refresh_now()
+    assert lost == []
+    assert other.holds("q")
+    await other.stop()
+
+
+async def test_bucket_opens_again_with_another_ttl(nc: NatsClient, subjects: Subjects) -> None:
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=30)
+    assert await KeyLease(kv, "q", "a").claim()
+    again = await open_lease_bucket(nc, subjects.owners_bucket, ttl=60)
+    assert await KeyLease(again, "q", "b").holder() == "a"
+
+
+async def test_keeper_gives_keys_up_when_nats_stops_answering(nats_server: EmbeddedNats) -> None:
+    nc = await connect_nats(nats_server.url, name="partitioned", reconnect_wait=0.2)
+    try:
+        ttl = 1.5
+        kv = await open_lease_bucket(nc, "partition_owners", ttl=ttl)
+        lost = asyncio.Event()
+        keeper = LeaseKeeper(kv, "node-a", ttl, lambda _key: lost.set())
+        await keeper.start()
+        assert await keeper.claim("q")
+        nats_server.kill()
+        # No refresh can be confirmed, so the key could expire: it must be reported lost
+        # within about one TTL, not kept forever.
+        started = asyncio.get_running_loop().time()
+        async with asyncio.timeout(TIMEOUT):
+            await lost.wait()
+        assert asyncio.get_running_loop().time() - started < 3 * ttl
+        assert not keeper.holds("q")
+        await keeper.stop(release=False)
+    finally:
+        await close_nats(nc, drain=False)

@@ -1,0 +1,407 @@
+"""The operator clients: :class:`AsyncAdminClient` (asyncio) and :class:`AdminClient`
+(blocking), over the server's AdminService."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+from datetime import datetime
+from typing import Any
+
+from conveyor_protos.v1 import service_pb2 as svc
+
+from conveyor._admin_types import BatchActionResult, QueueInfo, TaskPage
+from conveyor._admin_wire import (
+    ARCHIVE,
+    CANCEL,
+    DELETE,
+    RESCHEDULE,
+    REVIVE,
+    RUN_NOW,
+    AdminBase,
+    AsyncEventStream,
+    EventStream,
+    StateLike,
+    batch_request,
+    batch_result,
+    list_request,
+    queue_info,
+    reschedule_request,
+    response_type,
+    watch_request,
+)
+from conveyor._codec import Codec, JsonCodec
+from conveyor._errors import ConveyorError
+from conveyor._transport import DEFAULT_TARGET, AsyncRpcClient, SyncRpcClient, with_task_id
+from conveyor._types import DurationLike, TaskInfo
+
+
+class AsyncAdminClient(AdminBase, AsyncRpcClient):
+    """Inspect and operate Conveyor from asyncio code: tasks, queues, lifecycle events.
+
+    Takes the same arguments as :class:`AsyncClient` (``target``, ``token``, ``codec``
+    for decoding payloads, progress and results, and the per-call ``timeout``)::
+
+        async with AsyncAdminClient("127.0.0.1:50051") as admin:
+            await admin.pause_queue("emails")
+            page = await admin.list_tasks(queue="emails", state="archived")
+            await admin.revive_tasks([t.id for t in page.tasks])
+
+    Every task action also exists in a batch form (``cancel_tasks``...) that selects
+    tasks by ``ids``, or by ``queue`` and optionally ``state`` (at most 1000 tasks, the
+    first by id), and returns a :class:`BatchActionResult`. Errors are the SDK's
+    exceptions: :class:`TaskNotFound` for an unknown id, :class:`FailedPrecondition` for
+    an action the task's state does not allow, :class:`InvalidArgument` for bad input,
+    :class:`PermissionDenied` on a read-only server.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        token: str | None = None,
+        codec: Codec | None = None,
+        timeout: DurationLike | None = 30.0,
+    ) -> None:
+        super().__init__(target, token=token, codec=codec or JsonCodec(), timeout=timeout)
+
+    # ---------------------------------------------------------------- tasks
+
+    async def get_task(self, id: str) -> TaskInfo:
+        """The task with this id; raises :class:`TaskNotFound` when there is none."""
+        return self._task(await self._act("GetTask", svc.GetTaskRequest(id=id), id))
+
+    async def list_tasks(
+        self,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TaskPage:
+        """One page of tasks (ordered by id), optionally of one ``queue`` and ``state``.
+
+        ``limit`` is 1..1000; pass the page's ``next_cursor`` as ``cursor`` for the next.
+        """
+        request = list_request(queue, state, limit, cursor)
+        return self._page(await self._call("ListTasks", request, svc.ListTasksResponse))
+
+    async def iter_tasks(
+        self, *, queue: str | None = None, state: StateLike | None = None, page_size: int = 100
+    ) -> AsyncIterator[TaskInfo]:
+        """Every matching task, page after page (see :meth:`list_tasks`)."""
+        cursor: str | None = None
+        while True:
+            page = await self.list_tasks(queue=queue, state=state, limit=page_size, cursor=cursor)
+            for task in page.tasks:
+                yield task
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def cancel_task(self, id: str) -> TaskInfo:
+        """Cancel a waiting task (it becomes ``canceled``); a running one is aborted: its
+        worker is told to stop and the task lands in ``archived``."""
+        return self._task(await self._act("CancelTask", svc.TaskActionRequest(id=id), id))
+
+    async def run_task_now(self, id: str) -> TaskInfo:
+        """Make a scheduled or retrying task due at once."""
+        return self._task(await self._act("RunTaskNow", svc.TaskActionRequest(id=id), id))
+
+    async def delete_task(self, id: str) -> None:
+        """Delete a task that is not running (its unique key, if any, is freed)."""
+        await self._act("DeleteTask", svc.TaskActionRequest(id=id), id)
+
+    async def archive_task(self, id: str) -> TaskInfo:
+        """Archive a waiting task now."""
+        return self._task(await self._act("ArchiveTask", svc.TaskActionRequest(id=id), id))
+
+    async def revive_task(self, id: str) -> TaskInfo:
+        """Bring an archived task back: due at once, its retries counted from zero."""
+        return self._task(await self._act("ReviveTask", svc.TaskActionRequest(id=id), id))
+
+    async def reschedule_task(self, id: str, process_at: datetime) -> TaskInfo:
+        """Move a waiting task to ``process_at`` (timezone-aware; a past instant makes it
+        due at once)."""
+        return self._task(await self._act("RescheduleTask", reschedule_request(id, process_at), id))
+
+    async def _act(self, method: str, request: object, id: str) -> Any:
+        try:
+            return await self._call(method, request, response_type(method))
+        except ConveyorError as exc:
+            raise with_task_id(exc, id) from None
+
+    # ---------------------------------------------------------- batch actions
+
+    async def cancel_tasks(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`cancel_task` on many tasks."""
+        return await self._batch(batch_request(CANCEL, ids, queue, state))
+
+    async def run_tasks_now(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`run_task_now` on many tasks."""
+        return await self._batch(batch_request(RUN_NOW, ids, queue, state))
+
+    async def delete_tasks(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`delete_task` on many tasks."""
+        return await self._batch(batch_request(DELETE, ids, queue, state))
+
+    async def archive_tasks(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`archive_task` on many tasks."""
+        return await self._batch(batch_request(ARCHIVE, ids, queue, state))
+
+    async def revive_tasks(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`revive_task` on many tasks."""
+        return await self._batch(batch_request(REVIVE, ids, queue, state))
+
+    async def reschedule_tasks(
+        self,
+        process_at: datetime,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`reschedule_task` on many tasks."""
+        return await self._batch(batch_request(RESCHEDULE, ids, queue, state, process_at))
+
+    async def _batch(self, request: svc.BatchTaskActionRequest) -> BatchActionResult:
+        return batch_result(
+            await self._call("BatchTaskAction", request, svc.BatchTaskActionResponse)
+        )
+
+    # ---------------------------------------------------------------- queues
+
+    async def list_queues(self) -> list[QueueInfo]:
+        """Every queue that has tasks or a pause flag, by name, with its counts."""
+        response = await self._call("ListQueues", svc.ListQueuesRequest(), svc.ListQueuesResponse)
+        return [queue_info(stats) for stats in response.queues]
+
+    async def queue_stats(self, queue: str) -> QueueInfo:
+        """One queue's counts and pause flag (all zero for a queue never used)."""
+        request = svc.GetQueueStatsRequest(queue=queue)
+        response = await self._call("GetQueueStats", request, svc.GetQueueStatsResponse)
+        return queue_info(response.stats)
+
+    async def pause_queue(self, queue: str) -> None:
+        """Stop dispatching ``queue`` (running tasks finish; enqueues still land). Takes
+        effect at once on the live dispatcher, and persists."""
+        await self._call("PauseQueue", svc.PauseQueueRequest(queue=queue), svc.PauseQueueResponse)
+
+    async def resume_queue(self, queue: str) -> None:
+        """Dispatch ``queue`` again."""
+        request = svc.ResumeQueueRequest(queue=queue)
+        await self._call("ResumeQueue", request, svc.ResumeQueueResponse)
+
+    # ---------------------------------------------------------------- events
+
+    def watch_events(
+        self, *, queues: Iterable[str] = (), states: Iterable[StateLike] = ()
+    ) -> AsyncEventStream:
+        """Live lifecycle events, optionally only of some ``queues`` and ``states``.
+
+        ::
+
+            async with admin.watch_events(queues=["emails"], states=["archived"]) as events:
+                async for event in events:
+                    print(event.task_id, event.error)
+
+        Entering the ``async with`` waits until the server is subscribed. Events are
+        hints delivered at most once: a watcher that falls far behind misses some.
+        """
+        return AsyncEventStream(
+            self._stream("WatchEvents", watch_request(queues, states), svc.TaskEvent)
+        )
+
+
+class AdminClient(AdminBase, SyncRpcClient):
+    """The blocking twin of :class:`AsyncAdminClient`, with the same methods and
+    arguments (``iter_tasks`` is a plain iterator, ``watch_events`` a blocking
+    :class:`EventStream`)."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        token: str | None = None,
+        codec: Codec | None = None,
+        timeout: DurationLike | None = 30.0,
+    ) -> None:
+        super().__init__(target, token=token, codec=codec or JsonCodec(), timeout=timeout)
+
+    def get_task(self, id: str) -> TaskInfo:
+        """The task with this id; raises :class:`TaskNotFound` when there is none."""
+        return self._task(self._act("GetTask", svc.GetTaskRequest(id=id), id))
+
+    def list_tasks(
+        self,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TaskPage:
+        """One page of tasks (see :meth:`AsyncAdminClient.list_tasks`)."""
+        request = list_request(queue, state, limit, cursor)
+        return self._page(self._call("ListTasks", request, svc.ListTasksResponse))
+
+    def iter_tasks(
+        self, *, queue: str | None = None, state: StateLike | None = None, page_size: int = 100
+    ) -> Iterator[TaskInfo]:
+        """Every matching task, page after page."""
+        cursor: str | None = None
+        while True:
+            page = self.list_tasks(queue=queue, state=state, limit=page_size, cursor=cursor)
+            yield from page.tasks
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    def cancel_task(self, id: str) -> TaskInfo:
+        """Cancel a waiting task; abort a running one (it lands in ``archived``)."""
+        return self._task(self._act("CancelTask", svc.TaskActionRequest(id=id), id))
+
+    def run_task_now(self, id: str) -> TaskInfo:
+        """Make a scheduled or retrying task due at once."""
+        return self._task(self._act("RunTaskNow", svc.TaskActionRequest(id=id), id))
+
+    def delete_task(self, id: str) -> None:
+        """Delete a task that is not running."""
+        self._act("DeleteTask", svc.TaskActionRequest(id=id), id)
+
+    def archive_task(self, id: str) -> TaskInfo:
+        """Archive a waiting task now."""
+        return self._task(self._act("ArchiveTask", svc.TaskActionRequest(id=id), id))
+
+    def revive_task(self, id: str) -> TaskInfo:
+        """Bring an archived task back, due at once."""
+        return self._task(self._act("ReviveTask", svc.TaskActionRequest(id=id), id))
+
+    def reschedule_task(self, id: str, process_at: datetime) -> TaskInfo:
+        """Move a waiting task to ``process_at`` (timezone-aware)."""
+        return self._task(self._act("RescheduleTask", reschedule_request(id, process_at), id))
+
+    def _act(self, method: str, request: object, id: str) -> Any:
+        try:
+            return self._call(method, request, response_type(method))
+        except ConveyorError as exc:
+            raise with_task_id(exc, id) from None
+
+    def cancel_tasks(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`cancel_task` on many tasks."""
+        return self._batch(batch_request(CANCEL, ids, queue, state))
+
+    def run_tasks_now(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`run_task_now` on many tasks."""
+        return self._batch(batch_request(RUN_NOW, ids, queue, state))
+
+    def delete_tasks(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`delete_task` on many tasks."""
+        return self._batch(batch_request(DELETE, ids, queue, state))
+
+    def archive_tasks(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`archive_task` on many tasks."""
+        return self._batch(batch_request(ARCHIVE, ids, queue, state))
+
+    def revive_tasks(
+        self,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`revive_task` on many tasks."""
+        return self._batch(batch_request(REVIVE, ids, queue, state))
+
+    def reschedule_tasks(
+        self,
+        process_at: datetime,
+        ids: Iterable[str] | None = None,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+    ) -> BatchActionResult:
+        """:meth:`reschedule_task` on many tasks."""
+        return self._batch(batch_request(RESCHEDULE, ids, queue, state, process_at))
+
+    def _batch(self, request: svc.BatchTaskActionRequest) -> BatchActionResult:
+        return batch_result(self._call("BatchTaskAction", request, svc.BatchTaskActionResponse))
+
+    def list_queues(self) -> list[QueueInfo]:
+        """Every queue that has tasks or a pause flag, by name, with its counts."""
+        response = self._call("ListQueues", svc.ListQueuesRequest(), svc.ListQueuesResponse)
+        return [queue_info(stats) for stats in response.queues]
+
+    def queue_stats(self, queue: str) -> QueueInfo:
+        """One queue's counts and pause flag."""
+        request = svc.GetQueueStatsRequest(queue=queue)
+        return queue_info(self._call("GetQueueStats", request, svc.GetQueueStatsResponse).stats)
+
+    def pause_queue(self, queue: str) -> None:
+        """Stop dispatching ``queue`` at once (persisted)."""
+        self._call("PauseQueue", svc.PauseQueueRequest(queue=queue), svc.PauseQueueResponse)
+
+    def resume_queue(self, queue: str) -> None:
+        """Dispatch ``queue`` again."""
+        self._call("ResumeQueue", svc.ResumeQueueRequest(queue=queue), svc.ResumeQueueResponse)
+
+    def watch_events(
+        self, *, queues: Iterable[str] = (), states: Iterable[StateLike] = ()
+    ) -> EventStream:
+        """Live lifecycle events (see :meth:`AsyncAdminClient.watch_events`); use it as
+        ``with admin.watch_events() as events: for event in events: ...``."""
+        return EventStream(
+            self._stream("WatchEvents", watch_request(queues, states), svc.TaskEvent)
+        )

@@ -1,0 +1,71 @@
+"""What the admin clients return: pages of tasks, queue statistics, batch outcomes and
+lifecycle events."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from conveyor._types import TaskInfo, TaskState
+
+
+@dataclass(frozen=True, slots=True)
+class TaskPage:
+    """One page of :meth:`AsyncAdminClient.list_tasks`, tasks ordered by id.
+
+    Pass ``next_cursor`` back as ``cursor`` for the next page; it is None on the last.
+    """
+
+    tasks: Sequence[TaskInfo]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    """A queue's pause flag and how many of its tasks are in each state."""
+
+    name: str
+    paused: bool
+    counts: Mapping[TaskState, int]
+
+    def count(self, state: TaskState) -> int:
+        """Tasks in ``state`` (0 when none)."""
+        return self.counts.get(state, 0)
+
+    @property
+    def total(self) -> int:
+        """Tasks of the queue in any state."""
+        return sum(self.counts.values())
+
+
+@dataclass(frozen=True, slots=True)
+class BatchActionResult:
+    """The outcome of a batch action: how many tasks it changed, and why the others
+    (task id -> reason) could not be acted on."""
+
+    affected: int
+    failures: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEvent:
+    """A lifecycle event: task ``task_id`` entered ``state`` at ``at``.
+
+    ``previous_state`` is None when the task was just created; ``state`` is None when it
+    was deleted. ``error`` is the task's last error when it entered ``RETRY`` or
+    ``ARCHIVED``.
+    """
+
+    task_id: str
+    queue: str
+    type: str
+    state: TaskState | None
+    previous_state: TaskState | None
+    at: datetime
+    error: str | None = None
+
+    @property
+    def deleted(self) -> bool:
+        """True when the event reports the task's deletion."""
+        return self.state is None

@@ -1,0 +1,282 @@
+"""AdminService on the wire for the admin clients: requests, responses and the event
+streams. Proto types stay in here; the clients and their callers only see SDK types."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+import grpc.aio
+from conveyor_protos.v1 import service_pb2 as svc
+from conveyor_protos.v1 import task_pb2 as pb
+
+from conveyor._admin_types import BatchActionResult, QueueInfo, TaskEvent, TaskPage
+from conveyor._codec import Codec
+from conveyor._convert import state_from_wire, state_to_wire, task_from_wire, timestamp_to_wire
+from conveyor._errors import ConveyorError, InvalidArgument, error_from_rpc, error_from_status
+from conveyor._types import TaskInfo, TaskState
+
+ADMIN_SERVICE = "/conveyor.v1.AdminService/"
+
+#: A task state, as the enum or its value (``"archived"``).
+StateLike = TaskState | str
+
+# The batch actions, by the names the clients use.
+CANCEL = svc.TASK_ACTION_CANCEL
+RUN_NOW = svc.TASK_ACTION_RUN_NOW
+DELETE = svc.TASK_ACTION_DELETE
+ARCHIVE = svc.TASK_ACTION_ARCHIVE
+REVIVE = svc.TASK_ACTION_REVIVE
+RESCHEDULE = svc.TASK_ACTION_RESCHEDULE
+
+
+# ------------------------------------------------------------------ conversions
+
+
+def state_filter(value: StateLike | None) -> pb.TaskState:
+    """The wire state to filter on (UNSPECIFIED, no filter, for None); InvalidArgument for
+    a state this SDK does not know."""
+    if value is None:
+        return pb.TASK_STATE_UNSPECIFIED
+    try:
+        state = TaskState(value)
+    except ValueError:
+        raise InvalidArgument(f"unknown task state {value!r}") from None
+    return state_to_wire(state)
+
+
+def _instant(name: str, value: datetime) -> datetime:
+    if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidArgument(f"{name} must be a timezone-aware datetime, got {value!r}")
+    return value
+
+
+def _selector(
+    ids: Iterable[str] | None, queue: str | None, state: StateLike | None
+) -> svc.TaskSelector:
+    if isinstance(ids, str):
+        raise InvalidArgument("ids must be a collection of task ids, not one string")
+    if ids is not None:
+        if queue is not None or state is not None:
+            raise InvalidArgument("select tasks by ids, or by queue (and state), not both")
+        return svc.TaskSelector(ids=list(ids))
+    if queue is None:
+        raise InvalidArgument("select tasks by ids, or by queue (and optionally state)")
+    return svc.TaskSelector(queue=queue, state=state_filter(state))
+
+
+def list_request(
+    queue: str | None, state: StateLike | None, limit: int, cursor: str | None
+) -> svc.ListTasksRequest:
+    """A ListTasks request, checked."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+        raise InvalidArgument(f"limit must be an int in 1..1000, got {limit!r}")
+    return svc.ListTasksRequest(
+        queue=queue or "",
+        state=state_filter(state),
+        limit=limit,
+        cursor=cursor or "",
+    )
+
+
+def watch_request(queues: Iterable[str], states: Iterable[StateLike]) -> svc.WatchEventsRequest:
+    """A WatchEvents request (one name is taken as a list of one)."""
+    if isinstance(queues, str):
+        queues = [queues]
+    if isinstance(states, str):
+        states = [states]
+    return svc.WatchEventsRequest(
+        queues=list(queues),
+        states=[state_filter(s) for s in states],
+    )
+
+
+def queue_info(message: svc.QueueStats) -> QueueInfo:
+    """The SDK view of a queue's stats (states this SDK does not know count as UNKNOWN)."""
+    counts: dict[TaskState, int] = {}
+    for name, n in message.counts.items():
+        try:
+            counts[TaskState(name)] = n
+        except ValueError:
+            counts[TaskState.UNKNOWN] = counts.get(TaskState.UNKNOWN, 0) + n
+    return QueueInfo(name=message.queue, paused=message.paused, counts=counts)
+
+
+def event_from_wire(message: svc.TaskEvent) -> TaskEvent:
+    """The SDK view of a lifecycle event (UNSPECIFIED states read as None)."""
+    state = state_from_wire(message.state) if message.state else None
+    previous = state_from_wire(message.previous_state) if message.previous_state else None
+    return TaskEvent(
+        task_id=message.task_id,
+        queue=message.queue,
+        type=message.type,
+        state=state,
+        previous_state=previous,
+        at=message.at.ToDatetime(tzinfo=UTC),
+        error=message.error or None,
+    )
+
+
+def batch_request(
+    action: svc.TaskAction,
+    ids: Iterable[str] | None,
+    queue: str | None,
+    state: StateLike | None,
+    process_at: datetime | None = None,
+) -> svc.BatchTaskActionRequest:
+    """A BatchTaskAction request selecting by ids, or by queue and state."""
+    request = svc.BatchTaskActionRequest(
+        action=action,
+        selector=_selector(ids, queue, state),
+    )
+    if process_at is not None:
+        request.process_at.CopyFrom(timestamp_to_wire(_instant("process_at", process_at)))
+    return request
+
+
+def batch_result(response: svc.BatchTaskActionResponse) -> BatchActionResult:
+    """The SDK view of a batch action's outcome."""
+    return BatchActionResult(affected=response.affected, failures=dict(response.failures))
+
+
+def reschedule_request(id: str, process_at: datetime) -> svc.RescheduleTaskRequest:
+    """A RescheduleTask request (``process_at`` must be timezone-aware)."""
+    request = svc.RescheduleTaskRequest(id=id)
+    request.process_at.CopyFrom(timestamp_to_wire(_instant("process_at", process_at)))
+    return request
+
+
+def response_type(method: str) -> type[svc.GetTaskResponse] | type[svc.TaskActionResponse]:
+    """The response message of a single-task AdminService method."""
+    return svc.GetTaskResponse if method == "GetTask" else svc.TaskActionResponse
+
+
+class AdminBase:
+    """What both admin clients share: turning responses into the SDK's types."""
+
+    _codec: Codec
+    _service = ADMIN_SERVICE
+
+    def _task(self, response: svc.GetTaskResponse | svc.TaskActionResponse) -> TaskInfo:
+        if not response.HasField("task"):
+            raise ConveyorError("the server response carries no task", code="INTERNAL")
+        return task_from_wire(response.task, self._codec)
+
+    def _page(self, response: svc.ListTasksResponse) -> TaskPage:
+        tasks = [task_from_wire(task, self._codec) for task in response.tasks]
+        return TaskPage(tasks=tasks, next_cursor=response.next_cursor or None)
+
+
+# ------------------------------------------------------------------ event streams
+
+
+class AsyncEventStream:
+    """Live lifecycle events from :meth:`AsyncAdminClient.watch_events`.
+
+    Iterate it with ``async for``. Used as an async context manager, entering waits until
+    the server's subscription is live (so no event caused afterwards is missed) and
+    leaving stops the stream; :meth:`close` stops it too.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._closed = False
+
+    async def ready(self) -> None:
+        """Wait until the server is subscribed; raise the server's error if it refused."""
+        await self._call.initial_metadata()
+        if self._call.done():
+            code = await self._call.code()
+            if code is not grpc.StatusCode.OK:
+                details = await self._call.details()
+                raise error_from_status(code.name, details or code.name.lower())
+
+    def close(self) -> None:
+        """Stop the stream; iteration ends."""
+        self._closed = True
+        self._call.cancel()
+
+    def __aiter__(self) -> AsyncIterator[TaskEvent]:
+        return self
+
+    async def __anext__(self) -> TaskEvent:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            message = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            if self._closed or exc.code() is grpc.StatusCode.CANCELLED:
+                raise StopAsyncIteration from None
+            raise error_from_rpc(exc) from None
+        if message is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return event_from_wire(message)
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class EventStream:
+    """Live lifecycle events from :meth:`AdminClient.watch_events`: the blocking twin of
+    :class:`AsyncEventStream` (iterate it with ``for``; a context manager)."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._closed = False
+
+    def ready(self) -> None:
+        """Wait until the server is subscribed; raise the server's error if it refused."""
+        self._call.initial_metadata()
+        if self._call.done() and self._call.code() is not grpc.StatusCode.OK:
+            raise error_from_rpc(self._call)
+
+    def close(self) -> None:
+        """Stop the stream; iteration ends."""
+        self._closed = True
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[TaskEvent]:
+        return self
+
+    def __next__(self) -> TaskEvent:
+        if self._closed:
+            raise StopIteration
+        try:
+            message = next(self._call)
+        except grpc.RpcError as exc:
+            if self._closed or getattr(exc, "code", lambda: None)() is grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise error_from_rpc(exc) from None
+        return event_from_wire(message)
+
+    def __enter__(self) -> Self:
+        try:
+            self.ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,137 @@
+"""What a handler knows about the task it runs, and how it talks back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from conveyor._codec import Codec, encode_value
+
+
+class TaskContext:
+    """The second argument of every handler: the delivery being run.
+
+    Attributes (read-only): ``task_id``, ``queue``, ``type``, ``attempt`` (1 for the first
+    run), ``max_retry``, ``headers``, ``timeout`` (this attempt's bound, or None),
+    ``deadline`` (the task's absolute deadline, or None), ``enqueued_at``, ``group`` and
+    ``concurrency_key`` (None when unset).
+
+    Cancellation is cooperative. An async handler is cancelled with asyncio cancellation;
+    a sync handler (run in a thread) should poll :attr:`cancelled` or block in
+    :meth:`wait_cancelled`. A cancelled handler's Result is not used.
+    """
+
+    __slots__ = (
+        "_cancel_reason",
+        "_cancelled",
+        "_codec",
+        "_emit_progress",
+        "_lease_id",
+        "_loop",
+        "_loop_thread",
+        "attempt",
+        "concurrency_key",
+        "deadline",
+        "enqueued_at",
+        "group",
+        "headers",
+        "max_retry",
+        "queue",
+        "task_id",
+        "timeout",
+        "type",
+    )
+
+    def __init__(
+        self,
+        *,
+        task_id: str,
+        queue: str,
+        type: str,
+        attempt: int,
+        max_retry: int,
+        headers: Mapping[str, str],
+        timeout: timedelta | None,
+        deadline: datetime | None,
+        enqueued_at: datetime | None,
+        group: str | None,
+        concurrency_key: str | None,
+        lease_id: str,
+        codec: Codec,
+        emit_progress: Callable[[bytes], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.task_id = task_id
+        self.queue = queue
+        self.type = type
+        self.attempt = attempt
+        self.max_retry = max_retry
+        self.headers = headers
+        self.timeout = timeout
+        self.deadline = deadline
+        self.enqueued_at = enqueued_at
+        self.group = group
+        self.concurrency_key = concurrency_key
+        self._lease_id = lease_id
+        self._codec = codec
+        self._emit_progress = emit_progress
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._cancelled = threading.Event()
+        self._cancel_reason: str | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the run was cancelled (server Cancel, timeout, deadline or shutdown).
+
+        Safe to read from any thread: sync handlers poll it to stop early.
+        """
+        return self._cancelled.is_set()
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why the run was cancelled, or None while it was not."""
+        return self._cancel_reason
+
+    def wait_cancelled(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until the run is cancelled or ``timeout`` seconds pass.
+
+        Returns :attr:`cancelled`. Meant for sync handlers; an async handler must not
+        call it (it would block the event loop).
+        """
+        return self._cancelled.wait(timeout)
+
+    async def progress(self, value: Any) -> None:
+        """Report progress (any value the worker's codec encodes); visible via get_task.
+
+        Updates are coalesced: only the latest unsent value of a task is written.
+        """
+        self.set_progress(value)
+
+    def set_progress(self, value: Any) -> None:
+        """Report progress from any thread (the sync-handler twin of :meth:`progress`).
+
+        Raises what the codec raises for a value it cannot encode.
+        """
+        data = encode_value(self._codec, value)
+        if threading.get_ident() == self._loop_thread:
+            self._emit_progress(data)
+            return
+        # A closed loop means the worker is gone: nobody is left to send the update to.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._emit_progress, data)
+
+    def _cancel(self, reason: str) -> None:
+        if not self._cancelled.is_set():
+            self._cancel_reason = reason
+            self._cancelled.set()
+
+    def __repr__(self) -> str:
+        return (
+            f"TaskContext(task_id={self.task_id!r}, type={self.type!r}, "
+            f"queue={self.queue!r}, attempt={self.attempt})"
+        )

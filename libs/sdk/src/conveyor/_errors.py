@@ -1,0 +1,151 @@
+"""SDK exceptions: errors the server reports, and the signals a handler raises."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+import grpc
+
+#: Trailing-metadata key under which the server names the live task holding a unique key.
+EXISTING_ID_KEY = "conveyor-existing-id"
+
+
+class ConveyorError(Exception):
+    """Base class of every error the SDK raises on purpose.
+
+    ``code`` is the gRPC status code name the server answered with (``"NOT_FOUND"``...),
+    or ``None`` for errors detected by the SDK itself.
+    """
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class InvalidArgument(ConveyorError, ValueError):
+    """The request is malformed (bad queue name, negative timeout...). Nothing was stored."""
+
+
+class TaskNotFound(ConveyorError, LookupError):
+    """No task has this id. ``task_id`` is the id asked for, when the SDK knows it."""
+
+    def __init__(
+        self, message: str, *, code: str | None = "NOT_FOUND", task_id: str | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.task_id = task_id
+
+
+class AlreadyExists(ConveyorError):
+    """A live task already holds the unique key; ``existing_id`` names it when known."""
+
+    def __init__(
+        self, message: str, *, code: str | None = "ALREADY_EXISTS", existing_id: str | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.existing_id = existing_id
+
+
+class FailedPrecondition(ConveyorError):
+    """The server refused the request in its current state (e.g. incompatible versions)."""
+
+
+class PermissionDenied(ConveyorError):
+    """The credentials are valid but not allowed to do this (e.g. read-only mode)."""
+
+
+class Unauthenticated(ConveyorError):
+    """The bearer token is missing or wrong."""
+
+
+class Unavailable(ConveyorError):
+    """The server cannot be reached or is shutting down; the call may be retried."""
+
+
+class DeadlineExceeded(ConveyorError, TimeoutError):
+    """The call did not complete within the client's timeout."""
+
+
+class ResourceExhausted(ConveyorError):
+    """A size or rate limit was hit (payload too large, too many items...)."""
+
+
+class CodecError(ConveyorError):
+    """Stored bytes could not be decoded with the client's codec."""
+
+
+_BY_CODE: dict[str, type[ConveyorError]] = {
+    "INVALID_ARGUMENT": InvalidArgument,
+    "OUT_OF_RANGE": InvalidArgument,
+    "NOT_FOUND": TaskNotFound,
+    "ALREADY_EXISTS": AlreadyExists,
+    "FAILED_PRECONDITION": FailedPrecondition,
+    "PERMISSION_DENIED": PermissionDenied,
+    "UNAUTHENTICATED": Unauthenticated,
+    "UNAVAILABLE": Unavailable,
+    "DEADLINE_EXCEEDED": DeadlineExceeded,
+    "RESOURCE_EXHAUSTED": ResourceExhausted,
+}
+
+
+def error_from_status(
+    code: str, message: str, *, existing_id: str | None = None, task_id: str | None = None
+) -> ConveyorError:
+    """The SDK exception for a status code name and message (unknown codes: the base)."""
+    cls = _BY_CODE.get(code, ConveyorError)
+    if cls is AlreadyExists:
+        return AlreadyExists(message, code=code, existing_id=existing_id or None)
+    if cls is TaskNotFound:
+        return TaskNotFound(message, code=code, task_id=task_id)
+    return cls(message, code=code)
+
+
+def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str | None:
+    for item in metadata or ():
+        k, v = item
+        if k == key:
+            return v.decode() if isinstance(v, bytes) else str(v)
+    return None
+
+
+def error_from_rpc(exc: grpc.RpcError, *, task_id: str | None = None) -> ConveyorError:
+    """Map a failed gRPC call (sync or asyncio) to the matching SDK exception."""
+    code_fn = getattr(exc, "code", None)
+    details_fn = getattr(exc, "details", None)
+    trailing_fn = getattr(exc, "trailing_metadata", None)
+    status = code_fn() if callable(code_fn) else None
+    name = status.name if isinstance(status, grpc.StatusCode) else "UNKNOWN"
+    details = details_fn() if callable(details_fn) else None
+    message = details or name.lower().replace("_", " ")
+    existing_id = _metadata_value(trailing_fn() if callable(trailing_fn) else None, EXISTING_ID_KEY)
+    return error_from_status(name, message, existing_id=existing_id, task_id=task_id)
+
+
+class SkipRetry(Exception):
+    """Raise from a handler to fail the task for good: it is archived at once.
+
+    The message becomes the task's last error.
+    """
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RetryAfter(Exception):
+    """Raise from a handler to fail this attempt and retry after ``delay``.
+
+    ``delay`` is a ``timedelta`` or seconds. The retry still counts against the task's
+    ``max_retry``. Any exception with a ``retry_after`` attribute (timedelta or seconds)
+    has the same effect.
+    """
+
+    def __init__(self, delay: timedelta | float, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = delay if isinstance(delay, timedelta) else timedelta(seconds=delay)
+        if self.retry_after < timedelta(0):
+            raise ValueError(f"retry delay must be >= 0, got {delay!r}")

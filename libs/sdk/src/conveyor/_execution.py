@@ -1,0 +1,274 @@
+"""Running one delivery: the handler call, its time bound, and the Result it produces."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from conveyor_protos.v1 import service_pb2 as svc
+from conveyor_protos.v1 import task_pb2 as pb
+from google.protobuf.duration_pb2 import Duration
+
+from conveyor._codec import Codec, decode_value, encode_value
+from conveyor._context import TaskContext
+from conveyor._errors import SkipRetry
+
+if TYPE_CHECKING:
+    from conveyor._session import SessionRunner
+
+#: The error reported when an attempt outlives its timeout or the task's deadline.
+TIMED_OUT = "timed out"
+#: Error messages are cut to this many characters (the server stores them per task).
+MAX_ERROR_LEN = 4096
+
+#: An async handler ``async def f(payload, ctx)`` or a sync one ``def f(payload, ctx)``.
+Handler = Callable[[Any, TaskContext], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A registered handler and how to call it."""
+
+    type: str
+    fn: Handler
+    is_async: bool
+
+    @classmethod
+    def of(cls, type: str, fn: Handler) -> Registration:
+        """Register ``fn`` for ``type``, telling async handlers from sync ones."""
+        if not callable(fn):
+            raise TypeError(f"handler for {type!r} is not callable: {fn!r}")
+        # Callable objects count as async when their __call__ is a coroutine function.
+        call = inspect.getattr_static(fn, "__call__", None)
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+        return cls(type=type, fn=fn, is_async=is_async)
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"TypeName: message"`` (just the type name when the message is empty), bounded."""
+    message = str(exc)
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return truncate(text)
+
+
+def truncate(text: str) -> str:
+    """``text`` cut to :data:`MAX_ERROR_LEN` characters."""
+    return text if len(text) <= MAX_ERROR_LEN else text[: MAX_ERROR_LEN - 3] + "..."
+
+
+def retry_after_of(exc: BaseException) -> timedelta | None:
+    """The retry delay an exception asks for through a ``retry_after`` attribute."""
+    value = getattr(exc, "retry_after", None)
+    if isinstance(value, timedelta):
+        delay = value
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        delay = timedelta(seconds=value)
+    else:
+        return None
+    return delay if delay >= timedelta(0) else None
+
+
+def make_result(
+    task_id: str,
+    lease_id: str,
+    outcome: svc.Outcome,
+    *,
+    result: bytes = b"",
+    error: str = "",
+    retry_after: timedelta | None = None,
+) -> svc.Result:
+    """A wire Result for one delivery."""
+    message = svc.Result(
+        task_id=task_id, lease_id=lease_id, outcome=outcome, result=result, error=error
+    )
+    if retry_after is not None:
+        duration = Duration()
+        duration.FromTimedelta(retry_after)
+        message.retry_after.CopyFrom(duration)
+    return message
+
+
+def result_for_exception(task_id: str, lease_id: str, exc: BaseException) -> svc.Result:
+    """The Result a handler exception maps to.
+
+    ``SkipRetry`` archives at once with its message; an exception carrying
+    ``retry_after`` (such as ``RetryAfter``) fails with that delay; anything else fails
+    with ``"TypeName: message"`` and the server's backoff.
+    """
+    if isinstance(exc, SkipRetry):
+        error = truncate(exc.message) if exc.message else describe_exception(exc)
+        return make_result(task_id, lease_id, svc.OUTCOME_SKIP_RETRY, error=error)
+    return make_result(
+        task_id,
+        lease_id,
+        svc.OUTCOME_FAILURE,
+        error=describe_exception(exc),
+        retry_after=retry_after_of(exc),
+    )
+
+
+def time_limit(timeout: timedelta | None, deadline: datetime | None, now: datetime) -> float | None:
+    """Seconds this attempt may run: the smaller of its timeout and what is left before
+    the deadline (None when neither is set; <= 0 when the deadline has passed)."""
+    limits: list[float] = []
+    if timeout is not None and timeout > timedelta(0):
+        limits.append(timeout.total_seconds())
+    if deadline is not None:
+        limits.append((deadline - now).total_seconds())
+    return min(limits) if limits else None
+
+
+class Execution:
+    """One delivery being run: the asyncio task around the handler and its bookkeeping.
+
+    The task's value is the Result to send. Outside cancellation (a server Cancel, the
+    worker's shutdown) cancels the task, and the worker decides what, if anything, to
+    send; a timeout instead makes the task return a ``FAILURE "timed out"`` Result.
+    """
+
+    __slots__ = (
+        "_on_done",
+        "_timer",
+        "ctx",
+        "envelope",
+        "registration",
+        "released",
+        "reported",
+        "session",
+        "suppressed",
+        "task",
+        "thread_future",
+        "timed_out",
+    )
+
+    def __init__(
+        self,
+        envelope: pb.TaskEnvelope,
+        registration: Registration,
+        ctx: TaskContext,
+        session: SessionRunner,
+    ) -> None:
+        self.envelope = envelope
+        self.registration = registration
+        self.ctx = ctx
+        self.session = session
+        self.task: asyncio.Task[svc.Result] | None = None
+        self.thread_future: concurrent.futures.Future[Any] | None = None
+        self.timed_out = False
+        #: A server Cancel arrived: send nothing for this delivery.
+        self.suppressed = False
+        #: A RELEASE was already sent for this delivery: send nothing more.
+        self.released = False
+        #: The worker has dealt with the task's outcome.
+        self.reported = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._on_done: Callable[[Execution], None] | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(task id, lease id): the delivery's identity."""
+        return self.envelope.id, self.envelope.lease_id
+
+    @property
+    def finished(self) -> bool:
+        """True once the task is done and any handler thread has returned."""
+        task_done = self.task is not None and self.task.done()
+        thread_done = self.thread_future is None or self.thread_future.done()
+        return task_done and thread_done
+
+    def start(
+        self,
+        codec: Codec,
+        pool: concurrent.futures.Executor,
+        on_done: Callable[[Execution], None],
+    ) -> None:
+        """Start the handler task; ``on_done`` runs (on the loop) when it and any handler
+        thread have finished, possibly twice (once per event): check :attr:`finished`."""
+        loop = asyncio.get_running_loop()
+        self._on_done = on_done
+        limit = time_limit(self.ctx.timeout, self.ctx.deadline, datetime.now(UTC))
+        self.task = loop.create_task(self._run(codec, pool, limit), name=f"conveyor:{self.key[0]}")
+        self.task.add_done_callback(lambda _: on_done(self))
+        if limit is not None:
+            self._timer = loop.call_later(max(limit, 0.0), self._expire)
+
+    def cancel(self, reason: str) -> None:
+        """Cancel the handler: flag its context, then cancel the asyncio task."""
+        self.ctx._cancel(reason)
+        if self.task is not None:
+            self.task.cancel()
+
+    def _expire(self) -> None:
+        self.timed_out = True
+        self.cancel(TIMED_OUT)
+
+    async def _run(
+        self, codec: Codec, pool: concurrent.futures.Executor, limit: float | None
+    ) -> svc.Result:
+        task_id, lease_id = self.key
+        try:
+            payload = decode_value(codec, self.envelope.payload)
+        except Exception as exc:
+            error = f"cannot decode payload: {describe_exception(exc)}"
+            return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=truncate(error))
+        if limit is not None and limit <= 0:
+            self.timed_out = True
+            self.ctx._cancel(TIMED_OUT)
+            return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=TIMED_OUT)
+        try:
+            value = await self._invoke(payload, pool)
+        except asyncio.CancelledError:
+            if not self.timed_out:
+                raise
+            # Our own timer cancelled the task: undo that cancellation and report it.
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=TIMED_OUT)
+        except Exception as exc:
+            return result_for_exception(task_id, lease_id, exc)
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+        if self.timed_out:  # the handler swallowed the cancellation and returned anyway
+            return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=TIMED_OUT)
+        try:
+            data = encode_value(codec, value)
+        except Exception as exc:
+            error = f"cannot encode result: {describe_exception(exc)}"
+            return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=truncate(error))
+        return make_result(task_id, lease_id, svc.OUTCOME_SUCCESS, result=data)
+
+    async def _invoke(self, payload: Any, pool: concurrent.futures.Executor) -> Any:
+        fn = self.registration.fn
+        if self.registration.is_async:
+            coro: Awaitable[Any] = fn(payload, self.ctx)
+            return await coro
+        context = contextvars.copy_context()
+        future = pool.submit(context.run, fn, payload, self.ctx)
+        self.thread_future = future
+        loop = asyncio.get_running_loop()
+
+        def thread_done(_: concurrent.futures.Future[Any]) -> None:
+            on_done = self._on_done
+            if on_done is not None:
+                # A closed loop means the worker is gone.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(on_done, self)
+
+        future.add_done_callback(thread_done)
+        try:
+            value = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self.ctx._cancel(TIMED_OUT if self.timed_out else "cancelled")
+            raise
+        if inspect.isawaitable(value):  # a plain function that returned a coroutine
+            value = await value
+        return value

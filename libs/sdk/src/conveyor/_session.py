@@ -1,0 +1,439 @@
+"""One WorkerService.Session stream: handshake, frames in and out, graceful close.
+
+A :class:`SessionRunner` lives for one stream. It reads ServerFrames (Dispatch, Cancel,
+Ping), starts executions through its worker, writes Results, Progress and Heartbeats
+through an :class:`~conveyor._outbox.Outbox`, and raises :class:`SessionEnded` when the
+stream ends on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import grpc.aio
+from conveyor_protos.v1 import service_pb2 as svc
+from conveyor_protos.v1 import task_pb2 as pb
+
+from conveyor._client import CHANNEL_OPTIONS, auth_metadata
+from conveyor._context import TaskContext
+from conveyor._convert import duration_from_wire, timestamp_from_wire
+from conveyor._execution import Execution, make_result
+from conveyor._outbox import Outbox
+from conveyor._version import __version__
+
+if TYPE_CHECKING:
+    from conveyor._worker import Worker
+
+logger = logging.getLogger("conveyor.worker")
+
+SESSION_METHOD = "/conveyor.v1.WorkerService/Session"
+#: Statuses that end a worker instead of a reconnect: they do not heal by retrying.
+FATAL_CODES = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED"})
+#: How long to wait for Welcome after Hello.
+WELCOME_TIMEOUT = 30.0
+#: How long a closing session waits for its last writes, then for the server's end.
+CLOSE_TIMEOUT = 5.0
+#: Used when the server's Welcome names neither a heartbeat interval nor a lease TTL.
+DEFAULT_HEARTBEAT = timedelta(seconds=10)
+_HEARTBEAT = svc.WorkerFrame(heartbeat=svc.Heartbeat())
+
+
+class SessionEnded(Exception):
+    """The stream ended without a shutdown being asked for.
+
+    ``code`` is the gRPC status code name, ``welcomed`` whether the session got as far
+    as Welcome (which resets the reconnect backoff).
+    """
+
+    def __init__(self, code: str, details: str, *, welcomed: bool) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+        self.welcomed = welcomed
+
+
+def _code_name(code: object) -> str:
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
+
+async def _final_status(call: grpc.aio.StreamStreamCall[Any, Any]) -> tuple[str, str]:
+    code = await call.code()
+    details = await call.details()
+    return _code_name(code), details or ""
+
+
+def _status_of(exc: BaseException) -> tuple[str, str] | None:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return _code_name(exc.code()), exc.details() or ""
+    return None
+
+
+class SessionRunner:
+    """Runs one session of ``worker``.
+
+    Hello always offers the worker's whole concurrency. Handlers of an earlier session
+    may still be running (their results are dropped, but they hold real slots): a
+    dispatch that arrives while every local slot is taken, yet within what this session
+    was offered, waits here, leased and heartbeated, and starts as soon as a slot frees.
+    Only a dispatch beyond the session's offer (a misbehaving server) is given back.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.outbox = Outbox()
+        self.session_id: str | None = None
+        self.live = False
+        self.waiting: dict[tuple[str, str], pb.TaskEnvelope] = {}
+        #: Deliveries of this session not answered yet (running here, or waiting).
+        self.holding: set[tuple[str, str]] = set()
+        self._call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame] | None = None
+
+    # ------------------------------------------------------------- the stream
+
+    def hello(self) -> svc.Hello:
+        """The Hello frame this session opens with."""
+        worker = self.worker
+        return svc.Hello(
+            queues=worker.queues,
+            concurrency=worker.concurrency,
+            labels=worker.labels,
+            sdk_version=__version__,
+            min_server_version=worker.min_server_version,
+            batch_types=[],
+            worker_id=worker.worker_id,
+        )
+
+    async def run(self) -> None:
+        """Open the stream and serve it. Returns after a graceful close; raises
+        :class:`SessionEnded` when the stream ended for any other reason."""
+        channel = grpc.aio.insecure_channel(self.worker.target, options=CHANNEL_OPTIONS)
+        try:
+            session: grpc.aio.StreamStreamMultiCallable[svc.WorkerFrame, svc.ServerFrame]
+            session = channel.stream_stream(
+                SESSION_METHOD,
+                request_serializer=svc.WorkerFrame.SerializeToString,
+                response_deserializer=svc.ServerFrame.FromString,
+            )
+            call = session(metadata=auth_metadata(self.worker._token))
+            self._call = call
+            welcome = await self._handshake(call)
+            if welcome is None:
+                return
+            self._welcomed(welcome)
+            try:
+                await self._serve(call, welcome)
+            finally:
+                self.live = False
+        finally:
+            if self._call is not None:
+                self._call.cancel()
+            await channel.close()
+
+    async def _handshake(
+        self, call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame]
+    ) -> svc.Welcome | None:
+        """Send Hello and wait for Welcome; None when a stop came first."""
+        hello = svc.WorkerFrame(hello=self.hello())
+        stop = asyncio.ensure_future(self.worker._stop_event_wait())
+        read: asyncio.Future[Any] | None = None
+        try:
+            try:
+                await call.write(hello)
+                read = asyncio.ensure_future(call.read())
+                done, _ = await asyncio.wait(
+                    {read, stop}, timeout=WELCOME_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+                )
+                frame = read.result() if read in done else None
+            except Exception as exc:
+                raise SessionEnded(*await self._failed(call, exc), welcomed=False) from None
+            if frame is not None:
+                if not isinstance(frame, svc.ServerFrame):  # EOF before Welcome
+                    raise SessionEnded(*await _final_status(call), welcomed=False)
+                kind = frame.WhichOneof("frame")
+                if kind != "welcome":
+                    call.cancel()
+                    raise SessionEnded("UNKNOWN", f"expected Welcome, got {kind}", welcomed=False)
+                welcome: svc.Welcome = frame.welcome
+                return welcome
+            call.cancel()
+            if stop.done():
+                return None
+            raise SessionEnded("DEADLINE_EXCEEDED", "no Welcome in time", welcomed=False)
+        finally:
+            for future in (stop, read):
+                if future is not None and not future.done():
+                    future.cancel()
+                    with contextlib.suppress(BaseException):
+                        await future
+
+    async def _failed(
+        self, call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame], exc: BaseException
+    ) -> tuple[str, str]:
+        """The status behind a failed read or write (the call is ended if it is not)."""
+        status = _status_of(exc)
+        if status is not None:
+            return status
+        if call.done():
+            return await _final_status(call)
+        logger.error("worker.stream_failed session_id=%s", self.session_id, exc_info=exc)
+        call.cancel()
+        return "UNKNOWN", repr(exc)
+
+    def _welcomed(self, welcome: svc.Welcome) -> None:
+        self.session_id = welcome.session_id
+        self.live = True
+        logger.info(
+            "worker.session_started session_id=%s server_version=%s concurrency=%d",
+            welcome.session_id,
+            welcome.server_version,
+            self.worker.concurrency,
+        )
+
+    def _heartbeat_interval(self, welcome: svc.Welcome) -> float:
+        interval = duration_from_wire(welcome, "heartbeat_interval")
+        if not interval:
+            ttl = duration_from_wire(welcome, "lease_ttl")
+            interval = ttl / 3 if ttl else DEFAULT_HEARTBEAT
+        return max(interval.total_seconds(), 0.01)
+
+    async def _serve(
+        self,
+        call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame],
+        welcome: svc.Welcome,
+    ) -> None:
+        reader = asyncio.ensure_future(self._read_loop(call))
+        writer = asyncio.ensure_future(self._write_loop(call))
+        heart = asyncio.ensure_future(self._heartbeat_loop(self._heartbeat_interval(welcome)))
+        stop = asyncio.ensure_future(self.worker._stop_event_wait())
+        tasks = (reader, writer, heart, stop)
+        try:
+            done, _ = await asyncio.wait(
+                {reader, writer, stop}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if stop in done and not reader.done() and not writer.done():
+                await self._close_gracefully(reader, writer)
+                return
+            self.live = False
+            raise SessionEnded(*await self._end_status(call, reader, writer), welcomed=True)
+        finally:
+            self.live = False
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _end_status(
+        self,
+        call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame],
+        *tasks: asyncio.Future[Any],
+    ) -> tuple[str, str]:
+        """Why the stream ended: the failed read or write, or the call's final status."""
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                exc = task.exception()
+                assert exc is not None
+                return await self._failed(call, exc)
+        return await _final_status(call)
+
+    async def _close_gracefully(
+        self, reader: asyncio.Future[Any], writer: asyncio.Future[Any]
+    ) -> None:
+        """Shutdown, steps 2 to 4: grace period, RELEASE the rest, half-close."""
+        self.release_waiting()
+        await self.worker._wait_drained()
+        for execution in self.worker._running():
+            if execution.session is self and not execution.reported:
+                self.release(execution)
+            execution.cancel("worker shutting down")
+        self.outbox.close()
+        await asyncio.wait({writer}, timeout=CLOSE_TIMEOUT)
+        # The server ends the stream once it has seen the half-close.
+        await asyncio.wait({reader}, timeout=CLOSE_TIMEOUT)
+        logger.info("worker.session_closed session_id=%s", self.session_id)
+
+    async def _read_loop(
+        self, call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame]
+    ) -> None:
+        while True:
+            frame = await call.read()
+            if not isinstance(frame, svc.ServerFrame):  # EOF: the server ended the stream
+                return
+            kind = frame.WhichOneof("frame")
+            if kind == "dispatch":
+                self.on_dispatch(frame.dispatch.task)
+            elif kind == "cancel":
+                self.on_cancel(frame.cancel)
+            elif kind == "batch_dispatch":
+                self.on_batch_dispatch(frame.batch_dispatch)
+            elif kind not in ("ping", "welcome"):
+                logger.debug("worker.frame_ignored kind=%s", kind)
+
+    async def _write_loop(
+        self, call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame]
+    ) -> None:
+        outbox = self.outbox
+        while True:
+            await outbox.wait()
+            for frame in outbox.drain():
+                await call.write(frame)
+            outbox.written()
+            if outbox.closed and not outbox.pending:
+                await call.done_writing()
+                return
+
+    async def _heartbeat_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.outbox.put_frame(_HEARTBEAT)
+
+    # ---------------------------------------------------------------- frames in
+
+    def on_dispatch(self, envelope: pb.TaskEnvelope) -> None:
+        """Start a dispatched task, or answer it at once when it cannot run here."""
+        worker = self.worker
+        key = (envelope.id, envelope.lease_id)
+        if not envelope.id or not envelope.lease_id:
+            logger.warning("worker.dispatch_malformed task_id=%s", envelope.id)
+            return
+        if self.outbox.closed:
+            # Half-closed: nothing can be written any more; the server releases every
+            # task the session holds when the stream ends.
+            logger.info("worker.dispatch_after_close task_id=%s", envelope.id)
+            return
+        if worker.stopping:
+            self.send(make_result(*key, svc.OUTCOME_RELEASE))
+            return
+        if worker._execution(key) is not None or key in self.waiting:
+            logger.warning("worker.dispatch_duplicate task_id=%s lease_id=%s", *key)
+            return
+        if len(self.holding) >= worker.concurrency:
+            logger.warning(
+                "worker.dispatch_over_capacity task_id=%s held=%d concurrency=%d",
+                envelope.id,
+                len(self.holding),
+                worker.concurrency,
+            )
+            self.send(make_result(*key, svc.OUTCOME_RELEASE))
+            return
+        if worker._handler(envelope.type) is None:
+            logger.warning("worker.no_handler task_id=%s type=%s", envelope.id, envelope.type)
+            error = f"no handler for type {envelope.type}"
+            self.send(make_result(*key, svc.OUTCOME_FAILURE, error=error))
+            return
+        self.holding.add(key)
+        if worker.running >= worker.concurrency:
+            logger.info("worker.dispatch_waiting task_id=%s", envelope.id)
+            self.waiting[key] = envelope
+            return
+        self._start(envelope)
+
+    def _start(self, envelope: pb.TaskEnvelope) -> None:
+        worker = self.worker
+        registration = worker._handler(envelope.type)
+        assert registration is not None
+        execution: Execution | None = None
+
+        def emit_progress(data: bytes) -> None:
+            if execution is not None:
+                self.send_progress(execution, data)
+
+        execution = Execution(envelope, registration, self._context(envelope, emit_progress), self)
+        worker._add_execution(execution)
+        execution.start(worker.codec, worker._pool_executor(), worker._execution_done)
+
+    def slot_freed(self) -> None:
+        """A local slot freed: start the oldest waiting dispatch (RELEASE it when
+        stopping)."""
+        worker = self.worker
+        while self.waiting and worker.running < worker.concurrency:
+            key = next(iter(self.waiting))
+            envelope = self.waiting.pop(key)
+            if worker.stopping:
+                self.send(make_result(*key, svc.OUTCOME_RELEASE))
+            else:
+                self._start(envelope)
+
+    def release_waiting(self) -> None:
+        """Give back every dispatch still waiting for a slot."""
+        for key in list(self.waiting):
+            del self.waiting[key]
+            self.send(make_result(*key, svc.OUTCOME_RELEASE))
+
+    def on_batch_dispatch(self, batch: svc.BatchDispatch) -> None:
+        """This SDK declares no batch types; a BatchDispatch anyway fails its tasks."""
+        logger.warning(
+            "worker.batch_dispatch_unsupported type=%s n=%d", batch.type, len(batch.tasks)
+        )
+        for envelope in batch.tasks:
+            error = f"this worker does not accept batches of type {batch.type}"
+            self.send(make_result(envelope.id, envelope.lease_id, svc.OUTCOME_FAILURE, error=error))
+
+    def on_cancel(self, cancel: svc.Cancel) -> None:
+        """Cancel the handler of a lost lease; its Result is never sent."""
+        self.holding.discard((cancel.task_id, cancel.lease_id))
+        if self.waiting.pop((cancel.task_id, cancel.lease_id), None) is not None:
+            logger.info("worker.cancel_waiting task_id=%s", cancel.task_id)
+            return
+        execution = self.worker._execution((cancel.task_id, cancel.lease_id))
+        if execution is None and not cancel.lease_id:
+            execution = next(
+                (e for e in self.worker._running() if e.envelope.id == cancel.task_id), None
+            )
+        if execution is None or execution.session is not self:
+            logger.debug("worker.cancel_unknown task_id=%s", cancel.task_id)
+            return
+        logger.info("worker.cancel task_id=%s reason=%s", cancel.task_id, cancel.reason)
+        self.holding.discard(execution.key)
+        execution.suppressed = True
+        execution.cancel(
+            f"cancelled by the server: {cancel.reason}"
+            if cancel.reason
+            else "cancelled by the server"
+        )
+
+    def _context(
+        self, envelope: pb.TaskEnvelope, emit_progress: Callable[[bytes], None]
+    ) -> TaskContext:
+        worker = self.worker
+        return TaskContext(
+            task_id=envelope.id,
+            queue=envelope.queue,
+            type=envelope.type,
+            attempt=envelope.attempt,
+            max_retry=envelope.max_retry,
+            headers=dict(envelope.headers),
+            timeout=duration_from_wire(envelope, "timeout") or None,
+            deadline=timestamp_from_wire(envelope, "deadline"),
+            enqueued_at=timestamp_from_wire(envelope, "enqueued_at"),
+            group=envelope.group or None,
+            concurrency_key=envelope.concurrency_key or None,
+            lease_id=envelope.lease_id,
+            codec=worker.codec,
+            emit_progress=emit_progress,
+            loop=asyncio.get_running_loop(),
+        )
+
+    # --------------------------------------------------------------- frames out
+
+    def send(self, result: svc.Result) -> None:
+        """Queue a Result on this session, unless it can no longer be written."""
+        self.holding.discard((result.task_id, result.lease_id))
+        if self.live:
+            self.outbox.put_result(result)
+
+    def send_progress(self, execution: Execution, data: bytes) -> None:
+        """Queue a Progress frame for a running delivery of this session."""
+        running = not (execution.reported or execution.suppressed or execution.released)
+        if self.live and execution.session is self and running:
+            self.outbox.put_progress(execution.envelope.id, execution.envelope.lease_id, data)
+
+    def release(self, execution: Execution) -> None:
+        """Give a delivery back untouched (RELEASE); nothing more is sent for it."""
+        if not execution.suppressed and not execution.released:
+            execution.released = True
+            self.send(make_result(*execution.key, svc.OUTCOME_RELEASE))

@@ -1,0 +1,177 @@
+"""The gRPC plumbing every client shares: settings, the channel, calls and their errors.
+
+:class:`AsyncRpcClient` and :class:`SyncRpcClient` are the bases of the producer clients
+(TaskService) and the admin clients (AdminService); a subclass names its service in
+``_service`` and calls ``_call(method, request, response_type)``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, ClassVar, Self
+
+import grpc
+import grpc.aio
+
+from conveyor._codec import Codec
+from conveyor._errors import ConveyorError, InvalidArgument, TaskNotFound, error_from_rpc
+from conveyor._types import DurationLike, to_timedelta
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+#: Responses carry whole tasks (payloads and results): allow more than gRPC's 4 MiB default.
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata carrying ``token`` as a bearer token (empty without a token)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def with_task_id(exc: ConveyorError, task_id: str) -> ConveyorError:
+    """``exc``, naming ``task_id`` when it is a TaskNotFound that does not yet."""
+    if isinstance(exc, TaskNotFound) and exc.task_id is None:
+        return TaskNotFound(exc.message, code=exc.code, task_id=task_id)
+    return exc
+
+
+class _Settings:
+    """What every client is configured with: target, bearer token, codec, call timeout."""
+
+    #: The gRPC method prefix of the service, e.g. ``/conveyor.v1.TaskService/``.
+    _service: ClassVar[str]
+
+    def __init__(
+        self, target: str, *, token: str | None, codec: Codec, timeout: DurationLike | None
+    ) -> None:
+        if not isinstance(target, str) or not target:
+            raise InvalidArgument("target must be a non-empty 'host:port' string")
+        delta = to_timedelta("timeout", timeout)
+        if delta is not None and delta <= timedelta(0):
+            raise InvalidArgument("timeout must be > 0")
+        self._target = target
+        self._codec = codec
+        self._metadata = auth_metadata(token)
+        self._timeout = delta.total_seconds() if delta is not None else None
+
+    @property
+    def target(self) -> str:
+        """The server address this client talks to."""
+        return self._target
+
+    @property
+    def codec(self) -> Codec:
+        """The codec that encodes payloads and decodes payloads, progress and results."""
+        return self._codec
+
+
+class AsyncRpcClient(_Settings):
+    """An asyncio client of one service; the channel opens on first use, inside the
+    running event loop."""
+
+    def __init__(
+        self, target: str, *, token: str | None, codec: Codec, timeout: DurationLike | None
+    ) -> None:
+        super().__init__(target, token=token, codec=codec, timeout=timeout)
+        self._channel: grpc.aio.Channel | None = None
+        self._closed = False
+
+    def _open(self) -> grpc.aio.Channel:
+        if self._closed:
+            raise ConveyorError("the client is closed")
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self._target, options=CHANNEL_OPTIONS)
+        return self._channel
+
+    async def _call(self, method: str, request: Any, response_type: Any) -> Any:
+        rpc = self._open().unary_unary(
+            self._service + method,
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        try:
+            return await rpc(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    def _stream(self, method: str, request: Any, response_type: Any) -> Any:
+        """A server-streaming call (no timeout: it lasts until cancelled)."""
+        rpc = self._open().unary_stream(
+            self._service + method,
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        return rpc(request, metadata=self._metadata)
+
+    async def close(self) -> None:
+        """Close the channel; the client cannot be used afterwards. Safe to call twice."""
+        self._closed = True
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class SyncRpcClient(_Settings):
+    """A blocking client of one service over gRPC's synchronous channel."""
+
+    def __init__(
+        self, target: str, *, token: str | None, codec: Codec, timeout: DurationLike | None
+    ) -> None:
+        super().__init__(target, token=token, codec=codec, timeout=timeout)
+        self._channel: grpc.Channel | None = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+
+    def _live_channel(self) -> grpc.Channel:
+        if self._channel is None:
+            raise ConveyorError("the client is closed")
+        return self._channel
+
+    def _call(self, method: str, request: Any, response_type: Any) -> Any:
+        rpc = self._live_channel().unary_unary(
+            self._service + method,
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        try:
+            return rpc(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    def _stream(self, method: str, request: Any, response_type: Any) -> Any:
+        """A server-streaming call (no timeout: it lasts until cancelled)."""
+        rpc = self._live_channel().unary_stream(
+            self._service + method,
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        return rpc(request, metadata=self._metadata)
+
+    def close(self) -> None:
+        """Close the channel; the client cannot be used afterwards. Safe to call twice."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

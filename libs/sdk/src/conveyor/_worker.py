@@ -1,0 +1,412 @@
+"""The worker: handler registry, lifecycle (run, stop, signals) and reconnects.
+
+One :class:`Worker` keeps one WorkerService.Session stream open at a time (see
+``docs/protocol.md``); :mod:`conveyor._session` speaks the stream itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from typing import TypeVar
+
+from conveyor_protos.v1 import service_pb2 as svc
+
+from conveyor._backoff import ReconnectBackoff
+from conveyor._client import DEFAULT_TARGET
+from conveyor._codec import Codec, JsonCodec
+from conveyor._errors import InvalidArgument, error_from_status
+from conveyor._execution import Execution, Handler, Registration, result_for_exception
+from conveyor._session import FATAL_CODES, SessionEnded, SessionRunner
+from conveyor._types import DurationLike, to_timedelta
+
+logger = logging.getLogger("conveyor.worker")
+
+_QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+#: How long cancelled handlers get to unwind before run() returns without them.
+_UNWIND_TIMEOUT = 5.0
+
+H = TypeVar("H", bound=Handler)
+
+
+def _queue_weights(queues: Mapping[str, int] | Iterable[str]) -> dict[str, int]:
+    if isinstance(queues, str):
+        queues = [queues]
+    weights = dict(queues) if isinstance(queues, Mapping) else dict.fromkeys(queues, 1)
+    if not weights:
+        raise InvalidArgument("a worker needs at least one queue")
+    for name, weight in weights.items():
+        if not isinstance(name, str) or not _QUEUE_RE.match(name):
+            raise InvalidArgument(f"invalid queue name {name!r}")
+        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
+            raise InvalidArgument(f"weight of queue {name!r} must be an int >= 1, got {weight!r}")
+    return weights
+
+
+class Worker:
+    """Runs task handlers for the tasks the server pushes to it.
+
+    ``queues`` maps queue names to weights (or lists names, weight 1 each): the worker's
+    ``concurrency`` (the most handlers it runs at once, across all queues) is shared by
+    the server in proportion to the weights. ``token`` is sent as a bearer token;
+    ``codec`` decodes payloads and encodes results and progress (JSON by default);
+    ``labels`` and ``worker_id`` describe the worker in the cluster view.
+    ``grace_period`` (timedelta or seconds) is how long a stopping worker lets running
+    handlers finish before it cancels them and gives their tasks back. ``reconnect``
+    paces reconnects after the stream breaks. ``min_server_version`` refuses servers
+    older than that.
+
+    Register handlers with :meth:`task`, then run the worker::
+
+        worker = Worker(queues={"emails": 3, "reports": 1}, concurrency=20)
+
+        @worker.task("email.send")
+        async def send(payload, ctx):
+            ...
+
+        worker.run_forever()   # blocks; stops gracefully on SIGTERM / SIGINT
+
+    A handler's return value is encoded as the task's result. Raising :class:`SkipRetry`
+    archives the task at once; :class:`RetryAfter` (or any exception with a
+    ``retry_after`` attribute) retries after that delay; any other exception fails the
+    attempt (retried with the server's backoff until ``max_retry`` is exhausted). Plain
+    ``def`` handlers run in a thread pool of ``concurrency`` threads.
+    """
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        queues: Mapping[str, int] | Iterable[str] = ("default",),
+        concurrency: int = 10,
+        token: str | None = None,
+        codec: Codec | None = None,
+        labels: Mapping[str, str] | None = None,
+        grace_period: DurationLike = 30.0,
+        worker_id: str | None = None,
+        reconnect: ReconnectBackoff | None = None,
+        min_server_version: str = "",
+    ) -> None:
+        if not isinstance(target, str) or not target:
+            raise InvalidArgument("target must be a non-empty 'host:port' string")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise InvalidArgument(f"concurrency must be an int >= 1, got {concurrency!r}")
+        grace = to_timedelta("grace_period", grace_period)
+        if grace is None or grace < timedelta(0):
+            raise InvalidArgument("grace_period must be >= 0")
+        self.target = target
+        self.queues = _queue_weights(queues)
+        self.concurrency = concurrency
+        self.codec: Codec = codec or JsonCodec()
+        self.labels = dict(labels or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.labels.items()):
+            raise InvalidArgument("labels must map strings to strings")
+        self.grace_period = grace
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.reconnect = reconnect or ReconnectBackoff()
+        self.min_server_version = min_server_version
+        self._token = token
+        self._handlers: dict[str, Registration] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_early = False
+        self._stop_event: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
+        self._stopping = False
+        self._force = False
+        self._grace_deadline: float | None = None
+        self._executions: dict[tuple[str, str], Execution] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._runner: SessionRunner | None = None
+
+    # ------------------------------------------------------------------ registry
+
+    def task(self, type: str) -> Callable[[H], H]:
+        """Decorator registering the handler of task type ``type``.
+
+        The handler is ``async def f(payload, ctx)`` (run on the event loop) or
+        ``def f(payload, ctx)`` (run in a thread); ``payload`` is the decoded payload and
+        ``ctx`` a :class:`TaskContext`. The function is returned unchanged.
+        """
+
+        def register(fn: H) -> H:
+            self.register(type, fn)
+            return fn
+
+        return register
+
+    def register(self, type: str, fn: Handler) -> None:
+        """Register ``fn`` as the handler of ``type`` (the non-decorator form of
+        :meth:`task`). Raises ValueError if ``type`` already has a handler."""
+        if not isinstance(type, str) or not type:
+            raise InvalidArgument("task type must be a non-empty string")
+        if type in self._handlers:
+            raise ValueError(f"task type {type!r} already has a handler")
+        self._handlers[type] = Registration.of(type, fn)
+
+    @property
+    def task_types(self) -> list[str]:
+        """The task types this worker has handlers for."""
+        return sorted(self._handlers)
+
+    @property
+    def running(self) -> int:
+        """How many handlers run right now (including ones still finishing in a thread)."""
+        return len(self._executions)
+
+    @property
+    def session_id(self) -> str | None:
+        """The id of the current session, or None while disconnected."""
+        runner = self._runner
+        return runner.session_id if runner is not None else None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def run_forever(self) -> None:
+        """Run the worker in a new event loop until SIGTERM or SIGINT; blocks.
+
+        The entry point for scripts. The first signal stops gracefully (see
+        :meth:`stop`); a second one cancels running handlers at once. Raises what
+        :meth:`run` raises.
+        """
+        asyncio.run(self.run(handle_signals=True))
+
+    async def run(self, *, handle_signals: bool = False) -> None:
+        """Serve tasks until :meth:`stop` is called; reconnect when the stream breaks.
+
+        With ``handle_signals`` SIGTERM and SIGINT call :meth:`stop` (a second signal
+        forces it). Returns after a graceful shutdown. Raises :class:`InvalidArgument`,
+        :class:`FailedPrecondition` or :class:`Unauthenticated` when the server refuses
+        the session: those do not heal by retrying.
+        """
+        if self._loop is not None:
+            raise RuntimeError("this worker is already running")
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._stop_event = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._stopping = self._force = False
+        self._grace_deadline = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.concurrency, thread_name_prefix="conveyor-handler"
+        )
+        installed = self._install_signals(loop) if handle_signals else []
+        if self._stop_early:
+            self._request_stop(force=False)
+        if not self._handlers:
+            logger.warning("worker.no_handlers worker_id=%s", self.worker_id)
+        logger.info(
+            "worker.start worker_id=%s queues=%s concurrency=%d types=%s",
+            self.worker_id,
+            self.queues,
+            self.concurrency,
+            ",".join(self.task_types),
+        )
+        try:
+            await self._serve()
+        finally:
+            await self._finish()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._loop = None
+            self._stop_early = False
+            logger.info("worker.stopped worker_id=%s", self.worker_id)
+
+    def stop(self, *, force: bool = False) -> None:
+        """Ask the worker to shut down gracefully; safe to call from any thread.
+
+        New dispatches are given back at once (RELEASE); running handlers get the grace
+        period to finish, then they are cancelled and their tasks given back; then the
+        stream is half-closed and :meth:`run` returns. ``force`` skips the grace period.
+        """
+        loop = self._loop
+        if loop is None:
+            self._stop_early = True
+            return
+        if _on_loop_thread(loop):
+            self._request_stop(force)
+        else:
+            loop.call_soon_threadsafe(self._request_stop, force)
+
+    def _request_stop(self, force: bool) -> None:
+        if force:
+            self._force = True
+        if not self._stopping:
+            logger.info("worker.stopping worker_id=%s force=%s", self.worker_id, force)
+            loop = asyncio.get_running_loop()
+            self._grace_deadline = loop.time() + self.grace_period.total_seconds()
+        self._stopping = True
+        if self._stop_event is not None:
+            self._stop_event.set()
+        self._notify()
+
+    def _install_signals(self, loop: asyncio.AbstractEventLoop) -> list[int]:
+        installed: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                continue  # not the main thread, or a platform without loop signal handlers
+            installed.append(sig)
+        return installed
+
+    def _on_signal(self, sig: int) -> None:
+        logger.info("worker.signal signal=%s", signal.Signals(sig).name)
+        self._request_stop(force=self._stopping)
+
+    # ------------------------------------------------------------ the main loop
+
+    async def _serve(self) -> None:
+        assert self._stop_event is not None
+        attempt = 0
+        while True:
+            await self._wait_for_free_slot()
+            if self._stopping:
+                return
+            runner = SessionRunner(self)
+            self._runner = runner
+            try:
+                await runner.run()
+            except SessionEnded as ended:
+                if ended.code in FATAL_CODES:
+                    logger.error(
+                        "worker.session_refused code=%s details=%s", ended.code, ended.details
+                    )
+                    raise error_from_status(
+                        ended.code, f"the server refused the worker session: {ended.details}"
+                    ) from None
+                if ended.welcomed:
+                    attempt = 0
+                delay = self.reconnect.delay(attempt)
+                attempt += 1
+                logger.warning(
+                    "worker.disconnected code=%s details=%s retry_in=%.2fs",
+                    ended.code,
+                    ended.details,
+                    delay,
+                )
+                await self._sleep_unless_stopped(delay)
+            else:
+                return
+            finally:
+                self._runner = None
+
+    async def _sleep_unless_stopped(self, delay: float) -> None:
+        assert self._stop_event is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_event.wait(), delay)
+
+    async def _wait_for_free_slot(self) -> None:
+        # Handlers of a broken session keep running; connecting while they fill every
+        # slot would only take tasks that wait here while other workers could run them.
+        while len(self._executions) >= self.concurrency and not self._stopping:
+            await self._wait_changed(None)
+
+    async def _wait_changed(self, limit: float | None) -> None:
+        assert self._changed is not None
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), limit)
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _wait_drained(self) -> None:
+        """Wait until every handler finished, or the grace period that began with the
+        stop request is over (at once when forced)."""
+        loop = asyncio.get_running_loop()
+        deadline = self._grace_deadline
+        if deadline is None:
+            return
+        while self._executions and not self._force:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            await self._wait_changed(remaining)
+
+    async def _finish(self) -> None:
+        """Let handlers still running finish within the grace period (when stopping; on
+        an error they are cancelled at once), then wait briefly for them to unwind."""
+        await self._wait_drained()
+        for execution in list(self._executions.values()):
+            execution.cancel("worker stopped")
+        tasks = [e.task for e in self._executions.values() if e.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=_UNWIND_TIMEOUT)
+
+    # ------------------------------------------------- hooks used by the session
+
+    @property
+    def stopping(self) -> bool:
+        """True once shutdown began."""
+        return self._stopping
+
+    async def _stop_event_wait(self) -> None:
+        assert self._stop_event is not None
+        await self._stop_event.wait()
+
+    def _pool_executor(self) -> concurrent.futures.Executor:
+        assert self._pool is not None, "the worker is not running"
+        return self._pool
+
+    def _execution(self, key: tuple[str, str]) -> Execution | None:
+        return self._executions.get(key)
+
+    def _running(self) -> list[Execution]:
+        return list(self._executions.values())
+
+    def _handler(self, type: str) -> Registration | None:
+        return self._handlers.get(type)
+
+    def _add_execution(self, execution: Execution) -> None:
+        # An execution holds its slot until its task and any handler thread are done.
+        self._executions[execution.key] = execution
+
+    def _execution_done(self, execution: Execution) -> None:
+        """Report a finished handler to its session, and free its slot once it is
+        entirely finished (a cancelled sync handler may outlive its task)."""
+        task = execution.task
+        if task is not None and task.done() and not execution.reported:
+            execution.reported = True
+            self._report(execution, task)
+        if not execution.finished or self._executions.get(execution.key) is not execution:
+            return
+        del self._executions[execution.key]
+        self._notify()
+        runner = self._runner
+        if runner is not None and runner.live:
+            runner.slot_freed()
+
+    def _report(self, execution: Execution, task: asyncio.Task[svc.Result]) -> None:
+        runner = execution.session
+        if execution.suppressed or execution.released:
+            return
+        if task.cancelled():
+            runner.release(execution)
+            return
+        exc = task.exception()
+        if exc is not None:
+            logger.error("worker.execution_crashed task_id=%s", execution.key[0], exc_info=exc)
+            result = result_for_exception(*execution.key, exc)
+        else:
+            result = task.result()
+        if not runner.live:
+            logger.debug("worker.result_dropped task_id=%s reason=session_ended", execution.key[0])
+            return
+        runner.send(result)
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -1,0 +1,664 @@
+"""The Worker against a scripted WorkerService double on a real gRPC socket.
+
+The double plays the server side of docs/protocol.md: it records every frame the worker
+sends and lets each test push frames (Dispatch, Cancel) or end the stream with a status.
+Every wait is on a condition with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import conveyor
+import grpc
+import grpc.aio
+import pytest
+from conveyor import (
+    FailedPrecondition,
+    InvalidArgument,
+    ReconnectBackoff,
+    RetryAfter,
+    SkipRetry,
+    TaskContext,
+    Unauthenticated,
+    Worker,
+)
+from conveyor_protos.v1 import service_pb2 as svc
+from conveyor_protos.v1 import task_pb2 as pb
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+WAIT = 10.0
+FAST = ReconnectBackoff(initial=0.02, maximum=0.1, jitter=0.0)
+
+
+def seconds(value: float) -> Duration:
+    d = Duration()
+    d.FromTimedelta(timedelta(seconds=value))
+    return d
+
+
+def envelope(
+    task_id: str,
+    task_type: str = "t.echo",
+    payload: bytes = b'{"n":1}',
+    *,
+    queue: str = "default",
+    timeout: float | None = None,
+    deadline: datetime | None = None,
+) -> pb.TaskEnvelope:
+    env = pb.TaskEnvelope(
+        id=task_id,
+        queue=queue,
+        type=task_type,
+        payload=payload,
+        lease_id=f"L-{task_id}",
+        attempt=1,
+        max_retry=3,
+        headers={"h": "v"},
+    )
+    if timeout is not None:
+        env.timeout.CopyFrom(seconds(timeout))
+    if deadline is not None:
+        ts = Timestamp()
+        ts.FromDatetime(deadline)
+        env.deadline.CopyFrom(ts)
+    return env
+
+
+def dispatch(env: pb.TaskEnvelope) -> svc.ServerFrame:
+    return svc.ServerFrame(dispatch=svc.Dispatch(task=env))
+
+
+@dataclass
+class Abort:
+    code: grpc.StatusCode
+    details: str
+
+
+@dataclass
+class ScriptedSession:
+    """One Session stream, as the double sees it."""
+
+    hello: svc.Hello
+    metadata: dict[str, str]
+    inbox: asyncio.Queue[svc.WorkerFrame | None] = field(default_factory=asyncio.Queue)
+    outgoing: asyncio.Queue[svc.ServerFrame | Abort | None] = field(default_factory=asyncio.Queue)
+    received: list[svc.WorkerFrame] = field(default_factory=list)
+    half_closed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def send(self, frame: svc.ServerFrame) -> None:
+        self.outgoing.put_nowait(frame)
+
+    def cancel(self, task_id: str, reason: str = "lease lost") -> None:
+        cancel = svc.Cancel(task_id=task_id, lease_id=f"L-{task_id}", reason=reason)
+        self.send(svc.ServerFrame(cancel=cancel))
+
+    async def frame(self, kind: str) -> svc.WorkerFrame:
+        """The next frame of ``kind`` (earlier frames of other kinds are skipped)."""
+        while True:
+            frame = await asyncio.wait_for(self.inbox.get(), WAIT)
+            assert frame is not None, f"stream half-closed while waiting for {kind}"
+            if frame.WhichOneof("frame") == kind:
+                return frame
+
+    async def results(self, n: int) -> list[svc.Result]:
+        """The next ``n`` Results, whether sent alone or in BatchResults."""
+        out: list[svc.Result] = []
+        while len(out) < n:
+            frame = await asyncio.wait_for(self.inbox.get(), WAIT)
+            assert frame is not None, f"stream half-closed after {len(out)} of {n} results"
+            if frame.HasField("result"):
+                out.append(frame.result)
+            elif frame.HasField("batch_result"):
+                out.extend(frame.batch_result.results)
+        assert len(out) == n, out
+        return out
+
+    def all_results(self) -> list[svc.Result]:
+        out: list[svc.Result] = []
+        for frame in self.received:
+            if frame.HasField("result"):
+                out.append(frame.result)
+            out.extend(frame.batch_result.results)
+        return out
+
+
+class WorkerServiceDouble:
+    """A scripted conveyor.v1.WorkerService: Welcome after Hello, then whatever the test
+    pushes; ends the stream with OK when the worker half-closes."""
+
+    def __init__(self, *, heartbeat: float = 30.0) -> None:
+        self.heartbeat = heartbeat
+        self.reject: Abort | None = None
+        self.sessions: asyncio.Queue[ScriptedSession] = asyncio.Queue()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        method = grpc.stream_stream_rpc_method_handler(
+            self.session,
+            request_deserializer=svc.WorkerFrame.FromString,
+            response_serializer=svc.ServerFrame.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(
+            "conveyor.v1.WorkerService", {"Session": method}
+        )
+
+    async def session(self, _: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        first = await context.read()
+        assert isinstance(first, svc.WorkerFrame), first
+        assert first.HasField("hello"), first
+        metadata = {k: str(v) for k, v in (context.invocation_metadata() or ())}
+        scripted = ScriptedSession(hello=first.hello, metadata=metadata)
+        self.sessions.put_nowait(scripted)
+        if self.reject is not None:
+            await context.abort(self.reject.code, self.reject.details)
+        welcome = svc.Welcome(
+            session_id="S1",
+            lease_ttl=seconds(self.heartbeat * 3),
+            heartbeat_interval=seconds(self.heartbeat),
+            server_version="0.1.0",
+            min_sdk_version="0.0.0",
+        )
+        await context.write(svc.ServerFrame(welcome=welcome))
+
+        async def pump() -> None:
+            while True:
+                frame = await context.read()
+                if not isinstance(frame, svc.WorkerFrame):
+                    scripted.half_closed.set()
+                    scripted.inbox.put_nowait(None)
+                    scripted.outgoing.put_nowait(None)
+                    return
+                scripted.received.append(frame)
+                scripted.inbox.put_nowait(frame)
+
+        reader = asyncio.ensure_future(pump())
+        try:
+            while True:
+                item = await scripted.outgoing.get()
+                if item is None:
+                    return
+                if isinstance(item, Abort):
+                    await context.abort(item.code, item.details)
+                await context.write(item)
+        finally:
+            reader.cancel()
+            scripted.ended.set()
+
+    async def next_session(self) -> ScriptedSession:
+        return await asyncio.wait_for(self.sessions.get(), WAIT)
+
+
+async def start_server(double: WorkerServiceDouble, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((double.handler(),))
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, bound
+
+
+@dataclass
+class Harness:
+    double: WorkerServiceDouble
+    server: grpc.aio.Server
+    port: int
+    workers: list[tuple[Worker, asyncio.Task[None]]] = field(default_factory=list)
+
+    def start(self, worker: Worker) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(worker.run())
+        self.workers.append((worker, task))
+        return task
+
+    def worker(self, **kwargs: Any) -> Worker:
+        kwargs.setdefault("reconnect", FAST)
+        kwargs.setdefault("grace_period", 5.0)
+        return Worker(f"127.0.0.1:{self.port}", **kwargs)
+
+    async def restart(self) -> None:
+        await self.server.stop(None)
+        self.server, _ = await start_server(self.double, self.port)
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    double = WorkerServiceDouble()
+    server, port = await start_server(double)
+    h = Harness(double, server, port)
+    yield h
+    for worker, task in h.workers:
+        worker.stop(force=True)
+        await asyncio.wait({task}, timeout=WAIT)
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: a test that cared has checked it
+    await h.server.stop(None)
+
+
+def echo_worker(h: Harness, **kwargs: Any) -> Worker:
+    worker = h.worker(**kwargs)
+
+    @worker.task("t.echo")
+    async def echo(payload: Any, ctx: TaskContext) -> Any:
+        return {"echo": payload, "attempt": ctx.attempt, "headers": dict(ctx.headers)}
+
+    return worker
+
+
+# ------------------------------------------------------------------------ handshake
+
+
+async def test_hello_is_the_first_frame_with_the_worker_settings(harness: Harness) -> None:
+    worker = echo_worker(
+        harness,
+        queues={"emails": 3, "reports": 1},
+        concurrency=7,
+        labels={"zone": "eu"},
+        worker_id="w-1",
+        token="sekret",
+        min_server_version="0.1.0",
+    )
+    harness.start(worker)
+    session = await harness.double.next_session()
+    hello = session.hello
+    assert dict(hello.queues) == {"emails": 3, "reports": 1}
+    assert hello.concurrency == 7
+    assert dict(hello.labels) == {"zone": "eu"}
+    assert hello.sdk_version == conveyor.__version__
+    assert hello.min_server_version == "0.1.0"
+    assert hello.worker_id == "w-1"
+    assert list(hello.batch_types) == []
+    assert session.metadata["authorization"] == "Bearer sekret"
+
+
+async def test_heartbeats_are_sent_every_heartbeat_interval(harness: Harness) -> None:
+    harness.double.heartbeat = 0.05
+    harness.start(echo_worker(harness))
+    session = await harness.double.next_session()
+    for _ in range(3):
+        await session.frame("heartbeat")
+
+
+# ------------------------------------------------------------------------- outcomes
+
+
+async def test_success_sends_the_encoded_return_value(harness: Harness) -> None:
+    harness.start(echo_worker(harness))
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("T1")))
+    (result,) = await session.results(1)
+    assert (result.task_id, result.lease_id) == ("T1", "L-T1")
+    assert result.outcome == svc.OUTCOME_SUCCESS
+    assert result.result == b'{"echo":{"n":1},"attempt":1,"headers":{"h":"v"}}'
+
+
+async def test_handler_errors_map_to_outcomes(harness: Harness) -> None:
+    worker = harness.worker()
+
+    @worker.task("t.boom")
+    async def boom(payload: Any, ctx: TaskContext) -> None:
+        raise ValueError("bad input")
+
+    @worker.task("t.skip")
+    async def skip(payload: Any, ctx: TaskContext) -> None:
+        raise SkipRetry("permanently broken")
+
+    @worker.task("t.later")
+    async def later(payload: Any, ctx: TaskContext) -> None:
+        raise RetryAfter(2.5, "rate limited")
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    for task_id, task_type in [("A", "t.boom"), ("B", "t.skip"), ("C", "t.later"), ("D", "t.nope")]:
+        session.send(dispatch(envelope(task_id, task_type)))
+    results = {r.task_id: r for r in await session.results(4)}
+    assert results["A"].outcome == svc.OUTCOME_FAILURE
+    assert results["A"].error == "ValueError: bad input"
+    assert not results["A"].HasField("retry_after")
+    assert results["B"].outcome == svc.OUTCOME_SKIP_RETRY
+    assert results["B"].error == "permanently broken"
+    assert results["C"].outcome == svc.OUTCOME_FAILURE
+    assert results["C"].retry_after.ToTimedelta() == timedelta(seconds=2.5)
+    assert results["D"].outcome == svc.OUTCOME_FAILURE
+    assert results["D"].error == "no handler for type t.nope"
+
+
+async def test_attempt_timeout_and_deadline_cancel_the_handler(harness: Harness) -> None:
+    worker = harness.worker()
+    cancelled: set[str] = set()
+
+    @worker.task("t.hang")
+    async def hang(payload: Any, ctx: TaskContext) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.add(ctx.task_id)
+            raise
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("TO", "t.hang", timeout=0.05)))
+    session.send(
+        dispatch(envelope("DL", "t.hang", deadline=datetime.now(UTC) + timedelta(seconds=0.05)))
+    )
+    session.send(
+        dispatch(envelope("PAST", "t.hang", deadline=datetime.now(UTC) - timedelta(seconds=1)))
+    )
+    results = {r.task_id: r for r in await session.results(3)}
+    for task_id in ("TO", "DL", "PAST"):
+        assert results[task_id].outcome == svc.OUTCOME_FAILURE
+        assert results[task_id].error == "timed out"
+    assert cancelled == {"TO", "DL"}  # PAST never started
+
+
+async def test_progress_frames_carry_the_encoded_value(harness: Harness) -> None:
+    worker = harness.worker()
+
+    @worker.task("t.progress")
+    async def report(payload: Any, ctx: TaskContext) -> str:
+        await ctx.progress({"pct": 50})
+        return "done"
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("P", "t.progress")))
+    progress = (await session.frame("progress")).progress
+    assert (progress.task_id, progress.lease_id, progress.progress) == ("P", "L-P", b'{"pct":50}')
+    (result,) = await session.results(1)
+    assert result.result == b'"done"'
+
+
+async def test_results_ready_together_leave_as_one_batch_result(harness: Harness) -> None:
+    worker = harness.worker(concurrency=3)
+    gate = asyncio.Event()
+    started = 0
+    all_started = asyncio.Event()
+
+    @worker.task("t.gated")
+    async def gated(payload: Any, ctx: TaskContext) -> int:
+        nonlocal started
+        started += 1
+        if started == 3:
+            all_started.set()
+        await gate.wait()
+        return 1
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    for task_id in ("G1", "G2", "G3"):
+        session.send(dispatch(envelope(task_id, "t.gated")))
+    await asyncio.wait_for(all_started.wait(), WAIT)
+    gate.set()
+    frame = await session.frame("batch_result")
+    assert sorted(r.task_id for r in frame.batch_result.results) == ["G1", "G2", "G3"]
+    assert all(r.outcome == svc.OUTCOME_SUCCESS for r in frame.batch_result.results)
+
+
+# --------------------------------------------------------------- cancel, capacity
+
+
+async def test_cancel_stops_the_handler_and_suppresses_its_result(harness: Harness) -> None:
+    worker = echo_worker(harness)
+    cancelled = asyncio.Event()
+    started = asyncio.Event()
+
+    @worker.task("t.hang")
+    async def hang(payload: Any, ctx: TaskContext) -> str:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("H", "t.hang")))
+    await asyncio.wait_for(started.wait(), WAIT)
+    session.cancel("H")
+    await asyncio.wait_for(cancelled.wait(), WAIT)
+    session.send(dispatch(envelope("E")))
+    (result,) = await session.results(1)
+    assert result.task_id == "E"
+    assert [r.task_id for r in session.all_results()] == ["E"]
+    assert worker.running == 0
+
+
+async def test_concurrency_is_never_exceeded_and_extra_dispatches_are_released(
+    harness: Harness,
+) -> None:
+    worker = harness.worker(concurrency=2)
+    gate = asyncio.Event()
+    running = peak = 0
+    two_running = asyncio.Event()
+
+    @worker.task("t.gated")
+    async def gated(payload: Any, ctx: TaskContext) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        if running == 2:
+            two_running.set()
+        try:
+            await gate.wait()
+        finally:
+            running -= 1
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    for i in range(5):  # a misbehaving server: more than the worker's concurrency
+        session.send(dispatch(envelope(f"C{i}", "t.gated")))
+    released = await session.results(3)
+    assert sorted(r.task_id for r in released) == ["C2", "C3", "C4"]
+    assert all(r.outcome == svc.OUTCOME_RELEASE for r in released)
+    await asyncio.wait_for(two_running.wait(), WAIT)
+    gate.set()
+    done = await session.results(2)
+    assert sorted(r.task_id for r in done) == ["C0", "C1"]
+    assert peak == 2
+
+
+# ---------------------------------------------------------------------- lifecycle
+
+
+async def test_graceful_stop_releases_late_dispatches_and_unfinished_tasks(
+    harness: Harness,
+) -> None:
+    # Capacity is left over, so only the shutdown can explain a RELEASE of LATE.
+    worker = harness.worker(concurrency=3, grace_period=0.3)
+    finish_quick = asyncio.Event()
+    started: set[str] = set()
+    both_started = asyncio.Event()
+    slow_cancelled = asyncio.Event()
+
+    @worker.task("t.quick")
+    async def quick(payload: Any, ctx: TaskContext) -> str:
+        started.add(ctx.task_id)
+        if len(started) == 2:
+            both_started.set()
+        await finish_quick.wait()
+        return "ok"
+
+    @worker.task("t.slow")
+    async def slow(payload: Any, ctx: TaskContext) -> None:
+        started.add(ctx.task_id)
+        if len(started) == 2:
+            both_started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            slow_cancelled.set()
+            raise
+
+    run = harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("Q", "t.quick")))
+    session.send(dispatch(envelope("S", "t.slow")))
+    await asyncio.wait_for(both_started.wait(), WAIT)
+
+    worker.stop()
+    session.send(dispatch(envelope("LATE", "t.quick")))
+    (late,) = await session.results(1)
+    assert (late.task_id, late.outcome) == ("LATE", svc.OUTCOME_RELEASE)
+    finish_quick.set()
+    (quick_result,) = await session.results(1)
+    assert (quick_result.task_id, quick_result.outcome) == ("Q", svc.OUTCOME_SUCCESS)
+    (slow_result,) = await session.results(1)  # after the grace period
+    assert (slow_result.task_id, slow_result.outcome) == ("S", svc.OUTCOME_RELEASE)
+    await asyncio.wait_for(slow_cancelled.wait(), WAIT)
+    await asyncio.wait_for(session.half_closed.wait(), WAIT)
+    await asyncio.wait_for(run, WAIT)
+    assert session.all_results()[-1].task_id == "S"
+
+
+async def test_worker_reconnects_after_the_server_restarts(harness: Harness) -> None:
+    worker = harness.worker(concurrency=2)
+    gate = asyncio.Event()
+    events: list[str] = []
+    old_started = asyncio.Event()
+
+    @worker.task("t.gated")
+    async def gated(payload: Any, ctx: TaskContext) -> str:
+        events.append(f"start {ctx.task_id}")
+        old_started.set()
+        await gate.wait()
+        events.append(f"end {ctx.task_id}")
+        return "done"
+
+    harness.start(worker)
+    first = await harness.double.next_session()
+    first.send(dispatch(envelope("OLD", "t.gated")))
+    await asyncio.wait_for(old_started.wait(), WAIT)
+
+    await harness.restart()
+    second = await harness.double.next_session()
+    assert second.hello.concurrency == 2
+    # OLD (from the dead session) still holds a slot. NEW1 takes the other one; NEW2
+    # waits for a slot, leased, instead of running beside them or bouncing back ...
+    for task_id in ("NEW1", "NEW2"):
+        second.send(dispatch(envelope(task_id, "t.gated")))
+    # ... while a dispatch beyond what the session offered is given back at once.
+    second.send(dispatch(envelope("OVER", "t.gated")))
+    (over,) = await second.results(1)
+    assert (over.task_id, over.outcome) == ("OVER", svc.OUTCOME_RELEASE)
+    assert events == ["start OLD", "start NEW1"]
+    gate.set()
+    done = await second.results(2)
+    assert sorted((r.task_id, r.outcome) for r in done) == [
+        ("NEW1", svc.OUTCOME_SUCCESS),
+        ("NEW2", svc.OUTCOME_SUCCESS),
+    ]
+    assert events.index("start NEW2") > min(events.index("end OLD"), events.index("end NEW1"))
+    assert "OLD" not in {r.task_id for r in second.all_results()}  # its result was dropped
+
+
+async def test_a_stream_ended_by_the_server_is_reopened(harness: Harness) -> None:
+    harness.start(echo_worker(harness))
+    first = await harness.double.next_session()
+    first.outgoing.put_nowait(Abort(grpc.StatusCode.UNAVAILABLE, "draining"))
+    second = await harness.double.next_session()
+    second.send(dispatch(envelope("X")))
+    (result,) = await second.results(1)
+    assert result.outcome == svc.OUTCOME_SUCCESS
+
+
+async def test_sigterm_stops_a_worker_run_with_signal_handling(harness: Harness) -> None:
+    worker = harness.worker(grace_period=0.05)
+    started = asyncio.Event()
+
+    @worker.task("t.hang")
+    async def hang(payload: Any, ctx: TaskContext) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    run = asyncio.ensure_future(worker.run(handle_signals=True))
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("H", "t.hang")))
+    await asyncio.wait_for(started.wait(), WAIT)
+    os.kill(os.getpid(), signal.SIGTERM)
+    (released,) = await session.results(1)
+    assert (released.task_id, released.outcome) == ("H", svc.OUTCOME_RELEASE)
+    await asyncio.wait_for(session.half_closed.wait(), WAIT)
+    await asyncio.wait_for(run, WAIT)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        (grpc.StatusCode.FAILED_PRECONDITION, FailedPrecondition),
+        (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
+        (grpc.StatusCode.UNAUTHENTICATED, Unauthenticated),
+    ],
+)
+async def test_a_refused_session_makes_run_raise_without_retrying(
+    harness: Harness, code: grpc.StatusCode, error: type[Exception]
+) -> None:
+    harness.double.reject = Abort(code, "sdk 0.1.0 is older than 9.0.0")
+    run = harness.start(echo_worker(harness))
+    with pytest.raises(error, match=r"9\.0\.0"):
+        await asyncio.wait_for(run, WAIT)
+    assert harness.double.sessions.qsize() == 1
+
+
+# ------------------------------------------------------------------ sync handlers
+
+
+async def test_sync_handlers_run_in_threads_and_see_cancellation(harness: Harness) -> None:
+    worker = harness.worker(concurrency=3)
+    seen: dict[str, Any] = {}
+    started = threading.Event()
+    loop_thread = threading.get_ident()
+
+    @worker.task("t.sync")
+    def work(payload: Any, ctx: TaskContext) -> int:
+        seen["thread"] = threading.get_ident()
+        ctx.set_progress("halfway")
+        return int(payload["n"]) + 1
+
+    @worker.task("t.sync_wait")
+    def wait(payload: Any, ctx: TaskContext) -> str:
+        started.set()
+        seen[ctx.task_id] = ctx.wait_cancelled(WAIT)
+        seen[f"{ctx.task_id}.reason"] = ctx.cancel_reason
+        return "ignored"
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("S1", "t.sync")))
+    progress = (await session.frame("progress")).progress
+    assert progress.progress == b'"halfway"'
+    (result,) = await session.results(1)
+    assert (result.outcome, result.result) == (svc.OUTCOME_SUCCESS, b"2")
+    assert seen["thread"] != loop_thread
+
+    session.send(dispatch(envelope("W1", "t.sync_wait")))
+    await asyncio.to_thread(started.wait, WAIT)
+    session.cancel("W1", reason="operator")
+    session.send(dispatch(envelope("W2", "t.sync_wait", timeout=0.05)))
+    (timed_out,) = await session.results(1)
+    assert (timed_out.task_id, timed_out.error) == ("W2", "timed out")
+    await _until(lambda: worker.running == 0)
+    assert seen["W1"] is True
+    assert seen["W2"] is True
+    assert seen["W1.reason"] == "cancelled by the server: operator"
+    assert seen["W2.reason"] == "timed out"
+    assert "W1" not in [r.task_id for r in session.all_results()]
+
+
+async def _until(condition: Callable[[], bool | Awaitable[bool]]) -> None:
+    async def poll() -> None:
+        while True:
+            value = condition()
+            if value if isinstance(value, bool) else await value:
+                return
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), WAIT)

@@ -1,0 +1,36 @@
+"""``python -m conveyor_api [flags]``: run the api service until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from conveyor_runtime.service import open_runtime, run_service
+from conveyor_runtime.settings import ApiSettings
+from pydantic import ValidationError
+
+from conveyor_api.server import ApiServer
+
+
+async def serve(settings: ApiSettings, stop: asyncio.Event) -> None:
+    """Open the broker and NATS, serve until ``stop`` is set, then stop gracefully."""
+    async with open_runtime(settings, name="api") as rt:
+        server = ApiServer(settings, rt.broker, rt.nc, rt.clock)
+        await server.start()
+        await stop.wait()
+        await server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags and environment, run the service; the process exit code."""
+    try:
+        settings = ApiSettings.from_args(sys.argv[1:] if argv is None else argv)
+    except ValidationError as exc:
+        print(f"conveyor-api: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    return run_service(serve, settings, name="api")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

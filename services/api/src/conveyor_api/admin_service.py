@@ -1,0 +1,431 @@
+"""AdminService: inspection straight from the broker, and operator actions that are a
+broker write followed by a NATS nudge (a wake, a control reload, or a cancel broadcast).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from conveyor_broker import (
+    Broker,
+    BrokerError,
+    InvalidTask,
+    QueueStats,
+    Task,
+    TaskState,
+)
+from conveyor_broker.types import CANCELED_WHILE_RUNNING_ERROR
+from conveyor_broker.validation import check_queue, check_task_id
+from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
+from conveyor_runtime.codec import from_timestamp, task_to_proto
+from conveyor_runtime.subjects import Subjects
+from google.protobuf.message import DecodeError
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from conveyor_api.broker_status import abort_for_error
+from conveyor_api.coalesce import WakePublisher
+from conveyor_api.convert import state_filter
+from conveyor_api.session import SessionRegistry
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    _Context = grpc.aio.ServicerContext[Any, Any]
+
+#: Most tasks one BatchTaskAction touches.
+MAX_BATCH_ACTION = 1000
+#: Broker calls a BatchTaskAction runs at once.
+_BATCH_CONCURRENCY = 16
+#: Events a slow WatchEvents caller may fall behind by before events are dropped.
+_WATCH_BACKLOG = 10_000
+
+#: AdminService methods that exist on the wire but not yet in this server.
+NOT_YET_IMPLEMENTED = (
+    "SetRateLimit",
+    "DeleteRateLimit",
+    "ListRateLimits",
+    "SetConcurrencyLimit",
+    "DeleteConcurrencyLimit",
+    "ListConcurrencyLimits",
+    "SetGroupConfig",
+    "DeleteGroupConfig",
+    "ListGroupConfigs",
+    "GetGroupStats",
+    "UpsertCronEntry",
+    "ListCronEntries",
+    "SetCronPaused",
+    "DeleteCronEntry",
+    "UpsertWebhookWorker",
+    "GetWebhookWorker",
+    "ListWebhookWorkers",
+    "SetWebhookWorkerPaused",
+    "DeleteWebhookWorker",
+)
+
+
+def stats_to_proto(stats: QueueStats) -> service_pb2.QueueStats:
+    """Broker queue stats as the wire message (counts keyed by state name)."""
+    return service_pb2.QueueStats(
+        queue=stats.queue,
+        paused=stats.paused,
+        counts={state.value: stats.count(state) for state in TaskState},
+    )
+
+
+class AdminService(service_pb2_grpc.AdminServiceServicer):
+    """Operator API. Mutations are refused by the read-only interceptor when configured."""
+
+    def __init__(
+        self,
+        *,
+        broker: Broker,
+        nc: NATS,
+        subjects: Subjects,
+        wakes: WakePublisher,
+        registry: SessionRegistry,
+        server_version: str,
+    ) -> None:
+        self._broker = broker
+        self._nc = nc
+        self._subjects = subjects
+        self._wakes = wakes
+        self._registry = registry
+        self._server_version = server_version
+        self._watchers: set[asyncio.Queue[bytes | None]] = set()
+
+    def end_watches(self) -> None:
+        """End every WatchEvents stream (OK status), so a server stop need not wait."""
+        for inbox in self._watchers:
+            while True:
+                try:
+                    inbox.put_nowait(None)
+                    break
+                except asyncio.QueueFull:
+                    inbox.get_nowait()  # the watcher is leaving: its backlog no longer matters
+
+    # ------------------------------------------------------------- reads
+
+    async def GetTask(
+        self, request: service_pb2.GetTaskRequest, context: _Context
+    ) -> service_pb2.GetTaskResponse:
+        """One task by id."""
+        try:
+            check_task_id(request.id)
+            task = await self._broker.get_task(request.id)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.GetTaskResponse(task=task_to_proto(task))
+
+    async def ListTasks(
+        self, request: service_pb2.ListTasksRequest, context: _Context
+    ) -> service_pb2.ListTasksResponse:
+        """A page of tasks, filtered by queue and state."""
+        try:
+            if request.queue:
+                check_queue(request.queue)
+            page = await self._broker.list_tasks(
+                queue=request.queue or None,
+                state=state_filter(request.state),
+                limit=request.limit or 100,
+                cursor=request.cursor or None,
+            )
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.ListTasksResponse(
+            tasks=[task_to_proto(t) for t in page.tasks], next_cursor=page.next_cursor or ""
+        )
+
+    async def ListQueues(
+        self, request: service_pb2.ListQueuesRequest, context: _Context
+    ) -> service_pb2.ListQueuesResponse:
+        """Every known queue with its per-state counts."""
+        try:
+            stats = await self._broker.queue_stats()
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.ListQueuesResponse(queues=[stats_to_proto(s) for s in stats])
+
+    async def GetQueueStats(
+        self, request: service_pb2.GetQueueStatsRequest, context: _Context
+    ) -> service_pb2.GetQueueStatsResponse:
+        """One queue's counts (all zero for a queue never seen)."""
+        try:
+            check_queue(request.queue)
+            stats = await self._broker.queue_stats(request.queue)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.GetQueueStatsResponse(stats=stats_to_proto(stats[0]))
+
+    async def GetClusterInfo(
+        self, request: service_pb2.GetClusterInfoRequest, context: _Context
+    ) -> service_pb2.GetClusterInfoResponse:
+        """Best effort: this process's worker sessions and the broker driver."""
+        try:
+            info = await self._broker.info()
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.GetClusterInfoResponse(
+            server_version=self._server_version,
+            broker=info.driver,
+            sessions=[gw.session_info() for gw in self._registry.gateways.values()],
+        )
+
+    async def WatchEvents(
+        self, request: service_pb2.WatchEventsRequest, context: _Context
+    ) -> AsyncIterator[service_pb2.TaskEvent]:
+        """Live lifecycle events. Initial metadata is sent once the subscription is live,
+        so a caller can wait for it before causing the events it wants to see."""
+        try:
+            for queue in request.queues:
+                check_queue(queue)
+            for state in request.states:
+                state_filter(state)
+        except InvalidTask as exc:
+            await abort_for_error(context, exc)
+        wanted_states = set(request.states)
+        inbox: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=_WATCH_BACKLOG)
+
+        async def on_event(msg: Msg) -> None:
+            try:
+                inbox.put_nowait(msg.data)
+            except asyncio.QueueFull:
+                logger.warning("watch_events.dropped reason=backlog_full")
+
+        subjects = [self._subjects.events(q, "*") for q in sorted(set(request.queues))] or [
+            self._subjects.events_wildcard()
+        ]
+        subs = [await self._nc.subscribe(s, cb=on_event) for s in subjects]
+        self._watchers.add(inbox)
+        try:
+            await self._nc.flush()
+            await context.send_initial_metadata(())
+            while True:
+                data = await inbox.get()
+                if data is None:
+                    return
+                try:
+                    event = service_pb2.TaskEvent.FromString(data)
+                except DecodeError:
+                    logger.warning("watch_events.bad_event")
+                    continue
+                if wanted_states and event.state not in wanted_states:
+                    continue
+                yield event
+        finally:
+            self._watchers.discard(inbox)
+            for sub in subs:
+                try:
+                    await sub.unsubscribe()
+                except Exception as exc:
+                    logger.debug("watch_events.unsubscribe_failed error=%r", exc)
+
+    # ---------------------------------------------------------- queue flags
+
+    async def _set_paused(self, queue: str, paused: bool, context: _Context) -> None:
+        try:
+            check_queue(queue)
+            await self._broker.set_queue_paused(queue, paused)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        reason = "paused" if paused else "resumed"
+        body = cluster_pb2.Control(queue=queue, reason=reason).SerializeToString()
+        await self._publish(self._subjects.control(queue), body)
+        logger.info("admin.queue_%s queue=%s", reason, queue)
+
+    async def PauseQueue(
+        self, request: service_pb2.PauseQueueRequest, context: _Context
+    ) -> service_pb2.PauseQueueResponse:
+        """Persist the pause flag, then tell the queue's dispatcher to reload."""
+        await self._set_paused(request.queue, True, context)
+        return service_pb2.PauseQueueResponse()
+
+    async def ResumeQueue(
+        self, request: service_pb2.ResumeQueueRequest, context: _Context
+    ) -> service_pb2.ResumeQueueResponse:
+        """Clear the pause flag, then tell the queue's dispatcher to reload."""
+        await self._set_paused(request.queue, False, context)
+        return service_pb2.ResumeQueueResponse()
+
+    # ---------------------------------------------------------- task actions
+
+    async def _publish(self, subject: str, body: bytes) -> None:
+        # Hints only: the broker write already happened, so a lost publish just delays.
+        try:
+            await self._nc.publish(subject, body)
+        except Exception as exc:
+            logger.warning("admin.publish_failed subject=%s error=%r", subject, exc)
+
+    async def _act(
+        self, action: int, task_id: str, process_at: datetime | None = None
+    ) -> Task | None:
+        """Run one task action and its nudge. Raises BrokerError."""
+        check_task_id(task_id)
+        broker = self._broker
+        if action == service_pb2.TASK_ACTION_CANCEL:
+            task = await broker.cancel_task(task_id)
+            if task.state is TaskState.ARCHIVED and task.last_error == CANCELED_WHILE_RUNNING_ERROR:
+                # It was running: its gateway (wherever it is) tells the worker to stop.
+                body = cluster_pb2.CancelBroadcast(
+                    task_id=task_id, reason=CANCELED_WHILE_RUNNING_ERROR
+                ).SerializeToString()
+                await self._publish(self._subjects.cancel(), body)
+            return task
+        if action == service_pb2.TASK_ACTION_DELETE:
+            await broker.delete_task(task_id)
+            return None
+        if action == service_pb2.TASK_ACTION_ARCHIVE:
+            return await broker.archive_task(task_id)
+        if action == service_pb2.TASK_ACTION_RUN_NOW:
+            task = await broker.run_task_now(task_id)
+        elif action == service_pb2.TASK_ACTION_REVIVE:
+            task = await broker.revive_task(task_id)
+        elif action == service_pb2.TASK_ACTION_RESCHEDULE:
+            if process_at is None:
+                raise InvalidTask("reschedule needs process_at")
+            task = await broker.reschedule_task(task_id, process_at)
+        else:
+            raise InvalidTask(f"unknown task action {action}")
+        if task.state is TaskState.PENDING:
+            self._wakes.wake(task.queue)
+        return task
+
+    async def _single(
+        self, action: int, task_id: str, context: _Context, process_at: datetime | None = None
+    ) -> service_pb2.TaskActionResponse:
+        try:
+            task = await self._act(action, task_id, process_at)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        logger.info("admin.task_action action=%s task=%s", _action_name(action), task_id)
+        if task is None:
+            return service_pb2.TaskActionResponse()
+        return service_pb2.TaskActionResponse(task=task_to_proto(task))
+
+    async def CancelTask(
+        self, request: service_pb2.TaskActionRequest, context: _Context
+    ) -> service_pb2.TaskActionResponse:
+        """Cancel a waiting task; abort a running one (its worker is told to stop)."""
+        return await self._single(service_pb2.TASK_ACTION_CANCEL, request.id, context)
+
+    async def RunTaskNow(
+        self, request: service_pb2.TaskActionRequest, context: _Context
+    ) -> service_pb2.TaskActionResponse:
+        """Make a waiting task due now and wake its queue."""
+        return await self._single(service_pb2.TASK_ACTION_RUN_NOW, request.id, context)
+
+    async def DeleteTask(
+        self, request: service_pb2.TaskActionRequest, context: _Context
+    ) -> service_pb2.TaskActionResponse:
+        """Delete a task that is not running."""
+        return await self._single(service_pb2.TASK_ACTION_DELETE, request.id, context)
+
+    async def ArchiveTask(
+        self, request: service_pb2.TaskActionRequest, context: _Context
+    ) -> service_pb2.TaskActionResponse:
+        """Archive a waiting task."""
+        return await self._single(service_pb2.TASK_ACTION_ARCHIVE, request.id, context)
+
+    async def ReviveTask(
+        self, request: service_pb2.TaskActionRequest, context: _Context
+    ) -> service_pb2.TaskActionResponse:
+        """Bring an archived task back as pending and wake its queue."""
+        return await self._single(service_pb2.TASK_ACTION_REVIVE, request.id, context)
+
+    async def RescheduleTask(
+        self, request: service_pb2.RescheduleTaskRequest, context: _Context
+    ) -> service_pb2.TaskActionResponse:
+        """Move a waiting task to ``process_at``."""
+        if not request.HasField("process_at"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "process_at is required")
+        when = from_timestamp(request.process_at)
+        return await self._single(service_pb2.TASK_ACTION_RESCHEDULE, request.id, context, when)
+
+    async def BatchTaskAction(
+        self, request: service_pb2.BatchTaskActionRequest, context: _Context
+    ) -> service_pb2.BatchTaskActionResponse:
+        """One action over up to 1000 tasks, chosen by ids or by queue and state."""
+        try:
+            ids, process_at = await self._select(request)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        limiter = asyncio.Semaphore(_BATCH_CONCURRENCY)
+        failures: dict[str, str] = {}
+
+        async def one(task_id: str) -> bool:
+            async with limiter:
+                try:
+                    await self._act(request.action, task_id, process_at)
+                except BrokerError as exc:
+                    failures[task_id] = str(exc)
+                    return False
+                return True
+
+        done = await asyncio.gather(*(one(i) for i in ids))
+        logger.info(
+            "admin.batch_action action=%s selected=%d affected=%d",
+            _action_name(request.action),
+            len(ids),
+            sum(done),
+        )
+        return service_pb2.BatchTaskActionResponse(affected=sum(done), failures=failures)
+
+    async def _select(
+        self, request: service_pb2.BatchTaskActionRequest
+    ) -> tuple[list[str], datetime | None]:
+        action = request.action
+        if action not in _ACTION_NAMES:
+            raise InvalidTask(f"unknown or missing task action {action}")
+        process_at: datetime | None = None
+        if action == service_pb2.TASK_ACTION_RESCHEDULE:
+            if not request.HasField("process_at"):
+                raise InvalidTask("RESCHEDULE needs process_at")
+            process_at = from_timestamp(request.process_at)
+        selector = request.selector
+        if selector.ids:
+            if selector.queue or selector.state:
+                raise InvalidTask("select by ids or by queue and state, not both")
+            if len(selector.ids) > MAX_BATCH_ACTION:
+                raise InvalidTask(
+                    f"at most {MAX_BATCH_ACTION} ids per batch action, got {len(selector.ids)}"
+                )
+            return list(dict.fromkeys(selector.ids)), process_at
+        if not selector.queue:
+            raise InvalidTask("the selector needs ids, or a queue (and optionally a state)")
+        check_queue(selector.queue)
+        page = await self._broker.list_tasks(
+            queue=selector.queue, state=state_filter(selector.state), limit=MAX_BATCH_ACTION
+        )
+        return [t.id for t in page.tasks], process_at
+
+
+_ACTION_NAMES: dict[int, str] = {
+    value: name.removeprefix("TASK_ACTION_")
+    for name, value in service_pb2.TaskAction.items()
+    if value != service_pb2.TASK_ACTION_UNSPECIFIED
+}
+
+
+def _action_name(action: int) -> str:
+    return _ACTION_NAMES.get(action, str(action))
+
+
+def _not_yet(name: str) -> Any:
+    async def method(self: AdminService, request: object, context: _Context) -> None:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"AdminService.{name} is not implemented by this server yet",
+        )
+
+    method.__name__ = name
+    method.__qualname__ = f"AdminService.{name}"
+    return method
+
+
+for _name in NOT_YET_IMPLEMENTED:
+    setattr(AdminService, _name, _not_yet(_name))

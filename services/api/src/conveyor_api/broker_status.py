@@ -1,0 +1,67 @@
+"""How broker errors (and unexpected ones) surface as gRPC statuses."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NoReturn
+
+import grpc
+from conveyor_broker import (
+    BrokerClosed,
+    BrokerError,
+    DuplicateTask,
+    InvalidState,
+    InvalidTask,
+    LeaseLost,
+    TaskNotFound,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Trailing-metadata key carrying the id of the live task that holds a unique key.
+EXISTING_ID_KEY = "conveyor-existing-id"
+
+_CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
+    (InvalidTask, grpc.StatusCode.INVALID_ARGUMENT),
+    (TaskNotFound, grpc.StatusCode.NOT_FOUND),
+    (InvalidState, grpc.StatusCode.FAILED_PRECONDITION),
+    (DuplicateTask, grpc.StatusCode.ALREADY_EXISTS),
+    (LeaseLost, grpc.StatusCode.FAILED_PRECONDITION),
+    (BrokerClosed, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_code_of(exc: BrokerError) -> grpc.StatusCode:
+    """The gRPC status code for a broker error (INTERNAL for one we do not know)."""
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_with_broker_error(
+    context: grpc.aio.ServicerContext[Any, Any], exc: BrokerError
+) -> NoReturn:
+    """End the call with the status that matches ``exc``.
+
+    A DuplicateTask also carries the holder's id in the ``conveyor-existing-id`` trailer,
+    so a client can act on it without parsing the message.
+    """
+    trailers: tuple[tuple[str, str], ...] = ()
+    if isinstance(exc, DuplicateTask):
+        trailers = ((EXISTING_ID_KEY, exc.existing_id),)
+    await context.abort(status_code_of(exc), str(exc), trailing_metadata=trailers)
+
+
+async def abort_for_error(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:
+    """End the call for any error a handler caught.
+
+    Broker errors map as in :func:`status_code_of`. A lost connection (OSError, timeout)
+    is UNAVAILABLE, which clients retry; anything else is a bug here and INTERNAL.
+    """
+    if isinstance(exc, BrokerError):
+        await abort_with_broker_error(context, exc)
+    logger.exception("rpc.failed error=%r", exc)
+    if isinstance(exc, OSError | TimeoutError):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"temporarily unavailable: {exc!r}")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")

@@ -1,0 +1,105 @@
+"""Coalesced NATS hints: wakes per queue and Done credit refills per gateway.
+
+Both are hints (losing one delays work, never loses it), so bursts collapse into as few
+messages as possible: at most one Wake per queue is pending at a time, and completions
+of one loop turn add up into one Done per queue.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+
+from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.subjects import Subjects
+from nats.aio.client import Client as NATS
+
+logger = logging.getLogger(__name__)
+
+
+class _Coalescer(abc.ABC):
+    """Runs ``_drain`` soon after the first ``_schedule`` and again while work piles up."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[None] | None = None
+
+    def _schedule(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        # Yielding once lets every caller of this loop turn join the same drain.
+        await asyncio.sleep(0)
+        while self._has_pending():
+            try:
+                await self._drain()
+            except Exception:
+                logger.exception("coalesce.publish_failed")
+
+    @abc.abstractmethod
+    def _has_pending(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def _drain(self) -> None: ...
+
+    async def aclose(self) -> None:
+        """Publish what is pending, then stop."""
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+class WakePublisher(_Coalescer):
+    """Publishes ``Wake`` on ``subjects.wake(queue)``, at most one pending per queue."""
+
+    def __init__(self, nc: NATS, subjects: Subjects) -> None:
+        super().__init__()
+        self._nc = nc
+        self._subjects = subjects
+        self._pending: set[str] = set()
+
+    def wake(self, queue: str) -> None:
+        """Ask for a Wake of ``queue``; a no-op when one is already pending."""
+        if queue not in self._pending:
+            self._pending.add(queue)
+            self._schedule()
+
+    def _has_pending(self) -> bool:
+        return bool(self._pending)
+
+    async def _drain(self) -> None:
+        queues = sorted(self._pending)
+        self._pending.clear()
+        for queue in queues:
+            body = cluster_pb2.Wake(queue=queue).SerializeToString()
+            await self._nc.publish(self._subjects.wake(queue), body)
+
+
+class DonePublisher(_Coalescer):
+    """Publishes ``Done{gateway, queue, n}`` on ``subjects.done(queue)``, summed per queue."""
+
+    def __init__(self, nc: NATS, subjects: Subjects, gateway: str) -> None:
+        super().__init__()
+        self._nc = nc
+        self._subjects = subjects
+        self._gateway = gateway
+        self._pending: Counter[str] = Counter()
+
+    def done(self, queue: str, n: int = 1) -> None:
+        """Report ``n`` freed slots on ``queue``."""
+        if n > 0:
+            self._pending[queue] += n
+            self._schedule()
+
+    def _has_pending(self) -> bool:
+        return bool(self._pending)
+
+    async def _drain(self) -> None:
+        pending = dict(self._pending)
+        self._pending.clear()
+        for queue, n in sorted(pending.items()):
+            body = cluster_pb2.Done(gateway=self._gateway, queue=queue, n=n).SerializeToString()
+            await self._nc.publish(self._subjects.done(queue), body)

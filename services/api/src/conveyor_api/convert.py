@@ -1,0 +1,87 @@
+"""Request conversion for the api: the shared codec plus server defaults and strict checks.
+
+Every problem is an ``InvalidTask`` whose message a caller can act on, so the gRPC layer
+maps it straight to INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from conveyor_broker import InvalidTask, NewTask, TaskState
+from conveyor_broker.clock import Clock
+from conveyor_broker.ids import new_id
+from conveyor_broker.validation import check_new_task
+from conveyor_protos.v1 import task_pb2
+from conveyor_runtime import codec
+
+
+@dataclass(frozen=True, slots=True)
+class TaskDefaults:
+    """Server-side defaults applied to a new task that leaves them unset."""
+
+    max_retry: int
+    retention: timedelta
+    max_payload: int
+
+
+def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDefaults) -> NewTask:
+    """Validate a producer's NewTask and turn it into the broker's, with defaults applied.
+
+    ``process_in`` becomes ``process_at`` relative to ``clock``; an empty id gets a fresh
+    ULID; unset ``max_retry`` and ``retention`` take the server defaults. Raises
+    InvalidTask describing the first problem.
+    """
+    opts = msg.options
+    if opts.on_failure not in task_pb2.OnFailure.values():
+        raise InvalidTask(f"unknown on_failure value {opts.on_failure}")
+    now = clock.now()
+    try:
+        if opts.HasField("process_in") and codec.from_duration(opts.process_in) < timedelta(0):
+            raise InvalidTask(
+                f"process_in must be >= 0, got {codec.from_duration(opts.process_in)}"
+            )
+        task = codec.new_task_from_proto(msg, now)
+    except InvalidTask:
+        raise
+    except (ValueError, OverflowError) as exc:
+        # Out-of-range timestamps and durations surface as these from protobuf/datetime.
+        raise InvalidTask(f"bad time value: {exc}") from None
+    task = dataclasses.replace(
+        task,
+        id=task.id or new_id(now),
+        max_retry=defaults.max_retry if task.max_retry is None else task.max_retry,
+        retention=defaults.retention if task.retention is None else task.retention,
+    )
+    check_new_task(task, max_payload=defaults.max_payload)
+    check_time_bounds(task, now)
+    return task
+
+
+def check_time_bounds(task: NewTask, now: datetime) -> None:
+    """Refuse a ``deadline`` or ``expires_at`` that is already past at ``now``, or that
+    comes no later than ``process_at``: such a task could never run. Raises InvalidTask."""
+    for name in ("deadline", "expires_at"):
+        when: datetime | None = getattr(task, name)
+        if when is None:
+            continue
+        if when <= now:
+            raise InvalidTask(
+                f"{name} {when.isoformat()} is not in the future (server time {now.isoformat()})"
+            )
+        if task.process_at is not None and when <= task.process_at:
+            raise InvalidTask(
+                f"{name} {when.isoformat()} must be after process_at {task.process_at.isoformat()}"
+            )
+
+
+def state_filter(value: int) -> TaskState | None:
+    """The state a request filters on: None for UNSPECIFIED; InvalidTask when unknown."""
+    if value == task_pb2.TASK_STATE_UNSPECIFIED:
+        return None
+    state = codec.state_from_proto(value)  # type: ignore[arg-type]
+    if state is None:
+        raise InvalidTask(f"unknown task state {value}")
+    return state

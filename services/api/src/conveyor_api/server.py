@@ -1,0 +1,229 @@
+"""ApiServer: the api service's gRPC server, runnable in-process (``conveyor dev``, tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import grpc
+from conveyor_broker import Broker
+from conveyor_broker.clock import Clock, SystemClock
+from conveyor_protos.v1 import cluster_pb2, service_pb2_grpc
+from conveyor_runtime.settings import ApiSettings
+from conveyor_runtime.subjects import Subjects
+from google.protobuf.message import DecodeError
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from conveyor_api.admin_service import AdminService
+from conveyor_api.auth import BearerAuthInterceptor, ReadOnlyInterceptor
+from conveyor_api.coalesce import WakePublisher
+from conveyor_api.convert import TaskDefaults
+from conveyor_api.gateway import Gateway, GatewayConfig, WorkerSpec
+from conveyor_api.group_commit import AckBatcher, EnqueueCommitter
+from conveyor_api.semver import parse_version
+from conveyor_api.session import HELLO_TIMEOUT, FrameWriter, SessionRegistry, WorkerService
+from conveyor_api.task_service import TaskService, wake_for
+from conveyor_api.version import __version__
+
+logger = logging.getLogger(__name__)
+
+#: Room above the largest payload/result for the rest of a message (headers, options).
+#: A payload a little over the limit gets our own INVALID_ARGUMENT naming the limit; a
+#: message past this margin is refused by gRPC itself with RESOURCE_EXHAUSTED.
+FRAME_HEADROOM = 256 * 1024
+DEFAULT_CANCEL_REASON = "canceled by an operator"
+
+
+def server_options(settings: ApiSettings) -> list[tuple[str, Any]]:
+    """gRPC channel arguments: message size limits and keepalive for long-lived streams."""
+    max_message = max(settings.max_payload, settings.max_result) + FRAME_HEADROOM
+    return [
+        ("grpc.max_receive_message_length", max_message),
+        # Server pings an idle connection every 30 s and drops it after 10 s of silence,
+        # so a worker that vanished without a FIN is noticed and its tasks released.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Let clients keepalive-ping as often as every 10 s without being kicked off.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        # Two api processes on one port would split sessions silently: fail instead.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _add(register: Callable[..., None], servicer: object, server: grpc.aio.Server) -> None:
+    # The generated ``add_*_to_server`` functions are untyped; this is their one call site.
+    register(servicer, server)
+
+
+class ApiServer:
+    """TaskService, WorkerService and AdminService on one gRPC port.
+
+    ``broker`` and ``nc`` belong to the caller (it connects and closes them); the server
+    only uses them. ``port`` is the bound port once :meth:`start` returns.
+    """
+
+    def __init__(
+        self,
+        settings: ApiSettings,
+        broker: Broker,
+        nc: NATS,
+        clock: Clock | None = None,
+        *,
+        hello_timeout: float = HELLO_TIMEOUT,
+    ) -> None:
+        parse_version(settings.min_sdk_version)  # fail at construction, not per session
+        self.settings = settings
+        self.broker = broker
+        self.nc = nc
+        self.clock: Clock = clock or SystemClock()
+        self.subjects = Subjects(settings.subject_prefix)
+        self.port = 0
+        self.registry = SessionRegistry()
+        self.wakes = WakePublisher(nc, self.subjects)
+        self.acks = AckBatcher(broker)
+        self.committer = EnqueueCommitter(
+            broker,
+            window=settings.enqueue_batch_window,
+            max_items=settings.enqueue_batch_max,
+            on_commit=lambda results: wake_for(results, self.wakes),
+        )
+        self.gateway_config = GatewayConfig(
+            lease_ttl=settings.lease_ttl_delta,
+            register_tick=settings.register_tick,
+            max_result=settings.max_result,
+            timeout_grace=timedelta(seconds=settings.timeout_grace),
+            clock=self.clock,
+        )
+        self._hello_timeout = hello_timeout
+        self._server: grpc.aio.Server | None = None
+        self._cancel_sub: Subscription | None = None
+        self._admin: AdminService | None = None
+
+    def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.settings.auth_tokens:
+            interceptors.append(BearerAuthInterceptor(self.settings.auth_tokens))
+        else:
+            # ApiSettings refuses this combination unless allow_unauthenticated is set.
+            logger.warning(
+                "auth.DISABLED: no auth tokens configured and allow_unauthenticated is set; "
+                "ANY client can enqueue, run workers and administer queues. Never do this "
+                "outside development."
+            )
+        if self.settings.read_only:
+            interceptors.append(ReadOnlyInterceptor())
+        return interceptors
+
+    def _make_gateway(self, session_id: str, spec: WorkerSpec, writer: FrameWriter) -> Gateway:
+        return Gateway(
+            session_id,
+            spec,
+            broker=self.broker,
+            nc=self.nc,
+            subjects=self.subjects,
+            config=self.gateway_config,
+            acks=self.acks,
+            wakes=self.wakes,
+            send=writer.send,
+            connected_at=self.clock.now(),
+        )
+
+    async def start(self) -> None:
+        """Bind the port, start serving, and listen for cancel broadcasts."""
+        settings = self.settings
+        server = grpc.aio.server(
+            interceptors=self._interceptors(), options=server_options(settings)
+        )
+        defaults = TaskDefaults(
+            max_retry=settings.default_max_retry,
+            retention=timedelta(seconds=settings.default_retention),
+            max_payload=settings.max_payload,
+        )
+        _add(
+            service_pb2_grpc.add_TaskServiceServicer_to_server,
+            TaskService(self.broker, self.clock, defaults, self.committer, self.wakes),
+            server,
+        )
+        _add(
+            service_pb2_grpc.add_WorkerServiceServicer_to_server,
+            WorkerService(
+                registry=self.registry,
+                clock=self.clock,
+                config=self.gateway_config,
+                server_version=__version__,
+                min_sdk_version=settings.min_sdk_version,
+                make_gateway=self._make_gateway,
+                hello_timeout=self._hello_timeout,
+            ),
+            server,
+        )
+        self._admin = AdminService(
+            broker=self.broker,
+            nc=self.nc,
+            subjects=self.subjects,
+            wakes=self.wakes,
+            registry=self.registry,
+            server_version=__version__,
+        )
+        _add(service_pb2_grpc.add_AdminServiceServicer_to_server, self._admin, server)
+        self.port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {settings.host}:{settings.port}")
+        self._cancel_sub = await self.nc.subscribe(
+            self.subjects.cancel(), cb=self._on_cancel_broadcast
+        )
+        await self.nc.flush()
+        await server.start()
+        self._server = server
+        logger.info(
+            "api.started host=%s port=%d version=%s auth=%s read_only=%s",
+            settings.host,
+            self.port,
+            __version__,
+            "on" if settings.auth_tokens else "OFF",
+            settings.read_only,
+        )
+
+    async def _on_cancel_broadcast(self, msg: Msg) -> None:
+        # One subscription per process, routed here, rather than one per session.
+        try:
+            request = cluster_pb2.CancelBroadcast.FromString(msg.data)
+        except DecodeError:
+            logger.warning("api.bad_cancel_broadcast")
+            return
+        if request.task_id:
+            self.registry.cancel_task(request.task_id, request.reason or DEFAULT_CANCEL_REASON)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop gracefully: end every session (releasing its tasks at once), let unary
+        calls finish for up to ``grace`` seconds, commit what is queued, flush NATS."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        stopping = asyncio.get_running_loop().create_task(server.stop(grace))
+        if self._admin is not None:
+            self._admin.end_watches()
+        await self.registry.shutdown()
+        await stopping
+        # A session that finished its Hello while we were stopping.
+        await self.registry.shutdown()
+        await self.committer.aclose()
+        await self.acks.aclose()
+        await self.wakes.aclose()
+        if self._cancel_sub is not None:
+            try:
+                await self._cancel_sub.unsubscribe()
+            except Exception as exc:
+                logger.debug("api.unsubscribe_failed error=%r", exc)
+        try:
+            await self.nc.flush(timeout=2)
+        except Exception as exc:
+            logger.warning("api.nats_flush_failed error=%r", exc)
+        logger.info("api.stopped port=%d", self.port)

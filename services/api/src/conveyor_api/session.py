@@ -1,0 +1,283 @@
+"""WorkerService.Session: the handshake, the frame writer, and the session's lifetime.
+
+The contract is /work/notes/protocol-contract.md (docs/protocol.md). Choices made here:
+
+- Hello problems end the stream before anything is leased: INVALID_ARGUMENT for a missing
+  or malformed Hello (or none within ``hello_timeout``), FAILED_PRECONDITION for a version
+  mismatch, naming both versions.
+- After Hello, a malformed frame (a second Hello, an empty frame, a Result with no lease)
+  is logged and ignored; the stream stays up. Ending it would release every task the
+  worker is running just because of one bad frame, and nothing a bad frame can say
+  changes a task without a lease it holds.
+- Every server frame goes through one writer task, so frames never interleave.
+- However the stream ends (worker half-close, cancel, broken connection, server shutdown)
+  the gateway releases everything it still holds at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+from conveyor_broker import InvalidTask
+from conveyor_broker.clock import Clock
+from conveyor_broker.ids import new_id
+from conveyor_broker.validation import check_queue
+from conveyor_protos.v1 import service_pb2, service_pb2_grpc
+from conveyor_runtime.codec import duration
+
+from conveyor_api.gateway import Gateway, GatewayConfig, WorkerSpec
+from conveyor_api.semver import at_least
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    _Context = grpc.aio.ServicerContext[service_pb2.WorkerFrame, service_pb2.ServerFrame]
+
+#: A Hello must arrive this soon after the stream opens.
+HELLO_TIMEOUT = 10.0
+#: Most queues one session may serve (each costs the gateway NATS subscriptions).
+MAX_QUEUES = 1000
+FIRST_FRAME_MUST_BE_HELLO = "first frame must be Hello"
+
+
+class HelloRejected(Exception):
+    """A Hello the server will not accept, with the status to end the stream with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def check_hello(hello: service_pb2.Hello, server_version: str, min_sdk_version: str) -> WorkerSpec:
+    """The worker's declaration, or HelloRejected saying what is wrong with it."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    if not hello.queues:
+        raise HelloRejected(invalid, "Hello must name at least one queue")
+    if len(hello.queues) > MAX_QUEUES:
+        raise HelloRejected(
+            invalid, f"Hello names {len(hello.queues)} queues; at most {MAX_QUEUES} are allowed"
+        )
+    for queue, weight in hello.queues.items():
+        try:
+            check_queue(queue)
+        except InvalidTask as exc:
+            raise HelloRejected(invalid, str(exc)) from None
+        if weight < 1:
+            raise HelloRejected(invalid, f"weight of queue {queue!r} must be >= 1, got {weight}")
+    if hello.concurrency < 1:
+        raise HelloRejected(invalid, f"concurrency must be >= 1, got {hello.concurrency}")
+    versions = (
+        f"server version {server_version} (worker needs >= {hello.min_server_version or 'any'}), "
+        f"sdk version {hello.sdk_version!r} (server needs >= {min_sdk_version})"
+    )
+    try:
+        compatible = at_least(server_version, hello.min_server_version) and at_least(
+            hello.sdk_version, min_sdk_version
+        )
+    except ValueError as exc:
+        raise HelloRejected(
+            grpc.StatusCode.FAILED_PRECONDITION, f"unparsable version: {exc}; {versions}"
+        ) from None
+    if not compatible:
+        raise HelloRejected(grpc.StatusCode.FAILED_PRECONDITION, f"incompatible: {versions}")
+    return WorkerSpec(
+        queues=dict(hello.queues),
+        concurrency=hello.concurrency,
+        labels=dict(hello.labels),
+        worker_id=hello.worker_id,
+        sdk_version=hello.sdk_version,
+        batch_types=tuple(hello.batch_types),
+    )
+
+
+class FrameWriter:
+    """The one coroutine that writes to a session's stream."""
+
+    def __init__(self, context: _Context) -> None:
+        self._context = context
+        self._queue: asyncio.Queue[service_pb2.ServerFrame] = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        self.task.add_done_callback(_consume_exception)
+
+    def send(self, frame: service_pb2.ServerFrame) -> None:
+        """Queue ``frame``; frames go out in the order they were sent."""
+        self._queue.put_nowait(frame)
+
+    async def _run(self) -> None:
+        while True:
+            frame = await self._queue.get()
+            await self._context.write(frame)
+
+
+class SessionRegistry:
+    """The live gateways of this process, and the closes still running."""
+
+    def __init__(self) -> None:
+        self.gateways: dict[str, Gateway] = {}
+        self._stops: dict[str, asyncio.Event] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def add(self, gateway: Gateway) -> asyncio.Event:
+        """Track ``gateway``; the returned event is set when the server wants it gone."""
+        stop = asyncio.Event()
+        self.gateways[gateway.id] = gateway
+        self._stops[gateway.id] = stop
+        return stop
+
+    def close_soon(self, gateway: Gateway) -> asyncio.Task[None]:
+        """Close ``gateway`` in a task of its own that outlives a cancelled handler."""
+        self.gateways.pop(gateway.id, None)
+        self._stops.pop(gateway.id, None)
+        task = asyncio.get_running_loop().create_task(gateway.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return task
+
+    def cancel_task(self, task_id: str, reason: str) -> bool:
+        """Cancel ``task_id`` on whichever local session holds it."""
+        return any(gw.cancel(task_id, reason) for gw in list(self.gateways.values()))
+
+    async def shutdown(self) -> None:
+        """Ask every session to end and wait until each has released its tasks."""
+        gateways = list(self.gateways.values())
+        for stop in self._stops.values():
+            stop.set()
+        for gateway in gateways:
+            self.close_soon(gateway)
+        while self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+class WorkerService(service_pb2_grpc.WorkerServiceServicer):
+    """Accepts worker sessions; each one gets a Gateway for as long as it lasts."""
+
+    def __init__(
+        self,
+        *,
+        registry: SessionRegistry,
+        clock: Clock,
+        config: GatewayConfig,
+        server_version: str,
+        min_sdk_version: str,
+        make_gateway: Callable[[str, WorkerSpec, FrameWriter], Gateway],
+        hello_timeout: float = HELLO_TIMEOUT,
+    ) -> None:
+        self._registry = registry
+        self._clock = clock
+        self._config = config
+        self._server_version = server_version
+        self._min_sdk_version = min_sdk_version
+        self._make_gateway = make_gateway
+        self._hello_timeout = hello_timeout
+
+    async def _read_hello(self, context: _Context) -> service_pb2.Hello:
+        try:
+            first: object = await asyncio.wait_for(context.read(), self._hello_timeout)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{FIRST_FRAME_MUST_BE_HELLO} (none within {self._hello_timeout:g} s)",
+            )
+        if not isinstance(first, service_pb2.WorkerFrame) or first.WhichOneof("frame") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, FIRST_FRAME_MUST_BE_HELLO)
+        return first.hello
+
+    def _welcome(self, session_id: str) -> service_pb2.ServerFrame:
+        ttl = self._config.lease_ttl
+        return service_pb2.ServerFrame(
+            welcome=service_pb2.Welcome(
+                session_id=session_id,
+                lease_ttl=duration(ttl),
+                heartbeat_interval=duration(ttl / 3),
+                server_version=self._server_version,
+                min_sdk_version=self._min_sdk_version,
+            )
+        )
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[service_pb2.WorkerFrame],
+        context: _Context,
+    ) -> None:
+        """Handshake, then serve the session until the stream ends."""
+        hello = await self._read_hello(context)
+        try:
+            spec = check_hello(hello, self._server_version, self._min_sdk_version)
+        except HelloRejected as exc:
+            logger.info("session.rejected code=%s reason=%s", exc.code.name, exc.message)
+            await context.abort(exc.code, exc.message)
+        session_id = new_id(self._clock.now())
+        writer = FrameWriter(context)
+        writer.send(self._welcome(session_id))
+        gateway = self._make_gateway(session_id, spec, writer)
+        stop = self._registry.add(gateway)
+        logger.info(
+            "session.opened session=%s worker=%s sdk=%s queues=%s concurrency=%d",
+            session_id,
+            spec.worker_id,
+            spec.sdk_version,
+            dict(spec.queues),
+            spec.concurrency,
+        )
+        try:
+            ended_by = await self._serve(context, gateway, writer, stop)
+        finally:
+            writer.task.cancel()
+            closing = self._registry.close_soon(gateway)
+            # Shielded: if this handler is being cancelled (the peer went away), the
+            # release still runs to the end in its own task.
+            await asyncio.shield(closing)
+        logger.info("session.ended session=%s by=%s", session_id, ended_by)
+        if ended_by == "server":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server shutting down; reconnect")
+        if ended_by == "error":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "session could not start; reconnect")
+
+    async def _serve(
+        self, context: _Context, gateway: Gateway, writer: FrameWriter, stop: asyncio.Event
+    ) -> str:
+        """Run the session until it ends; say who ended it."""
+        try:
+            await gateway.start()
+        except Exception:
+            logger.exception("session.start_failed session=%s", gateway.id)
+            return "error"
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read_frames(context, gateway))
+        reader.add_done_callback(_consume_exception)
+        stopper = loop.create_task(stop.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {reader, stopper, writer.task}, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            reader.cancel()
+            stopper.cancel()
+        if stopper in done:
+            return "server"
+        if writer.task in done:
+            return "broken stream"
+        return "worker"
+
+    async def _read_frames(self, context: _Context, gateway: Gateway) -> None:
+        while True:
+            frame: object = await context.read()
+            if frame is grpc.aio.EOF:
+                return
+            if not isinstance(frame, service_pb2.WorkerFrame):
+                return
+            if frame.WhichOneof("frame") == "hello":
+                logger.warning("session.second_hello_ignored session=%s", gateway.id)
+                continue
+            gateway.on_frame(frame)
+
+
+def _consume_exception(task: asyncio.Task[None]) -> None:
+    # A read or write fails when the stream breaks; that just ends the session.
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("session.stream_error error=%r", task.exception())

@@ -1,0 +1,145 @@
+"""TaskService: the producer API (Enqueue, EnqueueBatch, EnqueueTx, GetTask)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from conveyor_broker import (
+    MAX_BATCH,
+    Broker,
+    BrokerError,
+    DuplicateTask,
+    EnqueueResult,
+    InvalidTask,
+    NewTask,
+    TaskState,
+)
+from conveyor_broker.clock import Clock
+from conveyor_broker.validation import check_task_id
+from conveyor_protos.v1 import service_pb2, service_pb2_grpc
+from conveyor_runtime.codec import task_to_proto
+
+from conveyor_api.broker_status import abort_for_error, status_code_of
+from conveyor_api.coalesce import WakePublisher
+from conveyor_api.convert import TaskDefaults, new_task_from_request
+from conveyor_api.group_commit import EnqueueCommitter
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    _Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def wake_for(results: Sequence[EnqueueResult], wakes: WakePublisher) -> None:
+    """Wake the queues that got a task due now (created and PENDING)."""
+    for result in results:
+        if result.created and result.task.state is TaskState.PENDING:
+            wakes.wake(result.task.queue)
+
+
+class TaskService(service_pb2_grpc.TaskServiceServicer):
+    """Validates producer requests and commits them (group-committed for Enqueue)."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        clock: Clock,
+        defaults: TaskDefaults,
+        committer: EnqueueCommitter,
+        wakes: WakePublisher,
+    ) -> None:
+        self._broker = broker
+        self._clock = clock
+        self._defaults = defaults
+        self._committer = committer
+        self._wakes = wakes
+
+    def _convert_batch(self, tasks: Any, context_name: str) -> list[NewTask]:
+        if len(tasks) > MAX_BATCH:
+            raise InvalidTask(f"{context_name} holds at most {MAX_BATCH} tasks, got {len(tasks)}")
+        out = []
+        for index, msg in enumerate(tasks):
+            try:
+                out.append(new_task_from_request(msg, self._clock, self._defaults))
+            except InvalidTask as exc:
+                raise InvalidTask(f"task {index}: {exc}") from None
+        return out
+
+    async def Enqueue(
+        self, request: service_pb2.EnqueueRequest, context: _Context
+    ) -> service_pb2.EnqueueResponse:
+        """Validate, group-commit, answer after the commit."""
+        try:
+            task = new_task_from_request(request.task, self._clock, self._defaults)
+            result = await self._committer.enqueue(task)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.EnqueueResponse(task=task_to_proto(result.task), created=result.created)
+
+    async def EnqueueBatch(
+        self, request: service_pb2.EnqueueBatchRequest, context: _Context
+    ) -> service_pb2.EnqueueBatchResponse:
+        """Each item succeeds or fails on its own; invalid items are never sent to the broker."""
+        if len(request.tasks) > MAX_BATCH:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"EnqueueBatch holds at most {MAX_BATCH} tasks, got {len(request.tasks)}",
+            )
+        items: list[service_pb2.EnqueueItemResult | None] = []
+        work: list[tuple[int, NewTask]] = []
+        for index, msg in enumerate(request.tasks):
+            try:
+                work.append((index, new_task_from_request(msg, self._clock, self._defaults)))
+                items.append(None)
+            except InvalidTask as exc:
+                items.append(_item_error(exc))
+        outcomes = await asyncio.gather(
+            *(self._committer.enqueue(task) for _, task in work), return_exceptions=True
+        )
+        for (index, _), outcome in zip(work, outcomes, strict=True):
+            if isinstance(outcome, EnqueueResult):
+                items[index] = service_pb2.EnqueueItemResult(
+                    task=task_to_proto(outcome.task), created=outcome.created
+                )
+            elif isinstance(outcome, BrokerError):
+                items[index] = _item_error(outcome)
+            elif isinstance(outcome, BaseException):
+                # Not the item's fault (the broker is down, say): fail the whole call so
+                # the producer retries it rather than reading a partial answer.
+                logger.error("enqueue_batch.failed error=%r", outcome)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"enqueue failed: {outcome}")
+        return service_pb2.EnqueueBatchResponse(results=[i for i in items if i is not None])
+
+    async def EnqueueTx(
+        self, request: service_pb2.EnqueueTxRequest, context: _Context
+    ) -> service_pb2.EnqueueTxResponse:
+        """All-or-nothing: one broker transaction, no group commit."""
+        try:
+            tasks = self._convert_batch(request.tasks, "EnqueueTx")
+            results = await self._broker.enqueue_batch(tasks) if tasks else []
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        wake_for(results, self._wakes)
+        return service_pb2.EnqueueTxResponse(tasks=[task_to_proto(r.task) for r in results])
+
+    async def GetTask(
+        self, request: service_pb2.GetTaskRequest, context: _Context
+    ) -> service_pb2.GetTaskResponse:
+        """The stored task, NOT_FOUND for an unknown id."""
+        try:
+            check_task_id(request.id)
+            task = await self._broker.get_task(request.id)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.GetTaskResponse(task=task_to_proto(task))
+
+
+def _item_error(exc: BrokerError) -> service_pb2.EnqueueItemResult:
+    existing = exc.existing_id if isinstance(exc, DuplicateTask) else ""
+    return service_pb2.EnqueueItemResult(
+        error_code=status_code_of(exc).name, error=str(exc), existing_id=existing
+    )

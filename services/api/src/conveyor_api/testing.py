@@ -1,0 +1,218 @@
+"""Test helpers for driving an api server by hand: a raw worker stream, a stand-in
+dispatcher, and a NATS recorder. Used by this package's tests and by anyone testing
+against the server without the SDK.
+
+Nothing here sleeps for time: waits poll a condition until a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import grpc
+from conveyor_broker import AckItem, EnqueueResult, FakeClock, NewTask
+from conveyor_broker.memory import MemoryBroker
+from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
+from conveyor_runtime.subjects import Subjects
+from google.protobuf.message import Message
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+if TYPE_CHECKING:
+    from conveyor_api.server import ApiServer
+
+M = TypeVar("M", bound=Message)
+
+#: Starts an ApiServer with settings overrides (the ``make_api`` fixture).
+MakeApi = Callable[..., Awaitable["ApiServer"]]
+
+
+class CountingBroker(MemoryBroker):
+    """A MemoryBroker that counts the batch calls the api makes."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.enqueue_batch_sizes: list[int] = []
+        self.ack_batch_sizes: list[int] = []
+
+    async def enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
+        self.enqueue_batch_sizes.append(len(tasks))
+        return await super().enqueue_batch(tasks)
+
+    async def ack_batch(self, items: Sequence[AckItem]) -> list[bool]:
+        self.ack_batch_sizes.append(len(items))
+        return await super().ack_batch(items)
+
+
+async def wait_until(
+    condition: Callable[[], bool] | Callable[[], Awaitable[bool]],
+    *,
+    within: float = 5.0,
+    interval: float = 0.01,
+    message: str = "condition",
+) -> None:
+    """Poll ``condition`` until it is true; TimeoutError after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        outcome = condition()
+        if not isinstance(outcome, bool):
+            outcome = await outcome
+        if outcome:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{message} not met within {within}s")
+        await asyncio.sleep(interval)  # polling interval, not a wait for time to pass
+
+
+class WorkerStream:
+    """One raw ``WorkerService.Session`` call, spoken frame by frame."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, token: str | None = None) -> None:
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
+        stub: Any = service_pb2_grpc.WorkerServiceStub
+        self.call: Any = stub(channel).Session(metadata=metadata)
+
+    async def send(self, frame: service_pb2.WorkerFrame) -> None:
+        """Write one frame."""
+        await self.call.write(frame)
+
+    async def read(self, within: float = 5.0) -> service_pb2.ServerFrame:
+        """The next server frame; EOFError when the stream ended (whatever its status)."""
+        try:
+            frame = await asyncio.wait_for(self.call.read(), within)
+        except grpc.aio.AioRpcError as exc:
+            raise EOFError(f"the stream ended with {exc.code().name}: {exc.details()}") from exc
+        if frame is grpc.aio.EOF:
+            raise EOFError("the server ended the stream")
+        assert isinstance(frame, service_pb2.ServerFrame)
+        return frame
+
+    async def read_kind(self, kind: str, within: float = 5.0) -> service_pb2.ServerFrame:
+        """The next frame, which must be of ``kind`` (``dispatch``, ``cancel``, ...)."""
+        frame = await self.read(within)
+        got = frame.WhichOneof("frame")
+        if got != kind:
+            raise AssertionError(f"expected a {kind} frame, got {got}: {frame}")
+        return frame
+
+    async def hello(
+        self,
+        queues: Mapping[str, int],
+        concurrency: int,
+        *,
+        sdk_version: str = "0.1.0",
+        min_server_version: str = "",
+        labels: Mapping[str, str] | None = None,
+        worker_id: str = "test-worker",
+    ) -> service_pb2.Welcome:
+        """Send Hello and return the Welcome."""
+        hello = service_pb2.Hello(
+            queues=dict(queues),
+            concurrency=concurrency,
+            labels=dict(labels or {}),
+            sdk_version=sdk_version,
+            min_server_version=min_server_version,
+            worker_id=worker_id,
+        )
+        await self.send(service_pb2.WorkerFrame(hello=hello))
+        return (await self.read_kind("welcome")).welcome
+
+    async def result(
+        self,
+        env: task_pb2.TaskEnvelope,
+        outcome: service_pb2.Outcome,
+        *,
+        result: bytes = b"",
+        error: str = "",
+        retry_after: float | None = None,
+    ) -> None:
+        """Report the outcome of a dispatched task."""
+        msg = service_pb2.Result(
+            task_id=env.id,
+            lease_id=env.lease_id,
+            outcome=outcome,
+            result=result,
+            error=error,
+        )
+        if retry_after is not None:
+            msg.retry_after.FromNanoseconds(int(retry_after * 1e9))
+        await self.send(service_pb2.WorkerFrame(result=msg))
+
+    async def status(self, within: float = 5.0) -> grpc.StatusCode:
+        """Wait for the stream to end and return its status code."""
+        code: grpc.StatusCode = await asyncio.wait_for(self.call.code(), within)
+        return code
+
+    async def details(self) -> str:
+        """The status message the stream ended with."""
+        text: str = await self.call.details()
+        return text
+
+    async def close(self) -> None:
+        """Half-close: the worker is done sending."""
+        await self.call.done_writing()
+
+    def cancel(self) -> None:
+        """Abandon the call (like a worker process dying)."""
+        self.call.cancel()
+
+
+class Recorder(Generic[M]):
+    """Collects the messages of one NATS subject (wildcards allowed), decoded as ``kind``."""
+
+    def __init__(self, kind: type[M]) -> None:
+        self.kind = kind
+        self.messages: list[M] = []
+        self.subjects: list[str] = []
+        self._sub: Subscription | None = None
+
+    async def start(self, nc: NATS, subject: str) -> Recorder[M]:
+        """Subscribe (and flush, so nothing published afterwards is missed)."""
+
+        async def on_msg(msg: Msg) -> None:
+            self.messages.append(self.kind.FromString(msg.data))
+            self.subjects.append(msg.subject)
+
+        self._sub = await nc.subscribe(subject, cb=on_msg)
+        await nc.flush()
+        return self
+
+    async def wait_for(
+        self,
+        predicate: Callable[[M], bool] = lambda _: True,
+        *,
+        count: int = 1,
+        within: float = 5.0,
+    ) -> list[M]:
+        """Wait until ``count`` recorded messages match ``predicate``; return them."""
+        await wait_until(
+            lambda: sum(1 for m in self.messages if predicate(m)) >= count,
+            within=within,
+            message=f"{count} {self.kind.__name__} message(s)",
+        )
+        return [m for m in self.messages if predicate(m)]
+
+    async def stop(self) -> None:
+        """Unsubscribe."""
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+
+async def dispatch(
+    nc: NATS,
+    subjects: Subjects,
+    gateway: str,
+    queue: str,
+    envelopes: Sequence[task_pb2.TaskEnvelope],
+    *,
+    within: float = 5.0,
+) -> cluster_pb2.DispatchReply:
+    """Act as the dispatcher: offer ``envelopes`` to ``gateway`` and return its reply."""
+    request = cluster_pb2.DispatchRequest(queue=queue, dispatcher="test", tasks=list(envelopes))
+    msg = await nc.request(subjects.dispatch(gateway), request.SerializeToString(), timeout=within)
+    return cluster_pb2.DispatchReply.FromString(msg.data)

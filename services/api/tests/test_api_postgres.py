@@ -1,0 +1,133 @@
+"""The api over the real Postgres broker: group commit, uniqueness and the worker session's
+transitions commit as real transactions. (The other modules run the same server over the
+memory broker.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from conveyor_api.testing import MakeApi, Recorder, WorkerStream, dispatch, wait_until
+from conveyor_broker import EnqueueResult, FakeClock, NewTask, TaskState
+from conveyor_broker.postgres import PostgresBroker, migrate
+from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
+from conveyor_runtime import codec
+from conveyor_runtime.nats_connect import NatsClient
+from conveyor_runtime.subjects import Subjects
+
+pytestmark = pytest.mark.postgres
+
+SCHEMA = "conveyor_api_tests"
+TABLES = "conveyor_tasks, conveyor_queues, conveyor_task_dependencies"
+TTL = timedelta(seconds=30)
+
+
+class CountingPostgresBroker(PostgresBroker):
+    """Counts the enqueue transactions the api opens."""
+
+    enqueue_batch_sizes: list[int]
+
+    async def enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
+        self.enqueue_batch_sizes.append(len(tasks))
+        return await super().enqueue_batch(tasks)
+
+
+@pytest.fixture(scope="module")
+async def api_pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool[asyncpg.Record]]:
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}")
+    finally:
+        await admin.close()
+    dsn = f"{pg_dsn}?search_path={SCHEMA}"
+    await migrate(dsn)
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=8)
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture
+async def broker(
+    clock: FakeClock, api_pool: asyncpg.Pool[asyncpg.Record]
+) -> AsyncIterator[CountingPostgresBroker]:
+    """Overrides the memory broker of conftest for this module."""
+    await api_pool.execute(f"TRUNCATE {TABLES}")
+    b = CountingPostgresBroker(api_pool, clock)
+    b.enqueue_batch_sizes = []
+    yield b
+    await b.close()
+
+
+async def test_group_commit_and_uniqueness_on_postgres(
+    make_api: MakeApi, broker: CountingPostgresBroker
+) -> None:
+    api = await make_api(enqueue_batch_window=0.05)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
+        stub: Any = service_pb2_grpc.TaskServiceStub
+        tasks = stub(ch)
+
+        def request(**options: Any) -> service_pb2.EnqueueRequest:
+            return service_pb2.EnqueueRequest(
+                task=task_pb2.NewTask(queue="pg", type="t", options=task_pb2.TaskOptions(**options))
+            )
+
+        outcomes = await asyncio.gather(
+            *(tasks.Enqueue(request()) for _ in range(100)),
+            *(tasks.Enqueue(request(unique_key="one")) for _ in range(3)),
+            return_exceptions=True,
+        )
+    created = [o for o in outcomes if isinstance(o, service_pb2.EnqueueResponse)]
+    refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert len(created) == 101
+    assert [e.code() for e in refused] == [grpc.StatusCode.ALREADY_EXISTS] * 2
+    holder = next(o.task.id for o in created if o.task.options.unique_key == "one")
+    assert all(dict(e.trailing_metadata() or ())["conveyor-existing-id"] == holder for e in refused)
+    assert (await broker.queue_stats("pg"))[0].count(TaskState.PENDING) == 101
+    # Far fewer transactions than tasks (the refused batch retried item by item).
+    assert len(broker.enqueue_batch_sizes) < 30, broker.enqueue_batch_sizes
+
+
+async def test_worker_session_on_postgres(
+    make_api: MakeApi, broker: CountingPostgresBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    api = await make_api()
+    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("pgq"))
+    await broker.enqueue_batch([NewTask(queue="pgq", type="job") for _ in range(4)])
+    envs = [codec.task_to_envelope(t) for t in await broker.lease("pgq", 4, TTL)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
+        worker = WorkerStream(ch)
+        welcome = await worker.hello({"pgq": 1}, 4)
+        await registers.wait_for(lambda m: m.gateway == welcome.session_id)
+        reply = await dispatch(nc, subjects, welcome.session_id, "pgq", envs)
+        assert len(reply.accepted) == 4
+        for _ in envs:
+            await worker.read_kind("dispatch")
+        ok, failed, skipped, kept = envs
+        await worker.result(ok, service_pb2.OUTCOME_SUCCESS, result=b"done")
+        await worker.result(failed, service_pb2.OUTCOME_FAILURE, error="boom")
+        await worker.result(skipped, service_pb2.OUTCOME_SKIP_RETRY, error="no")
+
+        async def states() -> list[TaskState]:
+            return [(await broker.get_task(e.id)).state for e in envs]
+
+        async def settled() -> bool:
+            return (await states())[:3] == [
+                TaskState.COMPLETED,
+                TaskState.RETRY,
+                TaskState.ARCHIVED,
+            ]
+
+        await wait_until(settled, message="outcomes committed")
+        assert (await broker.get_task(ok.id)).result == b"done"
+        await worker.close()
+
+        async def released() -> bool:
+            return (await broker.get_task(kept.id)).state is TaskState.PENDING
+
+        await wait_until(released, message="held task released at stream end")
+    await registers.stop()

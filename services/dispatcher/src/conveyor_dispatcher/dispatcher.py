@@ -1,0 +1,316 @@
+"""Dispatcher: routes queue events to the QueueDispatchers of the queues this instance owns.
+
+Every instance subscribes to every queue's wake/register/done/control subjects (no queue
+group): the owner acts, the others ignore. A wake or a registration for a queue nobody
+here owns makes this instance try to claim it (a KV create, which fails when another
+instance owns it). On a claim the instance reloads the queue's state from the broker and
+publishes ``owner_changed`` so that gateways re-register at once. Losing the key stops
+that queue's dispatch at once; a queue with no work and no registrations for
+``idle_timeout`` is given up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from conveyor_broker.clock import Clock, SystemClock
+from conveyor_broker.errors import InvalidTask
+from conveyor_broker.interface import Broker
+from conveyor_broker.validation import check_queue
+from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
+from conveyor_runtime.settings import DispatcherSettings
+from conveyor_runtime.subjects import Subjects
+from google.protobuf.message import DecodeError
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from conveyor_dispatcher.queue import QueueConfig, QueueDispatcher
+
+logger = logging.getLogger(__name__)
+
+#: A registration not refreshed for this many register ticks is forgotten.
+REGISTER_TICKS_TO_EXPIRE = 3
+
+
+class Dispatcher:
+    """One dispatcher instance: ownership of queues, and a QueueDispatcher per owned queue."""
+
+    def __init__(
+        self,
+        settings: DispatcherSettings,
+        broker: Broker,
+        nc: NatsClient,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self.instance_id = settings.instance_id
+        self.subjects = Subjects(settings.subject_prefix)
+        self._broker = broker
+        self._nc = nc
+        # The broker reads "now" from this clock; the dispatcher's own timers are
+        # process-local and use the event loop's monotonic time.
+        self.clock = clock or SystemClock()
+        self._config = QueueConfig(
+            instance_id=settings.instance_id,
+            batch_max=settings.batch_max,
+            lease_ttl=settings.lease_ttl_delta,
+            dispatch_timeout=settings.dispatch_timeout,
+            register_ttl=settings.register_tick * REGISTER_TICKS_TO_EXPIRE,
+            idle_timeout=settings.idle_timeout,
+        )
+        # After a refused claim, the queue is not tried again for this long (unless its
+        # owner announces a change), so that wakes do not hammer the KV bucket.
+        self._claim_retry = settings.owner_ttl / 2
+        self._housekeeping_tick = min(1.0, settings.register_tick, settings.idle_timeout / 2)
+        self._queues: dict[str, QueueDispatcher] = {}
+        # Queue -> registrations that arrived while its claim was in flight.
+        self._claiming: dict[str, list[cluster_pb2.Register]] = {}
+        self._refused_until: dict[str, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subs: list[Subscription] = []
+        self._keeper: LeaseKeeper | None = None
+        self._housekeeper: asyncio.Task[None] | None = None
+        self._running = False
+        #: Claims that found the queue owned elsewhere (or NATS not answering).
+        self.claims_refused = 0
+
+    # -------------------------------------------------------------- lifecycle
+
+    @property
+    def owned(self) -> frozenset[str]:
+        """Queues this instance dispatches right now."""
+        return frozenset(self._queues)
+
+    def queue(self, name: str) -> QueueDispatcher | None:
+        """The QueueDispatcher of an owned queue."""
+        return self._queues.get(name)
+
+    async def start(self) -> None:
+        """Open the ownership bucket and subscribe; returns once subscriptions are live."""
+        if self._running:
+            return
+        kv = await open_lease_bucket(self._nc, self.subjects.owners_bucket, self.settings.owner_ttl)
+        self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.owner_ttl, self._on_lost)
+        await self._keeper.start()
+        self._running = True
+        handlers: dict[str, Callable[[Msg], Awaitable[None]]] = {
+            "wake": self._on_wake,
+            "register": self._on_register,
+            "done": self._on_done,
+            "control": self._on_control,
+            "owner": self._on_owner,
+        }
+        for kind, handler in handlers.items():
+            sub = await self._nc.subscribe(self.subjects.queue_wildcard(kind), cb=handler)
+            self._subs.append(sub)
+        await self._nc.flush()
+        self._housekeeper = asyncio.create_task(self._housekeep(), name="dispatcher-housekeeping")
+        logger.info("dispatcher.started instance=%s", self.instance_id)
+
+    async def stop(self) -> None:
+        """Stop dispatching, give every owned queue up, and tell its gateways.
+
+        The ``owner_changed`` announcement makes gateways re-register at once, which lets
+        another instance claim the queue without waiting for the key to expire.
+        """
+        if not self._running:
+            return
+        self._running = False
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        for task in [self._housekeeper, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        for task in [self._housekeeper, *self._tasks]:
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._housekeeper = None
+        queues = list(self._queues.items())
+        self._queues.clear()
+        for _, qd in queues:
+            qd.close()
+        await asyncio.gather(*(qd.wait_closed() for _, qd in queues))
+        if self._keeper is not None:
+            await self._keeper.stop(release=True)
+            self._keeper = None
+        with contextlib.suppress(Exception):
+            for name, _ in queues:
+                await self._nc.publish(self.subjects.owner_changed(name), b"")
+            await self._nc.flush()
+        logger.info("dispatcher.stopped instance=%s released=%d", self.instance_id, len(queues))
+
+    # ------------------------------------------------------------- messages
+
+    @staticmethod
+    def _queue_of(msg: Msg) -> str | None:
+        queue = Subjects.queue_of(msg.subject)
+        try:
+            check_queue(queue)
+        except InvalidTask:
+            logger.debug("dispatcher.bad_queue_subject subject=%s", msg.subject)
+            return None
+        return queue
+
+    async def _on_wake(self, msg: Msg) -> None:
+        queue = self._queue_of(msg)
+        if queue is None:
+            return
+        qd = self._queues.get(queue)
+        if qd is not None:
+            qd.wake()
+        else:
+            self._want(queue, None)
+
+    async def _on_register(self, msg: Msg) -> None:
+        queue = self._queue_of(msg)
+        if queue is None:
+            return
+        try:
+            reg = cluster_pb2.Register.FromString(msg.data)
+        except DecodeError:
+            logger.warning("dispatcher.bad_register queue=%s", queue)
+            return
+        if not reg.gateway:
+            return
+        qd = self._queues.get(queue)
+        if qd is not None:
+            qd.register(reg)
+        elif queue in self._claiming:
+            self._claiming[queue].append(reg)
+        elif not reg.closing:
+            self._want(queue, reg)
+
+    async def _on_done(self, msg: Msg) -> None:
+        queue = self._queue_of(msg)
+        qd = self._queues.get(queue) if queue else None
+        if qd is None:
+            return
+        try:
+            done = cluster_pb2.Done.FromString(msg.data)
+        except DecodeError:
+            logger.warning("dispatcher.bad_done queue=%s", queue)
+            return
+        qd.done(done)
+
+    async def _on_control(self, msg: Msg) -> None:
+        queue = self._queue_of(msg)
+        qd = self._queues.get(queue) if queue else None
+        if qd is not None:
+            self._spawn(self._reload(qd))
+
+    async def _on_owner(self, msg: Msg) -> None:
+        queue = self._queue_of(msg)
+        if queue is not None and queue not in self._queues:
+            # The owner changed or left. Try at once: if it left, this claim is the
+            # hand-over (whatever order the gateways' re-registrations arrive in); if
+            # another instance just claimed, it costs one refused create.
+            self._refused_until.pop(queue, None)
+            self._want(queue, None)
+
+    async def _reload(self, qd: QueueDispatcher) -> None:
+        try:
+            await qd.reload()
+        except Exception as exc:
+            logger.warning("dispatcher.reload_failed queue=%s error=%r", qd.queue, exc)
+
+    # ------------------------------------------------------------ ownership
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _want(self, queue: str, reg: cluster_pb2.Register | None) -> None:
+        """Try to claim ``queue`` in the background, unless a claim is in flight or was
+        refused a moment ago."""
+        if not self._running or queue in self._claiming:
+            return
+        if self._refused_until.get(queue, 0.0) > self._now():
+            return
+        self._claiming[queue] = [reg] if reg is not None else []
+        self._spawn(self._claim(queue))
+
+    async def _claim(self, queue: str) -> None:
+        try:
+            await self._try_claim(queue)
+        except Exception:
+            logger.exception("dispatcher.claim_failed queue=%s", queue)
+        finally:
+            self._claiming.pop(queue, None)
+
+    async def _try_claim(self, queue: str) -> None:
+        keeper = self._keeper
+        if keeper is None or not await keeper.claim(queue):
+            self._refused_until[queue] = self._now() + self._claim_retry
+            self.claims_refused += 1
+            return
+        qd = QueueDispatcher(
+            queue,
+            broker=self._broker,
+            nc=self._nc,
+            subjects=self.subjects,
+            config=self._config,
+        )
+        try:
+            await qd.open()
+        except Exception as exc:
+            logger.warning("dispatcher.open_failed queue=%s error=%r", queue, exc)
+            await keeper.release(queue)
+            self._refused_until[queue] = self._now() + self._claim_retry
+            return
+        if not self._running or not keeper.holds(queue):
+            await keeper.release(queue)
+            return
+        self._queues[queue] = qd
+        self._refused_until.pop(queue, None)
+        for reg in self._claiming.pop(queue, []):
+            qd.register(reg)
+        logger.info(
+            "dispatcher.queue_claimed queue=%s instance=%s paused=%s",
+            queue,
+            self.instance_id,
+            qd.paused,
+        )
+        await self._nc.publish(self.subjects.owner_changed(queue), b"")
+        qd.wake()
+
+    def _on_lost(self, queue: str) -> None:
+        qd = self._queues.pop(queue, None)
+        if qd is not None:
+            qd.close()
+            logger.warning("dispatcher.queue_lost queue=%s instance=%s", queue, self.instance_id)
+
+    async def _give_up(self, queue: str) -> None:
+        qd = self._queues.pop(queue, None)
+        if qd is None:
+            return
+        qd.close()
+        if self._keeper is not None:
+            await self._keeper.release(queue)
+        logger.info("dispatcher.queue_released queue=%s reason=idle", queue)
+
+    async def _housekeep(self) -> None:
+        while True:
+            await asyncio.sleep(self._housekeeping_tick)
+            try:
+                for queue, qd in list(self._queues.items()):
+                    qd.expire_registrations()
+                    if qd.idle():
+                        await self._give_up(queue)
+                now = self._now()
+                for queue, until in list(self._refused_until.items()):
+                    if until <= now:
+                        del self._refused_until[queue]
+            except Exception:
+                logger.exception("dispatcher.housekeeping_failed")

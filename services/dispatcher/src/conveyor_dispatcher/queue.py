@@ -1,0 +1,306 @@
+"""QueueDispatcher: the dispatch loop of one owned queue (the spec's QueueGrain).
+
+Its state is rebuilt from the broker (the pause flag) and from gateway registrations; it
+holds nothing durable. Events (wake, register, done, control) arrive from NATS callbacks
+and only flip flags and counters; the one lease cycle at a time runs in its own task, so
+a callback never waits on the broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import nats.errors
+from conveyor_broker.errors import LeaseLost
+from conveyor_broker.interface import Broker
+from conveyor_broker.types import Task
+from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.codec import task_to_envelope
+from conveyor_runtime.subjects import Subjects
+from google.protobuf.message import DecodeError
+from nats.aio.client import Client as NatsClient
+
+from conveyor_dispatcher.credits import CreditBook
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a cycle waits after a broker error before it retries (if anything asked it to).
+ERROR_BACKOFF = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """How a QueueDispatcher leases and dispatches."""
+
+    instance_id: str
+    batch_max: int
+    lease_ttl: timedelta
+    dispatch_timeout: float
+    #: A registration not refreshed for this long is forgotten.
+    register_ttl: float
+    #: The queue is given up after this long with no work and no registrations.
+    idle_timeout: float
+
+
+class QueueDispatcher:
+    """Leases due tasks of one queue and pushes them to its registered gateways."""
+
+    def __init__(
+        self,
+        queue: str,
+        *,
+        broker: Broker,
+        nc: NatsClient,
+        subjects: Subjects,
+        config: QueueConfig,
+    ) -> None:
+        self.queue = queue
+        self.book = CreditBook()
+        self._broker = broker
+        self._nc = nc
+        self._subjects = subjects
+        self._config = config
+        self._paused = False
+        self._closed = False
+        self._dirty = False
+        self._cycle: asyncio.Task[None] | None = None
+        self._last_active = asyncio.get_running_loop().time()
+        # Counters, for logs and tests.
+        self.wakes = 0
+        self.dispatched = 0
+        self.released = 0
+
+    # ----------------------------------------------------------------- state
+
+    @property
+    def paused(self) -> bool:
+        """The pause flag as last loaded from the broker."""
+        return self._paused
+
+    @property
+    def closed(self) -> bool:
+        """True once the dispatcher stopped dispatching for good."""
+        return self._closed
+
+    @property
+    def cycling(self) -> bool:
+        """True while a lease cycle runs."""
+        return self._cycle is not None and not self._cycle.done()
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # ---------------------------------------------------------------- events
+
+    async def open(self) -> None:
+        """Load the queue's settings from the broker (called once, on claim)."""
+        self._paused = await self._broker.queue_paused(self.queue)
+        self._last_active = self._now()
+
+    def wake(self) -> None:
+        """Due work may exist."""
+        self.wakes += 1
+        self._last_active = self._now()
+        self._kick()
+
+    def register(self, msg: cluster_pb2.Register) -> None:
+        """A gateway announced (or withdrew) its capacity on this queue."""
+        if msg.closing:
+            if self.book.forget(msg.gateway):
+                logger.info(
+                    "dispatcher.gateway_closed queue=%s gateway=%s", self.queue, msg.gateway
+                )
+            return
+        known = msg.gateway in self.book
+        entry = self.book.register(
+            msg.gateway,
+            capacity=msg.capacity,
+            weight=msg.weight,
+            in_flight=msg.in_flight,
+            now=self._now(),
+        )
+        self._last_active = self._now()
+        if not known:
+            logger.info(
+                "dispatcher.gateway_registered queue=%s gateway=%s capacity=%d weight=%d credits=%d",
+                self.queue,
+                entry.gateway,
+                entry.capacity,
+                entry.weight,
+                entry.credits,
+            )
+        self._kick()
+
+    def done(self, msg: cluster_pb2.Done) -> None:
+        """A gateway finished ``n`` tasks: its slots are free again."""
+        if self.book.refill(msg.gateway, msg.n):
+            self._kick()
+
+    async def reload(self) -> None:
+        """Control: reload the pause flag. Pause stops dispatch at once; resume kicks."""
+        paused = await self._broker.queue_paused(self.queue)
+        if paused != self._paused:
+            logger.info("dispatcher.pause_changed queue=%s paused=%s", self.queue, paused)
+        self._paused = paused
+        if not paused:
+            self._kick()
+
+    def close(self) -> None:
+        """Stop dispatching now (ownership lost or given up). A cycle in flight finishes its
+        current request and releases whatever it leased but did not send."""
+        self._closed = True
+
+    async def wait_closed(self) -> None:
+        """Wait for the cycle in flight, if any, to end."""
+        if self._cycle is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(self._cycle)
+
+    def expire_registrations(self) -> list[str]:
+        """Forget gateways that stopped re-registering."""
+        gone = self.book.expire(self._now(), self._config.register_ttl)
+        for gateway in gone:
+            logger.info("dispatcher.gateway_expired queue=%s gateway=%s", self.queue, gateway)
+        return gone
+
+    def idle(self) -> bool:
+        """True when the queue may be given up: no cycle, no registrations, no recent work."""
+        return (
+            not self.cycling
+            and len(self.book) == 0
+            and self._now() - self._last_active >= self._config.idle_timeout
+        )
+
+    # ------------------------------------------------------------------ cycle
+
+    def _kick(self) -> None:
+        if self._closed:
+            return
+        if self.cycling:
+            # Coalesce: the running cycle goes round once more instead of a second cycle.
+            self._dirty = True
+            return
+        if self._paused or self.book.total <= 0:
+            return
+        self._cycle = asyncio.create_task(self._run(), name=f"dispatch-{self.queue}")
+
+    def _stopped(self) -> bool:
+        return self._closed or self._paused
+
+    async def _run(self) -> None:
+        try:
+            while not self._stopped():
+                self._dirty = False
+                want = min(self.book.total, self._config.batch_max)
+                if want <= 0:
+                    break
+                try:
+                    tasks = await self._broker.lease(self.queue, want, self._config.lease_ttl)
+                except Exception as exc:
+                    logger.warning("dispatcher.lease_failed queue=%s error=%r", self.queue, exc)
+                    await asyncio.sleep(ERROR_BACKOFF)
+                    if self._dirty:
+                        continue
+                    break
+                if not tasks:
+                    if self._dirty:
+                        continue
+                    break
+                self._last_active = self._now()
+                if self._stopped():
+                    # Paused or lost the queue while leasing: give the tasks back now.
+                    await self._release(tasks)
+                    break
+                accepted, rejected = await self._dispatch(tasks)
+                more = len(tasks) == want or (rejected > 0 and accepted > 0)
+                if not (more or self._dirty):
+                    break
+                if accepted == 0 and not self._dirty:
+                    # Gateways refused everything: wait for a new event instead of spinning.
+                    break
+        except Exception:
+            logger.exception("dispatcher.cycle_failed queue=%s", self.queue)
+
+    async def _dispatch(self, tasks: Sequence[Task]) -> tuple[int, int]:
+        """Send ``tasks`` to gateways by weight; release what nobody accepted.
+
+        Returns (accepted, released).
+        """
+        shares = self.book.take(len(tasks))
+        plan: list[tuple[str, Sequence[Task]]] = []
+        start = 0
+        for gateway, count in shares.items():
+            plan.append((gateway, tasks[start : start + count]))
+            start += count
+        # Credits can shrink while the lease runs (a gateway closed): those tasks go back.
+        leftover = list(tasks[start:])
+        results = await asyncio.gather(*(self._send(gw, batch) for gw, batch in plan))
+        rejected = leftover + [task for batch in results for task in batch]
+        await self._release(rejected)
+        accepted = len(tasks) - len(rejected)
+        self.dispatched += accepted
+        return accepted, len(rejected)
+
+    async def _send(self, gateway: str, batch: Sequence[Task]) -> list[Task]:
+        """One DispatchRequest to ``gateway``; returns the tasks it did not accept."""
+        request = cluster_pb2.DispatchRequest(
+            queue=self.queue,
+            dispatcher=self._config.instance_id,
+            tasks=[task_to_envelope(task) for task in batch],
+        )
+        try:
+            msg = await self._nc.request(
+                self._subjects.dispatch(gateway),
+                request.SerializeToString(),
+                timeout=self._config.dispatch_timeout,
+            )
+            reply = cluster_pb2.DispatchReply.FromString(msg.data)
+        except nats.errors.NoRespondersError:
+            logger.info("dispatcher.gateway_gone queue=%s gateway=%s", self.queue, gateway)
+            self.book.forget(gateway)
+            return list(batch)
+        except TimeoutError:  # nats.errors.TimeoutError is one too
+            # Slow or dead: send it nothing more until it registers again.
+            logger.warning("dispatcher.dispatch_timeout queue=%s gateway=%s", self.queue, gateway)
+            self.book.set_credits(gateway, 0)
+            return list(batch)
+        except (DecodeError, nats.errors.Error) as exc:
+            logger.warning(
+                "dispatcher.dispatch_failed queue=%s gateway=%s error=%r", self.queue, gateway, exc
+            )
+            self.book.set_credits(gateway, 0)
+            return list(batch)
+        except Exception:
+            # Whatever went wrong, the leased tasks must go back rather than wait for expiry.
+            logger.exception("dispatcher.dispatch_error queue=%s gateway=%s", self.queue, gateway)
+            self.book.set_credits(gateway, 0)
+            return list(batch)
+        self.book.set_credits(gateway, reply.credits)
+        accepted = set(reply.accepted)
+        return [task for task in batch if task.id not in accepted]
+
+    async def _release(self, tasks: Sequence[Task]) -> None:
+        if not tasks:
+            return
+        results = await asyncio.gather(
+            *(self._broker.release(task.id, task.lease_id or "") for task in tasks),
+            return_exceptions=True,
+        )
+        for task, result in zip(tasks, results, strict=True):
+            if isinstance(result, LeaseLost):
+                continue  # reaped or canceled meanwhile: nothing to give back
+            if isinstance(result, BaseException):
+                # The lease will expire and the reaper puts the task back.
+                logger.warning(
+                    "dispatcher.release_failed queue=%s task_id=%s lease_id=%s error=%r",
+                    self.queue,
+                    task.id,
+                    task.lease_id,
+                    result,
+                )
+        self.released += len(tasks)

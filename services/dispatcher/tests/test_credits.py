@@ -1,0 +1,84 @@
+"""CreditBook: registration, refills, replies, expiry and weighted hand-out."""
+
+from __future__ import annotations
+
+from conveyor_dispatcher.credits import CreditBook
+
+
+def test_register_sets_credits_to_capacity_minus_in_flight() -> None:
+    book = CreditBook()
+    entry = book.register("g1", capacity=10, weight=2, in_flight=3, now=0.0)
+    assert (entry.capacity, entry.weight, entry.credits) == (10, 2, 7)
+    assert book.total == 7
+    # A re-registration is authoritative, whatever was counted before.
+    book.take(7)
+    assert book.total == 0
+    book.register("g1", capacity=10, weight=2, in_flight=1, now=1.0)
+    assert book.total == 9
+
+
+def test_register_clamps_nonsense() -> None:
+    book = CreditBook()
+    entry = book.register("g", capacity=2, weight=0, in_flight=5, now=0.0)
+    assert (entry.credits, entry.weight) == (0, 1)
+    entry = book.register("g", capacity=-1, weight=1, in_flight=-4, now=0.0)
+    assert (entry.capacity, entry.credits) == (0, 0)
+
+
+def test_refill_adds_credits_capped_at_capacity() -> None:
+    book = CreditBook()
+    book.register("g", capacity=4, weight=1, in_flight=4, now=0.0)
+    assert book.refill("g", 3)
+    assert book.total == 3
+    assert book.refill("g", 10)
+    assert book.total == 4
+    assert not book.refill("unknown", 1)
+    assert book.total == 4
+
+
+def test_set_credits_follows_the_gateway_reply_clamped() -> None:
+    book = CreditBook()
+    book.register("g", capacity=5, weight=1, in_flight=0, now=0.0)
+    book.set_credits("g", 2)
+    assert book.total == 2
+    book.set_credits("g", 99)
+    assert book.total == 5
+    book.set_credits("g", -1)
+    assert book.total == 0
+    book.set_credits("unknown", 3)  # ignored
+    assert book.total == 0
+
+
+def test_take_splits_by_weight_and_spends_credits() -> None:
+    book = CreditBook()
+    book.register("heavy", capacity=100, weight=3, in_flight=0, now=0.0)
+    book.register("light", capacity=100, weight=1, in_flight=0, now=0.0)
+    shares = book.take(40)
+    assert shares == {"heavy": 30, "light": 10}
+    heavy = book.get("heavy")
+    assert heavy is not None
+    assert heavy.credits == 70
+    assert book.total == 160
+
+
+def test_take_skips_gateways_without_credits_and_stops_when_all_are_spent() -> None:
+    book = CreditBook()
+    book.register("a", capacity=2, weight=10, in_flight=0, now=0.0)
+    book.register("b", capacity=3, weight=1, in_flight=0, now=0.0)
+    book.register("c", capacity=5, weight=1, in_flight=5, now=0.0)
+    shares = book.take(100)
+    assert shares == {"a": 2, "b": 3}
+    assert book.total == 0
+    assert book.take(5) == {}
+
+
+def test_forget_and_expire() -> None:
+    book = CreditBook()
+    book.register("old", capacity=1, weight=1, in_flight=0, now=0.0)
+    book.register("new", capacity=1, weight=1, in_flight=0, now=10.0)
+    assert book.expire(now=15.0, max_age=15.0) == ["old"]
+    assert "old" not in book
+    assert "new" in book
+    assert book.forget("new")
+    assert not book.forget("new")
+    assert len(book) == 0

@@ -1,0 +1,538 @@
+"""The Dispatcher against a real nats-server and a real broker, with fake gateways.
+
+A FakeGateway speaks the gateway side of the NATS contract: it registers, answers
+DispatchRequests (accepting as many as its policy says), re-registers on owner_changed,
+and publishes Done. Brokers run on a FakeClock, so leases never expire by themselves:
+a task that goes back to PENDING was released on purpose.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from conveyor_broker.clock import FakeClock
+from conveyor_broker.interface import Broker
+from conveyor_broker.memory import MemoryBroker
+from conveyor_broker.postgres import PostgresBroker, migrate
+from conveyor_broker.types import NewTask, TaskState
+from conveyor_dispatcher import Dispatcher
+from conveyor_protos.v1 import cluster_pb2, task_pb2
+from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
+from conveyor_runtime.ownership import KeyLease, open_lease_bucket
+from conveyor_runtime.settings import DispatcherSettings
+from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.testing import eventually
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+TIMEOUT = 10.0
+QUEUE = "emails"
+
+
+class FakeGateway:
+    """The gateway side of the dispatcher contract, for one queue."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        subjects: Subjects,
+        *,
+        queue: str = QUEUE,
+        capacity: int = 10,
+        weight: int = 1,
+        accept: int | None = None,
+    ) -> None:
+        self.id = f"gw-{uuid.uuid4().hex[:8]}"
+        self.nc = nc
+        self.subjects = subjects
+        self.queue = queue
+        self.capacity = capacity
+        self.weight = weight
+        #: Accept at most this many per request (None: as many as there are free slots).
+        self.accept = accept
+        self.in_flight = 0
+        self.requests: list[cluster_pb2.DispatchRequest] = []
+        self.received: list[task_pb2.TaskEnvelope] = []
+        self._subs: list[Subscription] = []
+
+    async def start(self) -> None:
+        self._subs.append(
+            await self.nc.subscribe(self.subjects.dispatch(self.id), cb=self._on_dispatch)
+        )
+        self._subs.append(
+            await self.nc.subscribe(self.subjects.owner_changed(self.queue), cb=self._on_owner)
+        )
+        await self.nc.flush()
+        await self.register()
+
+    async def stop_answering(self) -> None:
+        """Vanish without a word (a crashed api process)."""
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._subs.clear()
+        await self.nc.flush()
+
+    async def register(self, *, closing: bool = False) -> None:
+        msg = cluster_pb2.Register(
+            gateway=self.id,
+            queue=self.queue,
+            capacity=self.capacity,
+            weight=self.weight,
+            in_flight=self.in_flight,
+            closing=closing,
+        )
+        await self.nc.publish(self.subjects.register(self.queue), msg.SerializeToString())
+        await self.nc.flush()
+
+    async def done(self, n: int) -> None:
+        self.in_flight -= n
+        msg = cluster_pb2.Done(gateway=self.id, queue=self.queue, n=n)
+        await self.nc.publish(self.subjects.done(self.queue), msg.SerializeToString())
+        await self.nc.flush()
+
+    @property
+    def accepted_ids(self) -> list[str]:
+        return [env.id for env in self.received]
+
+    async def _on_owner(self, msg: Msg) -> None:
+        await self.register()
+
+    async def _on_dispatch(self, msg: Msg) -> None:
+        request = cluster_pb2.DispatchRequest.FromString(msg.data)
+        self.requests.append(request)
+        room = self.capacity - self.in_flight
+        if self.accept is not None:
+            room = min(room, self.accept)
+        taken = list(request.tasks[: max(0, room)])
+        self.received.extend(taken)
+        self.in_flight += len(taken)
+        reply = cluster_pb2.DispatchReply(
+            accepted=[env.id for env in taken],
+            credits=0 if self.accept is not None else self.capacity - self.in_flight,
+        )
+        await msg.respond(reply.SerializeToString())
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
+    client = await connect_nats(nats_url, name="dispatcher-test")
+    try:
+        yield client
+    finally:
+        await close_nats(client)
+
+
+@pytest.fixture
+def subjects() -> Subjects:
+    return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=["memory", pytest.param("postgres", marks=pytest.mark.postgres)])
+def broker_dsn(request: pytest.FixtureRequest) -> str | None:
+    """None for the memory broker, else the DSN of the session's Postgres database."""
+    if request.param == "memory":
+        return None
+    dsn: str = request.getfixturevalue("pg_dsn")
+    return dsn
+
+
+@pytest.fixture
+async def broker(broker_dsn: str | None, clock: FakeClock) -> AsyncIterator[Broker]:
+    if broker_dsn is None:
+        b: Broker = MemoryBroker(clock)
+    else:
+        await migrate(broker_dsn)
+        b = await PostgresBroker.connect(broker_dsn, clock, max_size=4)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+def make_settings(nats_url: str, subjects: Subjects) -> Callable[..., DispatcherSettings]:
+    def make(**overrides: Any) -> DispatcherSettings:
+        fields: dict[str, Any] = {
+            "nats_url": nats_url,
+            "subject_prefix": subjects.prefix,
+            "broker": "memory",
+            "instance_id": f"disp-{uuid.uuid4().hex[:6]}",
+            "owner_ttl": 2.0,
+            "dispatch_timeout": 2.0,
+            "register_tick": 5.0,
+            "idle_timeout": 30.0,
+        }
+        fields.update(overrides)
+        return DispatcherSettings(**fields)
+
+    return make
+
+
+@pytest.fixture
+async def dispatchers(
+    broker: Broker,
+    nc: NatsClient,
+    clock: FakeClock,
+    make_settings: Callable[..., DispatcherSettings],
+) -> AsyncIterator[Callable[..., Awaitable[Dispatcher]]]:
+    started: list[Dispatcher] = []
+
+    async def start(**overrides: Any) -> Dispatcher:
+        d = Dispatcher(make_settings(**overrides), broker, nc, clock)
+        await d.start()
+        started.append(d)
+        return d
+
+    try:
+        yield start
+    finally:
+        for d in started:
+            await d.stop()
+
+
+@pytest.fixture
+def queue_name() -> str:
+    # Unique per test so tests on the shared Postgres database never see each other.
+    return f"q{uuid.uuid4().hex[:10]}"
+
+
+async def enqueue(broker: Broker, queue: str, n: int) -> list[str]:
+    results = await broker.enqueue_batch([NewTask(queue=queue, type="t") for _ in range(n)])
+    return [r.task.id for r in results]
+
+
+async def count(broker: Broker, queue: str, state: TaskState) -> int:
+    (stats,) = await broker.queue_stats(queue)
+    return stats.count(state)
+
+
+async def wake(nc: NatsClient, subjects: Subjects, queue: str) -> None:
+    await nc.publish(subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString())
+    await nc.flush()
+
+
+# --------------------------------------------------------------------- tests
+
+
+async def test_a_wake_dispatches_leased_tasks_to_a_registered_gateway(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+
+    ids = await enqueue(broker, queue_name, 3)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: len(gw.received) == 3)
+
+    assert sorted(gw.accepted_ids) == sorted(ids)
+    assert len(gw.requests) == 1  # one DispatchRequest carried the whole batch
+    assert gw.requests[0].queue == queue_name
+    assert gw.requests[0].dispatcher == d.instance_id
+    for env in gw.received:
+        stored = await broker.get_task(env.id)
+        assert stored.state is TaskState.ACTIVE
+        assert stored.lease_id == env.lease_id
+        assert env.attempt == 1
+    qd = d.queue(queue_name)
+    assert qd is not None
+    assert qd.book.total == 7
+    assert qd.dispatched == 3
+
+
+async def test_tasks_the_gateway_does_not_accept_are_released_at_once(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10, accept=2)
+    await gw.start()
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+
+    await enqueue(broker, queue_name, 5)
+    await wake(nc, subjects, queue_name)
+
+    async def settled() -> bool:
+        return (
+            await count(broker, queue_name, TaskState.PENDING) == 3
+            and await count(broker, queue_name, TaskState.ACTIVE) == 2
+        )
+
+    # The fake clock never moves, so these are explicit releases, not lease expiry.
+    await eventually(settled)
+    assert len(gw.requests) == 1
+    assert len(gw.requests[0].tasks) == 5
+    assert len(gw.received) == 2
+    page = await broker.list_tasks(queue=queue_name, state=TaskState.PENDING)
+    assert all(t.lease_id is None and t.retried == 0 for t in page.tasks)
+    qd = d.queue(queue_name)
+    assert qd is not None
+    assert qd.book.total == 0  # credits come from the reply
+
+
+async def test_done_refills_credits_and_dispatches_more(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=2)
+    await gw.start()
+    await enqueue(broker, queue_name, 5)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: len(gw.received) == 2)
+    assert await count(broker, queue_name, TaskState.PENDING) == 3
+
+    for expected in (4, 5):
+        for env in gw.received[-2:]:
+            await broker.ack(env.id, env.lease_id)
+        await gw.done(2)
+        await eventually(lambda expected=expected: len(gw.received) == expected)  # type: ignore[misc]
+    assert await count(broker, queue_name, TaskState.PENDING) == 0
+    assert len(set(gw.accepted_ids)) == 5
+
+
+async def test_tasks_are_split_between_gateways_by_weight(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    d = await dispatchers()
+    heavy = FakeGateway(nc, subjects, queue=queue_name, capacity=100, weight=3)
+    light = FakeGateway(nc, subjects, queue=queue_name, capacity=100, weight=1)
+    await heavy.start()
+    await light.start()
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and len(qd.book) == 2)
+
+    await enqueue(broker, queue_name, 40)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: len(heavy.received) + len(light.received) == 40)
+
+    assert (len(heavy.received), len(light.received)) == (30, 10)
+    # Each gateway got its share in one request.
+    assert (len(heavy.requests), len(light.requests)) == (1, 1)
+    assert not set(heavy.accepted_ids) & set(light.accepted_ids)
+
+
+async def test_pause_stops_dispatch_and_resume_restarts_it(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    qd = d.queue(queue_name)
+    assert qd is not None
+
+    async def control() -> None:
+        msg = cluster_pb2.Control(queue=queue_name, reason="test")
+        await nc.publish(subjects.control(queue_name), msg.SerializeToString())
+        await nc.flush()
+
+    await broker.set_queue_paused(queue_name, True)
+    await control()
+    await eventually(lambda: qd.paused)
+
+    await enqueue(broker, queue_name, 3)
+    wakes = qd.wakes
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: qd.wakes > wakes)
+    assert not qd.cycling
+    assert gw.received == []
+    assert await count(broker, queue_name, TaskState.PENDING) == 3
+
+    await broker.set_queue_paused(queue_name, False)
+    await control()
+    await eventually(lambda: len(gw.received) == 3)
+    assert await count(broker, queue_name, TaskState.ACTIVE) == 3
+
+
+async def test_a_gateway_that_vanished_is_forgotten_and_its_tasks_released(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    qd = d.queue(queue_name)
+    assert qd is not None
+    await gw.stop_answering()
+
+    await enqueue(broker, queue_name, 4)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: gw.id not in qd.book)
+    await eventually(lambda: qd.released == 4 and not qd.cycling)
+    assert await count(broker, queue_name, TaskState.PENDING) == 4
+
+
+async def test_a_closing_registration_is_forgotten(
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await gw.register(closing=True)
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and len(qd.book) == 0)
+
+
+async def test_only_one_instance_owns_a_queue_and_the_other_takes_over_on_stop(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    # A long owner TTL: the takeover below must come from the graceful hand-over.
+    first = await dispatchers(owner_ttl=60.0)
+    second = await dispatchers(owner_ttl=60.0)
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    await eventually(lambda: queue_name in first.owned | second.owned)
+    owner, other = (first, second) if queue_name in first.owned else (second, first)
+    assert queue_name not in other.owned
+    await eventually(lambda: other.claims_refused > 0 or queue_name in other.owned)
+    assert queue_name not in other.owned
+
+    await enqueue(broker, queue_name, 2)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: len(gw.received) == 2)
+    assert {r.dispatcher for r in gw.requests} == {owner.instance_id}
+
+    await owner.stop()
+    await eventually(lambda: queue_name in other.owned)
+    await eventually(lambda: (qd := other.queue(queue_name)) is not None and gw.id in qd.book)
+    await enqueue(broker, queue_name, 2)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: len(gw.received) == 4)
+    assert gw.requests[-1].dispatcher == other.instance_id
+
+
+async def test_an_owner_that_dies_is_replaced_once_its_key_expires(
+    broker: Broker,
+    nats_url: str,
+    nc: NatsClient,
+    subjects: Subjects,
+    clock: FakeClock,
+    make_settings: Callable[..., DispatcherSettings],
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    doomed_nc = await connect_nats(nats_url, name="doomed")
+    doomed = Dispatcher(make_settings(owner_ttl=1.0), broker, doomed_nc, clock)
+    await doomed.start()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    await eventually(lambda: queue_name in doomed.owned)
+    survivor = await dispatchers(owner_ttl=1.0)
+
+    # The doomed instance's connection drops: no release, no owner_changed.
+    await close_nats(doomed_nc, drain=False)
+
+    async def survivor_took_over() -> bool:
+        # What the maintenance sweep does every reap tick: wake queues with due work.
+        await wake(nc, subjects, queue_name)
+        await gw.register()
+        return queue_name in survivor.owned
+
+    await eventually(survivor_took_over)
+    await enqueue(broker, queue_name, 1)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: len(gw.received) == 1)
+    assert gw.requests[-1].dispatcher == survivor.instance_id
+    await doomed.stop()
+
+
+async def test_losing_the_key_stops_dispatch_at_once(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    d = await dispatchers(owner_ttl=1.5)
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    await eventually(lambda: queue_name in d.owned)
+
+    # Someone else takes the key (as if ours had expired during a partition).
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=1.5)
+    await kv.delete(queue_name)
+    intruder = KeyLease(kv, queue_name, "intruder")
+    assert await intruder.claim()
+    await eventually(lambda: queue_name not in d.owned)
+
+    await enqueue(broker, queue_name, 2)
+    refused = d.claims_refused
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: d.claims_refused > refused)
+    assert gw.received == []
+    assert await count(broker, queue_name, TaskState.PENDING) == 2
+
+
+async def test_an_idle_queue_is_given_up(
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    d = await dispatchers(idle_timeout=0.3, register_tick=0.1)
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    await eventually(lambda: queue_name in d.owned)
+    # The gateway never re-registers: its registration expires, then the queue idles out.
+    await eventually(lambda: queue_name not in d.owned)
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=2.0)
+    assert await KeyLease(kv, queue_name, "someone").holder() is None
+
+
+async def test_malformed_messages_are_ignored(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    d = await dispatchers()
+    await nc.publish(subjects.register(queue_name), b"\xff\xff not a protobuf")
+    await nc.publish(subjects.done(queue_name), b"\xff\xff")
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=1)
+    await gw.start()
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await enqueue(broker, queue_name, 1)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: len(gw.received) == 1)

@@ -1,0 +1,228 @@
+"""Maintenance: the scheduler and the reaper, each a leader-elected cluster singleton.
+
+Every instance runs both role loops; only the holder of a role's key in the leaders
+bucket runs its passes, the others try to claim the key every ``leader_ttl / 2``. A pass
+that fails is logged and the next tick tries again: the sweeps are backstops, so a
+skipped one only delays work.
+
+- scheduler, every ``promote_tick``: SCHEDULED tasks that are due become PENDING, and
+  their queues are woken.
+- reaper, every ``reap_tick``: expired leases go back to RETRY (their queues are woken),
+  pre-dispatch TTLs are enforced, old terminal rows are purged, and every queue with due
+  work is woken, which repairs any wake that was lost on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from conveyor_broker.clock import Clock, SystemClock
+from conveyor_broker.interface import MAX_BATCH, Broker
+from conveyor_broker.types import TaskState
+from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
+from conveyor_runtime.settings import MaintenanceSettings
+from conveyor_runtime.subjects import Subjects
+from nats.aio.client import Client as NatsClient
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER = "scheduler"
+REAPER = "reaper"
+#: Most promote rounds in one scheduler pass (each takes up to sweep_limit tasks).
+MAX_PROMOTE_ROUNDS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class ReaperReport:
+    """What one reaper pass did."""
+
+    reaped: int = 0
+    archived: int = 0
+    purged: int = 0
+    woken: frozenset[str] = field(default_factory=frozenset)
+    failed_steps: tuple[str, ...] = ()
+
+
+class Maintenance:
+    """The scheduler and reaper roles of one maintenance instance."""
+
+    def __init__(
+        self,
+        settings: MaintenanceSettings,
+        broker: Broker,
+        nc: NatsClient,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self.instance_id = settings.instance_id
+        self.subjects = Subjects(settings.subject_prefix)
+        self._broker = broker
+        self._nc = nc
+        # The broker takes "now" from this clock; tick timers are process-local.
+        self.clock = clock or SystemClock()
+        # Brokers take at most MAX_BATCH rows per sweep call.
+        self._limit = min(settings.sweep_limit, MAX_BATCH)
+        self._keeper: LeaseKeeper | None = None
+        self._loops: list[asyncio.Task[None]] = []
+        self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0}
+
+    # -------------------------------------------------------------- lifecycle
+
+    def leads(self, role: str) -> bool:
+        """True while this instance holds ``role`` (scheduler or reaper)."""
+        return self._keeper is not None and self._keeper.holds(role)
+
+    async def start(self) -> None:
+        """Open the leaders bucket and start both role loops."""
+        if self._keeper is not None:
+            return
+        kv = await open_lease_bucket(
+            self._nc, self.subjects.leaders_bucket, self.settings.leader_ttl
+        )
+        self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
+        await self._keeper.start()
+        self._loops = [
+            asyncio.create_task(
+                self._lead(SCHEDULER, self.settings.promote_tick, self.scheduler_pass),
+                name="maintenance-scheduler",
+            ),
+            asyncio.create_task(
+                self._lead(REAPER, self.settings.reap_tick, self.reaper_pass),
+                name="maintenance-reaper",
+            ),
+        ]
+        logger.info("maintenance.started instance=%s", self.instance_id)
+
+    async def stop(self) -> None:
+        """Stop both loops and give up any role held, so another instance takes over now."""
+        for task in self._loops:
+            task.cancel()
+        for task in self._loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._loops = []
+        if self._keeper is not None:
+            await self._keeper.stop(release=True)
+            self._keeper = None
+        logger.info("maintenance.stopped instance=%s", self.instance_id)
+
+    def _on_lost(self, role: str) -> None:
+        logger.warning("maintenance.leadership_lost role=%s instance=%s", role, self.instance_id)
+
+    async def _lead(
+        self, role: str, tick: float, run_pass: Callable[[], Awaitable[object]]
+    ) -> None:
+        retry = self.settings.leader_ttl / 2
+        while True:
+            keeper = self._keeper
+            if keeper is None:
+                return
+            if not keeper.holds(role):
+                try:
+                    elected = await keeper.claim(role)
+                except Exception:
+                    logger.exception("maintenance.claim_failed role=%s", role)
+                    elected = False
+                if not elected:
+                    await asyncio.sleep(retry)
+                    continue
+                logger.info(
+                    "maintenance.leader_elected role=%s instance=%s", role, self.instance_id
+                )
+            try:
+                await run_pass()
+                self.passes[role] += 1
+            except Exception:
+                logger.exception("maintenance.pass_failed role=%s", role)
+            await asyncio.sleep(tick)
+
+    # ---------------------------------------------------------------- passes
+
+    async def wake(self, queues: Iterable[str]) -> None:
+        """Publish a Wake for each queue."""
+        for queue in queues:
+            await self._nc.publish(
+                self.subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString()
+            )
+
+    async def scheduler_pass(self) -> dict[str, int]:
+        """Promote due SCHEDULED tasks and wake their queues; tasks promoted per queue."""
+        limit = self._limit
+        total: dict[str, int] = {}
+        for _ in range(MAX_PROMOTE_ROUNDS):
+            promoted = await self._broker.promote_scheduled(limit=limit)
+            for queue, n in promoted.items():
+                total[queue] = total.get(queue, 0) + n
+            await self.wake(promoted)
+            if sum(promoted.values()) < limit:
+                break
+        if total:
+            logger.info("maintenance.promoted tasks=%d queues=%d", sum(total.values()), len(total))
+        return total
+
+    async def reaper_pass(self) -> ReaperReport:
+        """Reap expired leases, archive expired tasks, purge old rows, wake due queues.
+
+        Each step runs even when an earlier one failed; failures are logged and named in
+        the report.
+        """
+        limit = self._limit
+        failed: list[str] = []
+        to_wake: set[str] = set()
+        reaped = archived = purged = 0
+
+        async def step(name: str, call: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await call()
+            except Exception:
+                failed.append(name)
+                logger.exception("maintenance.step_failed step=%s", name)
+
+        async def reap() -> None:
+            nonlocal reaped
+            tasks = await self._broker.reap_expired_leases(limit=limit)
+            reaped = len(tasks)
+            to_wake.update(t.queue for t in tasks if t.state == TaskState.RETRY)
+
+        async def archive_expired() -> None:
+            nonlocal archived
+            archived = len(await self._broker.archive_expired(limit=limit))
+
+        async def purge() -> None:
+            nonlocal purged
+            purged = await self._broker.purge_terminal(
+                archive_retention=timedelta(seconds=self.settings.archive_retention),
+                default_retention=timedelta(seconds=self.settings.default_retention),
+                limit=limit,
+            )
+
+        async def sweep_pending() -> None:
+            to_wake.update(await self._broker.pending_count())
+
+        await step("reap", reap)
+        await step("archive_expired", archive_expired)
+        await step("purge", purge)
+        await step("pending_sweep", sweep_pending)
+        await step("wake", lambda: self.wake(sorted(to_wake)))
+        report = ReaperReport(
+            reaped=reaped,
+            archived=archived,
+            purged=purged,
+            woken=frozenset(to_wake),
+            failed_steps=tuple(failed),
+        )
+        if reaped or archived or purged:
+            logger.info(
+                "maintenance.reaped reaped=%d archived=%d purged=%d woken=%d",
+                reaped,
+                archived,
+                purged,
+                len(to_wake),
+            )
+        return report

@@ -1,0 +1,275 @@
+"""Maintenance against a real nats-server and a real broker on a FakeClock.
+
+Passes run on short real ticks; the broker's time only moves when the test advances the
+clock, so "due", "expired" and "past retention" are exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from conveyor_broker.clock import FakeClock
+from conveyor_broker.interface import Broker
+from conveyor_broker.memory import MemoryBroker
+from conveyor_broker.postgres import PostgresBroker, migrate
+from conveyor_broker.types import LEASE_EXPIRED_ERROR, NewTask, TaskState
+from conveyor_maintenance import REAPER, SCHEDULER, Maintenance
+from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
+from conveyor_runtime.settings import MaintenanceSettings
+from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.testing import eventually
+from nats.aio.msg import Msg
+
+TIMEOUT = 10.0
+
+
+class WakeLog:
+    """Every Wake published under a prefix, by queue."""
+
+    def __init__(self) -> None:
+        self.queues: list[str] = []
+
+    async def on_msg(self, msg: Msg) -> None:
+        wake = cluster_pb2.Wake.FromString(msg.data)
+        assert Subjects.queue_of(msg.subject) == wake.queue
+        self.queues.append(wake.queue)
+
+    def count(self, queue: str) -> int:
+        return self.queues.count(queue)
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
+    client = await connect_nats(nats_url, name="maintenance-test")
+    try:
+        yield client
+    finally:
+        await close_nats(client)
+
+
+@pytest.fixture
+def subjects() -> Subjects:
+    return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=["memory", pytest.param("postgres", marks=pytest.mark.postgres)])
+def broker_dsn(request: pytest.FixtureRequest) -> str | None:
+    """None for the memory broker, else the DSN of a fresh Postgres database."""
+    if request.param == "memory":
+        return None
+    # Sweeps see every queue, so each test gets its own database.
+    dsn: str = request.getfixturevalue("fresh_pg_dsn")
+    return dsn
+
+
+@pytest.fixture
+async def broker(broker_dsn: str | None, clock: FakeClock) -> AsyncIterator[Broker]:
+    if broker_dsn is None:
+        b: Broker = MemoryBroker(clock)
+    else:
+        await migrate(broker_dsn)
+        b = await PostgresBroker.connect(broker_dsn, clock, max_size=4)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@pytest.fixture
+async def wakes(nc: NatsClient, subjects: Subjects) -> WakeLog:
+    log = WakeLog()
+    await nc.subscribe(subjects.queue_wildcard("wake"), cb=log.on_msg)
+    await nc.flush()
+    return log
+
+
+@pytest.fixture
+def make_settings(nats_url: str, subjects: Subjects) -> Callable[..., MaintenanceSettings]:
+    def make(**overrides: Any) -> MaintenanceSettings:
+        fields: dict[str, Any] = {
+            "nats_url": nats_url,
+            "subject_prefix": subjects.prefix,
+            "broker": "memory",
+            "instance_id": f"maint-{uuid.uuid4().hex[:6]}",
+            "promote_tick": 0.05,
+            "reap_tick": 0.05,
+            "leader_ttl": 1.0,
+        }
+        fields.update(overrides)
+        return MaintenanceSettings(**fields)
+
+    return make
+
+
+@pytest.fixture
+async def maintenance(
+    broker: Broker,
+    nc: NatsClient,
+    clock: FakeClock,
+    make_settings: Callable[..., MaintenanceSettings],
+) -> AsyncIterator[Callable[..., Awaitable[Maintenance]]]:
+    started: list[Maintenance] = []
+
+    async def start(**overrides: Any) -> Maintenance:
+        m = Maintenance(make_settings(**overrides), broker, nc, clock)
+        await m.start()
+        started.append(m)
+        return m
+
+    try:
+        yield start
+    finally:
+        for m in started:
+            await m.stop()
+
+
+# --------------------------------------------------------------------- tests
+
+
+async def test_a_due_scheduled_task_is_promoted_and_its_queue_woken(
+    broker: Broker,
+    clock: FakeClock,
+    wakes: WakeLog,
+    maintenance: Callable[..., Awaitable[Maintenance]],
+) -> None:
+    task = (
+        await broker.enqueue(
+            NewTask(queue="later", type="t", process_at=clock.now() + timedelta(hours=1))
+        )
+    ).task
+    assert task.state is TaskState.SCHEDULED
+    m = await maintenance()
+    await eventually(lambda: m.passes[SCHEDULER] >= 2)
+    assert (await broker.get_task(task.id)).state is TaskState.SCHEDULED
+    assert wakes.count("later") == 0
+
+    clock.advance(timedelta(hours=1))
+    await eventually(lambda: wakes.count("later") >= 1)
+    assert (await broker.get_task(task.id)).state is TaskState.PENDING
+
+
+async def test_an_expired_lease_is_reaped_into_retry_and_its_queue_woken(
+    broker: Broker,
+    clock: FakeClock,
+    wakes: WakeLog,
+    maintenance: Callable[..., Awaitable[Maintenance]],
+) -> None:
+    await broker.enqueue(NewTask(queue="work", type="t"))
+    (leased,) = await broker.lease("work", 1, timedelta(seconds=30))
+    m = await maintenance()
+    await eventually(lambda: m.passes[REAPER] >= 2)
+    assert (await broker.get_task(leased.id)).state is TaskState.ACTIVE
+    assert wakes.count("work") == 0
+
+    clock.advance(timedelta(seconds=31))
+
+    async def reaped() -> bool:
+        return (await broker.get_task(leased.id)).state is TaskState.RETRY
+
+    await eventually(reaped)
+    stored = await broker.get_task(leased.id)
+    assert stored.retried == 1
+    assert stored.last_error == LEASE_EXPIRED_ERROR
+    assert stored.lease_id is None
+    await eventually(lambda: wakes.count("work") >= 1)
+
+
+async def test_the_pending_sweep_wakes_every_queue_with_due_work(
+    broker: Broker,
+    wakes: WakeLog,
+    maintenance: Callable[..., Awaitable[Maintenance]],
+) -> None:
+    # Enqueued without any wake, as if the api's wakes had been lost.
+    await broker.enqueue(NewTask(queue="alpha", type="t"))
+    await broker.enqueue(NewTask(queue="beta", type="t"))
+    await maintenance()
+    await eventually(lambda: wakes.count("alpha") >= 1 and wakes.count("beta") >= 1)
+
+
+async def test_reaper_pass_archives_expired_and_purges_old_rows(
+    broker: Broker,
+    clock: FakeClock,
+    make_settings: Callable[..., MaintenanceSettings],
+    nc: NatsClient,
+) -> None:
+    expiring = (
+        await broker.enqueue(
+            NewTask(queue="q", type="t", expires_at=clock.now() + timedelta(minutes=1))
+        )
+    ).task
+    done = (await broker.enqueue(NewTask(queue="q", type="t", retention=timedelta(0)))).task
+    (leased,) = [t for t in await broker.lease("q", 2, timedelta(seconds=30)) if t.id == done.id]
+    await broker.ack(leased.id, leased.lease_id or "")
+    clock.advance(timedelta(minutes=2))
+
+    m = Maintenance(make_settings(), broker, nc, clock)
+    report = await m.reaper_pass()
+    assert report.archived == 1
+    assert report.purged == 1
+    assert report.failed_steps == ()
+    assert (await broker.get_task(expiring.id)).state is TaskState.ARCHIVED
+    assert (await broker.queue_stats("q"))[0].count(TaskState.COMPLETED) == 0
+
+
+async def test_one_leader_per_role_and_a_survivor_takes_over(
+    maintenance: Callable[..., Awaitable[Maintenance]],
+) -> None:
+    first = await maintenance()
+    second = await maintenance()
+    for role in (SCHEDULER, REAPER):
+        await eventually(lambda role=role: first.leads(role) or second.leads(role))  # type: ignore[misc]
+        assert not (first.leads(role) and second.leads(role))
+    leader = first if first.leads(REAPER) else second
+    follower = second if leader is first else first
+    passes = dict(follower.passes)
+
+    await leader.stop()
+    await eventually(lambda: follower.leads(SCHEDULER) and follower.leads(REAPER))
+    await eventually(lambda: follower.passes[REAPER] > passes[REAPER])
+
+
+async def test_a_failing_pass_is_logged_and_the_next_tick_retries(
+    clock: FakeClock,
+    nc: NatsClient,
+    wakes: WakeLog,
+    make_settings: Callable[..., MaintenanceSettings],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class FlakyBroker(MemoryBroker):
+        """Fails its first promote, as a database blip would."""
+
+        failures = 1
+
+        async def promote_scheduled(self, limit: int = 1000) -> dict[str, int]:
+            if self.failures:
+                self.failures -= 1
+                raise ConnectionError("database went away")
+            return await super().promote_scheduled(limit)
+
+    flaky = FlakyBroker(clock)
+    task = (
+        await flaky.enqueue(NewTask(queue="blip", type="t", process_at=clock.now() + timedelta(1)))
+    ).task
+    clock.advance(timedelta(days=2))
+    m = Maintenance(make_settings(), flaky, nc, clock)
+    try:
+        with caplog.at_level(logging.ERROR, logger="conveyor_maintenance"):
+            await m.start()
+            await eventually(lambda: wakes.count("blip") >= 1)
+        assert flaky.failures == 0
+        assert (await flaky.get_task(task.id)).state is TaskState.PENDING
+    finally:
+        await m.stop()
+        await flaky.close()
+    assert any("maintenance.pass_failed role=scheduler" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,210 @@
+"""Real processes for end-to-end tests: services and SDK workers, each its own OS process.
+
+Nothing here sleeps for time: every wait polls a condition (a port, a file, a row count)
+until a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conveyor_runtime.embedded_nats import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def wait_for(
+    condition: Callable[[], Awaitable[bool]] | Callable[[], bool],
+    *,
+    timeout: float = 30.0,  # noqa: ASYNC109 - a polling deadline, not a cancellation scope
+    interval: float = 0.05,
+    message: str = "condition",
+) -> None:
+    """Poll ``condition`` until it is true; fail with ``message`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {message}")
+        await asyncio.sleep(interval)  # polling interval, not a wait for time to pass
+
+
+def wait_until(
+    condition: Callable[[], bool], *, timeout: float = 30.0, message: str = "condition"
+) -> None:
+    """Blocking twin of :func:`wait_for`, for synchronous tests."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {message}")
+        time.sleep(0.05)  # polling interval, not a wait for time to pass
+
+
+def port_open(port: int) -> bool:
+    """True when something accepts connections on 127.0.0.1:port."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        return True
+    return False
+
+
+@dataclass
+class Proc:
+    """One child process with its output in a log file."""
+
+    name: str
+    args: Sequence[str]
+    env: Mapping[str, str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    port: int | None = None
+
+    def start(self) -> Proc:
+        """Start the process (new session, so a kill reaches only it)."""
+        env = {**os.environ, **self.env}
+        log = self.log_path.open("ab")
+        self.popen = subprocess.Popen(
+            [sys.executable, *self.args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        """The process id (it must have been started)."""
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.popen is not None and self.popen.poll() is None
+
+    def kill9(self) -> None:
+        """SIGKILL: the process gets no chance to clean up."""
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+            assert self.popen is not None
+            self.popen.wait()
+
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then wait for a graceful exit (SIGKILL past ``timeout``)."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+    def log(self) -> str:
+        """Everything the process printed so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class Cluster:
+    """The services of one end-to-end test: api(s), dispatcher(s), maintenance."""
+
+    dsn: str
+    nats_url: str
+    workdir: Path
+    settings_env: dict[str, str] = field(default_factory=dict)
+    procs: list[Proc] = field(default_factory=list)
+
+    def _env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = {
+            "CONVEYOR_DSN": self.dsn,
+            "CONVEYOR_NATS_URL": self.nats_url,
+            "CONVEYOR_ALLOW_UNAUTHENTICATED": "true",
+            "CONVEYOR_LOG_LEVEL": "info",
+            "PYTHONUNBUFFERED": "1",
+            **self.settings_env,
+        }
+        env.update(extra or {})
+        return env
+
+    def spawn(self, name: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> Proc:
+        """Start ``python <args>`` with the cluster's environment."""
+        index = sum(1 for p in self.procs if p.name.startswith(name))
+        proc = Proc(f"{name}{index}", args, self._env(env), self.workdir / f"{name}{index}.log")
+        self.procs.append(proc.start())
+        return proc
+
+    async def start_api(self, env: Mapping[str, str] | None = None) -> Proc:
+        """An api process on a free port; returns once it accepts connections."""
+        port = free_port()
+        proc = self.spawn(
+            "api", ["-m", "conveyor_api"], {"CONVEYOR_PORT": str(port), **(env or {})}
+        )
+        proc.port = port
+        await wait_for(lambda: port_open(port) or not proc.alive(), timeout=30, message="api port")
+        if not proc.alive():
+            raise RuntimeError(f"api exited:\n{proc.log()}")
+        return proc
+
+    def start_dispatcher(self, env: Mapping[str, str] | None = None) -> Proc:
+        """A dispatcher process."""
+        return self.spawn("dispatcher", ["-m", "conveyor_dispatcher"], env)
+
+    def start_maintenance(self, env: Mapping[str, str] | None = None) -> Proc:
+        """A maintenance process."""
+        return self.spawn("maintenance", ["-m", "conveyor_maintenance"], env)
+
+    def start_worker(
+        self,
+        target: str,
+        *,
+        queues: Mapping[str, int],
+        concurrency: int,
+        record: Path,
+        mode: str = "noop",
+        grace: float = 30.0,
+    ) -> Proc:
+        """An SDK worker process (tests/e2e/worker_app.py) that records each run to ``record``."""
+        args = [
+            str(ROOT / "tests" / "e2e" / "worker_app.py"),
+            "--target",
+            target,
+            "--concurrency",
+            str(concurrency),
+            "--record",
+            str(record),
+            "--mode",
+            mode,
+            "--grace",
+            str(grace),
+        ]
+        for queue, weight in queues.items():
+            args += ["--queue", f"{queue}={weight}"]
+        return self.spawn("worker", args)
+
+    def stop_all(self) -> None:
+        """Terminate every process still running."""
+        for proc in reversed(self.procs):
+            if proc.alive():
+                proc.terminate(timeout=10)
+
+    def logs(self) -> str:
+        """Every process's log, for a failing test's report."""
+        return "\n".join(f"===== {p.name} =====\n{p.log()[-4000:]}" for p in self.procs)

@@ -1,0 +1,82 @@
+"""compose.yaml cannot be run here (no Docker engine), so check what can go wrong in it:
+every Conveyor command is a real CLI command, every CONVEYOR_* variable is a real setting
+of the service it is given to, and the health checks and ports line up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from conveyor_cli.main import cli
+from conveyor_runtime.settings import SERVICE_SETTINGS, CommonSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
+SERVICES: dict[str, Any] = COMPOSE["services"]
+CONVEYOR = {name: svc for name, svc in SERVICES.items() if svc.get("image") == "conveyor:dev"}
+
+
+def settings_for(command: list[str]) -> type[CommonSettings]:
+    if command[0] == "serve":
+        return SERVICE_SETTINGS[command[1]]
+    return CommonSettings
+
+
+def test_the_stack_has_every_part() -> None:
+    assert {"postgres", "nats", "migrate", "api", "dispatcher", "maintenance", "jaeger"} <= set(
+        SERVICES
+    )
+    assert "-js" in SERVICES["nats"]["command"]
+    assert (ROOT / "Dockerfile").exists()
+
+
+@pytest.mark.parametrize("name", sorted(CONVEYOR))
+def test_command_is_a_real_cli_command(name: str) -> None:
+    command = CONVEYOR[name]["command"]
+    result = CliRunner().invoke(cli, [*command, "--help"])
+    assert result.exit_code == 0, (
+        f"{name}: `conveyor {' '.join(command)}` is not a command:\n{result.output}"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(CONVEYOR))
+def test_every_variable_is_a_real_setting(name: str) -> None:
+    service = CONVEYOR[name]
+    fields = settings_for(service["command"]).model_fields
+    env = service.get("environment", {})
+    assert env, f"{name} has no environment"
+    for var in env:
+        assert var.startswith("CONVEYOR_"), f"{name}: {var} is not a Conveyor setting"
+        assert var.removeprefix("CONVEYOR_").lower() in fields, f"{name}: {var} is not a setting"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CONVEYOR if n != "migrate"))
+def test_long_running_services_restart_and_have_health_checks(name: str) -> None:
+    service = CONVEYOR[name]
+    assert service["restart"] == "unless-stopped"
+    check = service["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "conveyor", "health"]
+    assert CliRunner().invoke(cli, [*check[2:], "--help"]).exit_code == 0
+    health_file = check[check.index("--file") + 1]
+    assert service["environment"]["CONVEYOR_HEALTH_FILE"] == health_file
+    assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+
+
+def test_api_port_is_published_and_checked() -> None:
+    api = SERVICES["api"]
+    port = api["environment"]["CONVEYOR_PORT"]
+    assert f"{port}:{port}" in api["ports"]
+    check = api["healthcheck"]["test"]
+    assert check[check.index("--port") + 1] == port
+    assert api["environment"]["CONVEYOR_AUTH_TOKENS"], "auth must not be off in a deployment"
+
+
+def test_services_reach_postgres_and_nats_by_their_compose_names() -> None:
+    for name, service in CONVEYOR.items():
+        env = service["environment"]
+        assert "@postgres:5432/" in env["CONVEYOR_DSN"], name
+        if name != "migrate":
+            assert env["CONVEYOR_NATS_URL"] == "nats://nats:4222", name

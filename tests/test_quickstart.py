@@ -1,0 +1,83 @@
+"""The README quickstart, exactly as a newcomer runs it: `scripts/run`, then the example
+worker and producer from `examples/`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conveyor_runtime.embedded_nats import free_port
+
+from tests.e2e.harness import port_open, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.nats
+def test_quickstart_runs_start_to_finish(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "CONVEYOR_TARGET": f"127.0.0.1:{port}", "PYTHONUNBUFFERED": "1"}
+    dev_log = (tmp_path / "dev.log").open("wb")
+    dev = subprocess.Popen(
+        ["bash", "scripts/run", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=dev_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    worker = None
+    try:
+        wait_until(
+            lambda: port_open(port) or dev.poll() is not None, timeout=120, message="dev server"
+        )
+        assert dev.poll() is None, (tmp_path / "dev.log").read_text()
+        banner = (tmp_path / "dev.log").read_text()
+        assert "AUTH IS OFF" in banner
+        nats_port = int(re.search(r"nats://127\.0\.0\.1:(\d+)", banner).group(1))  # type: ignore[union-attr]
+
+        with (tmp_path / "worker.log").open("wb") as worker_log:
+            worker = subprocess.Popen(
+                [sys.executable, "examples/worker.py"],
+                cwd=ROOT,
+                env=env,
+                stdout=worker_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        producer = subprocess.run(
+            [sys.executable, "examples/producer.py"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert producer.returncode == 0, producer.stdout + producer.stderr
+        assert "8 of 8 tasks completed" in producer.stdout
+        assert "result={'delivered_to': 'user0@example.com'}" in producer.stdout
+
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0
+        assert "email to user0@example.com" in (tmp_path / "worker.log").read_text()
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.kill()
+        os.killpg(dev.pid, signal.SIGINT)
+        try:
+            code = dev.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(dev.pid, signal.SIGKILL)
+            raise
+        dev_log.close()
+    log = (tmp_path / "dev.log").read_text()
+    # Ctrl-C: a clean exit, or the conventional 130 from the `uv run` wrapper.
+    assert code in (0, 130), log
+    assert "service.stopped name=dev" in log, log
+    assert not port_open(nats_port), "the embedded nats-server outlived conveyor dev"
+    assert not port_open(port)
