@@ -74,6 +74,13 @@ def test_api_port_is_published_and_checked() -> None:
     assert api["environment"]["CONVEYOR_AUTH_TOKENS"], "auth must not be off in a deployment"
 
 
+def test_services_export_traces_to_the_viewer() -> None:
+    ports = SERVICES["jaeger"]["ports"]
+    assert "4317:4317" in ports
+    for name in ("api", "dispatcher", "maintenance"):
+        assert SERVICES[name]["environment"]["CONVEYOR_OTLP_ENDPOINT"] == "http://jaeger:4317"
+
+
 def test_services_reach_postgres_and_nats_by_their_compose_names() -> None:
     for name, service in CONVEYOR.items():
         env = service["environment"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from conveyor_broker.clock import FakeClock
@@ -11,6 +11,8 @@ from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.types import NewTask, OnFailure, TaskEvent, TaskState
 from conveyor_protos.v1 import service_pb2, task_pb2
 from conveyor_runtime.codec import (
+    decode_events,
+    encode_events,
     event_from_proto,
     event_state_token,
     event_to_proto,
@@ -21,7 +23,10 @@ from conveyor_runtime.codec import (
     state_to_proto,
     task_to_envelope,
     task_to_proto,
+    timestamp,
 )
+from google.protobuf.message import DecodeError
+from google.protobuf.timestamp_pb2 import Timestamp
 
 START = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -158,3 +163,41 @@ def test_process_in_is_resolved_against_now_and_exclusive_with_process_at() -> N
     pb.options.process_at.FromDatetime(START)
     with pytest.raises(InvalidTask, match="exclusive"):
         new_task_from_proto(pb, now=START)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        START,
+        datetime(2030, 1, 1, 12, 30, 15, 123456, tzinfo=UTC),
+        datetime(1969, 12, 31, 23, 59, 59, 500000, tzinfo=UTC),
+        datetime(2030, 6, 1, 8, 0, tzinfo=timezone(timedelta(hours=-7))),
+        datetime(2030, 6, 1, 8, 0, 0, 7),  # naive: taken as UTC, as protobuf does
+    ],
+)
+def test_timestamps_match_protobufs_own_conversion(value: datetime) -> None:
+    expected = Timestamp()
+    expected.FromDatetime(value)
+    assert timestamp(value) == expected
+
+
+def test_event_batches_round_trip_in_order() -> None:
+    events = [
+        TaskEvent(f"01HZY00000000000000000{n:04d}", "q", "t", TaskState.PENDING, None, START)
+        for n in range(300)
+    ]
+    # An error long enough that its event's length prefix takes two varint bytes.
+    events.append(
+        TaskEvent("01HZY0000000000000000000ZZ", "q", "t", TaskState.RETRY, None, START, "x" * 300)
+    )
+    data = encode_events(events)
+    assert [event_from_proto(pb) for pb in decode_events(data)] == events
+    single = encode_events(events[:1])
+    assert decode_events(single) == [event_to_proto(events[0])]
+    assert decode_events(b"") == []
+
+
+@pytest.mark.parametrize("data", [b"\x05abc", b"\x80", b"\xff\xff\xff\xff\xff\x01"])
+def test_a_malformed_event_batch_is_a_decode_error(data: bytes) -> None:
+    with pytest.raises(DecodeError):
+        decode_events(data)

@@ -12,8 +12,8 @@ from conveyor_broker.clock import FakeClock
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.types import NewTask, TaskEvent, TaskState
 from conveyor_protos.v1 import service_pb2, task_pb2
-from conveyor_runtime.codec import event_from_proto
-from conveyor_runtime.events import EventPublisher
+from conveyor_runtime.codec import decode_events, event_from_proto
+from conveyor_runtime.events import MAX_EVENTS_PER_MESSAGE, EventPublisher
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
 from nats.aio.msg import Msg
@@ -38,17 +38,23 @@ def subjects() -> Subjects:
 
 
 async def collect(nc: NatsClient, subject: str, count: int) -> tuple[list[Msg], asyncio.Event]:
+    """Messages on ``subject``; the event is set once they carry ``count`` events."""
     got: list[Msg] = []
     enough = asyncio.Event()
 
     async def on_msg(msg: Msg) -> None:
         got.append(msg)
-        if len(got) >= count:
+        if len(unpack(got)) >= count:
             enough.set()
 
     await nc.subscribe(subject, cb=on_msg)
     await nc.flush()
     return got, enough
+
+
+def unpack(messages: list[Msg]) -> list[tuple[str, service_pb2.TaskEvent]]:
+    """Every event of ``messages``, in order, with the subject it came on."""
+    return [(m.subject, event) for m in messages for event in decode_events(m.data)]
 
 
 async def test_broker_events_are_published_per_queue_and_state(
@@ -72,21 +78,54 @@ async def test_broker_events_are_published_per_queue_and_state(
         await broker.close()
 
     p = subjects.prefix
-    assert [m.subject for m in got] == [
+    unpacked = unpack(got)
+    assert [subject for subject, _ in unpacked] == [
         f"{p}.events.emails.pending",
         f"{p}.events.emails.pending",
         f"{p}.events.emails.active",
         f"{p}.events.emails.deleted",
     ]
-    events = [event_from_proto(service_pb2.TaskEvent.FromString(m.data)) for m in got]
+    events = [event_from_proto(pb) for _, pb in unpacked]
     assert events[0].task_id == first.id
     assert events[0].previous_state is None
     assert events[2].state is TaskState.ACTIVE
     assert events[2].previous_state is TaskState.PENDING
     assert events[3].task_id == second.id
-    assert service_pb2.TaskEvent.FromString(got[3].data).state == task_pb2.TASK_STATE_UNSPECIFIED
+    assert unpacked[3][1].state == task_pb2.TASK_STATE_UNSPECIFIED
     assert publisher.published == 4
+    assert publisher.messages == len(got)
     assert publisher.backlog == 0
+
+
+async def test_a_run_of_one_queue_and_state_is_one_message(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    at = datetime(2030, 1, 1, tzinfo=UTC)
+    done, pending = TaskState.COMPLETED, TaskState.PENDING
+    plan = [("a", pending)] * 3 + [("a", done)] * 2 + [("b", pending)] + [("a", pending)]
+    plan += [("c", done)] * (2 * MAX_EVENTS_PER_MESSAGE + 5)
+    got, enough = await collect(nc, subjects.events_wildcard(), len(plan))
+    publisher = EventPublisher(nc, subjects)
+    # Buffered before the publisher starts, so it finds them all at once.
+    for n, (queue, state) in enumerate(plan):
+        publisher(TaskEvent(f"id{n}", queue, "t", state, None, at))
+    await publisher.start()
+    async with asyncio.timeout(TIMEOUT):
+        await enough.wait()
+    await publisher.stop()
+    p = subjects.prefix
+    assert [(m.subject, len(decode_events(m.data))) for m in got] == [
+        (f"{p}.events.a.pending", 3),
+        (f"{p}.events.a.completed", 2),
+        (f"{p}.events.b.pending", 1),
+        (f"{p}.events.a.pending", 1),
+        (f"{p}.events.c.completed", MAX_EVENTS_PER_MESSAGE),
+        (f"{p}.events.c.completed", MAX_EVENTS_PER_MESSAGE),
+        (f"{p}.events.c.completed", 5),
+    ]
+    assert [pb.task_id for _, pb in unpack(got)] == [f"id{n}" for n in range(len(plan))]
+    assert publisher.messages == 7
+    assert publisher.published == len(plan)
 
 
 async def test_overflow_drops_the_oldest_and_never_blocks(
@@ -104,7 +143,7 @@ async def test_overflow_drops_the_oldest_and_never_blocks(
     async with asyncio.timeout(TIMEOUT):
         await enough.wait()
     await publisher.stop()
-    ids = [service_pb2.TaskEvent.FromString(m.data).task_id for m in got]
+    ids = [pb.task_id for _, pb in unpack(got)]
     assert ids == ["id1", "id2"]
 
 
@@ -119,4 +158,4 @@ async def test_stop_flushes_what_is_buffered(nc: NatsClient, subjects: Subjects)
     await nc.flush()
     async with asyncio.timeout(TIMEOUT):
         await enough.wait()
-    assert len(got) == 50
+    assert [pb.task_id for _, pb in unpack(got)] == [f"id{n}" for n in range(50)]

@@ -18,7 +18,7 @@ def test_readme_settings_reference_is_current() -> None:
     )
     end = text.index("<!-- settings-reference:end -->")
     assert text[start:end] == reference_markdown(), (
-        "README configuration reference is stale: paste reference_markdown() between the markers"
+        "README configuration reference is stale: run scripts/settings_reference.py"
     )
 
 

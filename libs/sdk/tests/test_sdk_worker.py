@@ -662,3 +662,15 @@ async def _until(condition: Callable[[], bool | Awaitable[bool]]) -> None:
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(poll(), WAIT)
+
+
+async def test_a_result_over_max_result_size_fails_the_attempt(harness: Harness) -> None:
+    # Sent anyway, a result past the server's frame limit would end the whole session.
+    harness.start(echo_worker(harness, max_result_size=20))
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("T1")))
+    (result,) = await session.results(1)
+    assert (result.outcome, result.result) == (svc.OUTCOME_FAILURE, b"")
+    assert result.error == "result is 48 bytes; the limit is 20"
+    with pytest.raises(InvalidArgument, match="max_result_size must be >= 0"):
+        Worker(max_result_size=-1)

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
-from conveyor_api.testing import CountingBroker, MakeApi, Recorder
+from conveyor_api.testing import CountingBroker, MakeApi, Recorder, wait_until
 from conveyor_broker import FakeClock, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
@@ -208,21 +208,39 @@ async def test_enqueue_batch_answers_per_item(tasks: Any, broker: CountingBroker
 
 
 async def test_concurrent_enqueues_share_commits_and_wakes(
-    make_api: MakeApi, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    make_api: MakeApi,
+    broker: CountingBroker,
+    nc: NatsClient,
+    subjects: Subjects,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    api = await make_api(enqueue_batch_window=0.05, enqueue_batch_max=500)
+    """The first enqueue goes to the broker at once; those that arrive while its commit is
+    in flight wait for it, then share the next commit. (The window, long here, only bounds
+    that wait when a commit is slow.)"""
+    api = await make_api(enqueue_batch_window=60, enqueue_batch_max=500)
+    # The broker's commit stays in flight until the test lets it finish.
+    commit_may_finish = asyncio.Event()
+    commit = broker.enqueue_batch
+
+    async def slow_commit(tasks: Any) -> Any:
+        await commit_may_finish.wait()
+        return await commit(tasks)
+
+    monkeypatch.setattr(broker, "enqueue_batch", slow_commit)
     wakes = await Recorder(cluster_pb2.Wake).start(nc, subjects.wake("burst"))
     n = 200
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
         stub: Any = service_pb2_grpc.TaskServiceStub
         tasks = stub(ch)
-        responses = await asyncio.gather(
+        calls = asyncio.gather(
             *(enqueue(tasks, new(queue="burst", payload=str(i).encode())) for i in range(n))
         )
+        await wait_until(lambda: api.committer.queued == n - 1, message="enqueues queued")
+        commit_may_finish.set()
+        responses = await asyncio.wait_for(calls, 30)
     assert all(r.created for r in responses)
     assert len({r.task.id for r in responses}) == n
-    assert sum(broker.enqueue_batch_sizes) == n
-    assert len(broker.enqueue_batch_sizes) <= n // 10, broker.enqueue_batch_sizes
+    assert broker.enqueue_batch_sizes == [1, n - 1]
 
     # A marker published after every response: everything before it has arrived.
     await nc.publish(subjects.wake("burst"), cluster_pb2.Wake(queue="marker").SerializeToString())
@@ -230,6 +248,16 @@ async def test_concurrent_enqueues_share_commits_and_wakes(
     real = [m for m in wakes.messages if m.queue == "burst"]
     assert 1 <= len(real) <= len(broker.enqueue_batch_sizes)
     await wakes.stop()
+
+
+async def test_a_lone_enqueue_does_not_wait_for_the_window(make_api: MakeApi) -> None:
+    api = await make_api(enqueue_batch_window=60)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
+        stub: Any = service_pb2_grpc.TaskServiceStub
+        tasks = stub(ch)
+        for _ in range(3):
+            response = await asyncio.wait_for(enqueue(tasks, new()), 10)
+            assert response.created
 
 
 async def test_a_refused_group_commit_still_answers_each_caller(

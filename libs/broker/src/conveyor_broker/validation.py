@@ -20,6 +20,7 @@ MAX_HEADER_LEN = 4096
 MAX_PAYLOAD = 1024 * 1024
 MAX_RETRY_CAP = 1000
 MAX_DEPENDENCIES = 100
+_BYTES = (bytes, bytearray, memoryview)
 
 
 def check_queue(queue: str) -> None:
@@ -42,10 +43,13 @@ def _check_aware(name: str, value: datetime | None) -> None:
         raise InvalidTask(f"{name} must be timezone-aware")
 
 
+_ZERO = timedelta(0)
+
+
 def _check_positive(name: str, value: timedelta | None, *, allow_zero: bool = False) -> None:
     if value is None:
         return
-    if value < timedelta(0) or (value == timedelta(0) and not allow_zero):
+    if value < _ZERO or (value == _ZERO and not allow_zero):
         raise InvalidTask(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
@@ -56,7 +60,7 @@ def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
         raise InvalidTask(f"task type must be 1-{MAX_TYPE_LEN} characters")
     if task.id is not None:
         check_task_id(task.id)
-    if not isinstance(task.payload, bytes | bytearray | memoryview):
+    if not isinstance(task.payload, _BYTES):
         raise InvalidTask("payload must be bytes")
     if len(task.payload) > max_payload:
         raise InvalidTask(f"payload is {len(task.payload)} bytes; the limit is {max_payload}")
@@ -72,13 +76,17 @@ def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
     _check_positive("timeout", task.timeout)
     _check_positive("retention", task.retention, allow_zero=True)
     _check_positive("unique_ttl", task.unique_ttl)
-    for name in ("deadline", "process_at", "expires_at"):
-        _check_aware(name, getattr(task, name))
+    _check_aware("deadline", task.deadline)
+    _check_aware("process_at", task.process_at)
+    _check_aware("expires_at", task.expires_at)
     if task.unique_ttl is not None and not task.unique_key:
         raise InvalidTask("unique_ttl needs a unique_key")
-    for name in ("unique_key", "group", "concurrency_key"):
-        value = getattr(task, name)
-        if value is not None and not 0 < len(value) <= MAX_KEY_LEN:
+    for name, key_value in (
+        ("unique_key", task.unique_key),
+        ("group", task.group),
+        ("concurrency_key", task.concurrency_key),
+    ):
+        if key_value is not None and not 0 < len(key_value) <= MAX_KEY_LEN:
             raise InvalidTask(f"{name} must be 1-{MAX_KEY_LEN} characters")
     if len(task.depends_on) > MAX_DEPENDENCIES:
         raise InvalidTask(f"at most {MAX_DEPENDENCIES} dependencies")

@@ -6,12 +6,14 @@ message field means None. Every datetime that comes out of here is timezone-awar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.types import NewTask, OnFailure, Task, TaskEvent, TaskState
 from conveyor_protos.v1 import service_pb2, task_pb2
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
 _STATE_TO_PROTO: dict[TaskState, task_pb2.TaskState] = {
@@ -58,11 +60,27 @@ def on_failure_from_proto(value: task_pb2.OnFailure) -> OnFailure:
     return _ON_FAILURE_FROM_PROTO.get(value, OnFailure.BLOCK)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_NAIVE_EPOCH = datetime(1970, 1, 1)
+
+
+def _seconds_nanos(value: datetime) -> tuple[int, int]:
+    # Timestamp.FromDatetime goes through utctimetuple() and calendar.timegm: several
+    # microseconds a call, and the hot path converts a few per task. Integer arithmetic on
+    # the difference from the epoch gives the same fields (a naive value counts as UTC).
+    delta = value - (_NAIVE_EPOCH if value.tzinfo is None else _EPOCH)
+    return delta.days * 86400 + delta.seconds, delta.microseconds * 1000
+
+
+def set_timestamp(field: Timestamp, value: datetime) -> None:
+    """Set a Timestamp field (a message's sub-message) to ``value``."""
+    field.seconds, field.nanos = _seconds_nanos(value)
+
+
 def timestamp(value: datetime) -> Timestamp:
     """A Timestamp for an aware datetime."""
-    ts = Timestamp()
-    ts.FromDatetime(value)
-    return ts
+    seconds, nanos = _seconds_nanos(value)
+    return Timestamp(seconds=seconds, nanos=nanos)
 
 
 def duration(value: timedelta) -> Duration:
@@ -105,10 +123,10 @@ def task_to_envelope(task: Task, *, attempt: int | None = None) -> task_pb2.Task
     if task.timeout is not None:
         env.timeout.FromTimedelta(task.timeout)
     if task.deadline is not None:
-        env.deadline.FromDatetime(task.deadline)
+        set_timestamp(env.deadline, task.deadline)
     if task.lease_expires_at is not None:
-        env.lease_expires_at.FromDatetime(task.lease_expires_at)
-    env.enqueued_at.FromDatetime(task.created_at)
+        set_timestamp(env.lease_expires_at, task.lease_expires_at)
+    set_timestamp(env.enqueued_at, task.created_at)
     return env
 
 
@@ -124,11 +142,11 @@ def _options_to_proto(task: Task) -> task_pb2.TaskOptions:
     if task.timeout is not None:
         options.timeout.FromTimedelta(task.timeout)
     if task.deadline is not None:
-        options.deadline.FromDatetime(task.deadline)
+        set_timestamp(options.deadline, task.deadline)
     if task.process_at is not None:
-        options.process_at.FromDatetime(task.process_at)
+        set_timestamp(options.process_at, task.process_at)
     if task.expires_at is not None:
-        options.expires_at.FromDatetime(task.expires_at)
+        set_timestamp(options.expires_at, task.expires_at)
     if task.retention is not None:
         options.retention.FromTimedelta(task.retention)
     if task.unique_until is not None:
@@ -153,21 +171,28 @@ def task_to_proto(task: Task) -> task_pb2.Task:
         result=task.result or b"",
         last_error=task.last_error or "",
     )
-    pb.created_at.FromDatetime(task.created_at)
-    pb.updated_at.FromDatetime(task.updated_at)
+    set_timestamp(pb.created_at, task.created_at)
+    set_timestamp(pb.updated_at, task.updated_at)
     if task.started_at is not None:
-        pb.started_at.FromDatetime(task.started_at)
+        set_timestamp(pb.started_at, task.started_at)
     if task.completed_at is not None:
-        pb.completed_at.FromDatetime(task.completed_at)
+        set_timestamp(pb.completed_at, task.completed_at)
     if task.state in (TaskState.SCHEDULED, TaskState.RETRY):
-        pb.next_process_at.FromDatetime(task.available_at)
+        set_timestamp(pb.next_process_at, task.available_at)
     if task.lease_expires_at is not None:
-        pb.lease_expires_at.FromDatetime(task.lease_expires_at)
+        set_timestamp(pb.lease_expires_at, task.lease_expires_at)
     return pb
 
 
-def new_task_from_proto(pb: task_pb2.NewTask, now: datetime) -> NewTask:
-    """A producer's task as the broker takes it. ``process_in`` is resolved against ``now``.
+def new_task_from_proto(
+    pb: task_pb2.NewTask,
+    now: datetime,
+    *,
+    max_retry: int | None = None,
+    retention: timedelta | None = None,
+) -> NewTask:
+    """A producer's task as the broker takes it. ``process_in`` is resolved against ``now``;
+    ``max_retry`` and ``retention`` are the values to use when the message leaves them unset.
 
     Raises InvalidTask when both ``process_at`` and ``process_in`` are set; everything else
     is checked by the broker.
@@ -187,12 +212,12 @@ def new_task_from_proto(pb: task_pb2.NewTask, now: datetime) -> NewTask:
         payload=pb.payload,
         id=pb.id or None,
         headers=dict(pb.headers),
-        max_retry=opts.max_retry if has("max_retry") else None,
+        max_retry=opts.max_retry if has("max_retry") else max_retry,
         timeout=from_duration(opts.timeout) if has("timeout") else None,
         deadline=from_timestamp(opts.deadline) if has("deadline") else None,
         process_at=process_at,
         expires_at=from_timestamp(opts.expires_at) if has("expires_at") else None,
-        retention=from_duration(opts.retention) if has("retention") else None,
+        retention=from_duration(opts.retention) if has("retention") else retention,
         unique_key=opts.unique_key or None,
         unique_ttl=from_duration(opts.unique_ttl) if has("unique_ttl") else None,
         group=opts.group or None,
@@ -216,11 +241,11 @@ def new_task_to_proto(task: NewTask) -> task_pb2.NewTask:
     if task.timeout is not None:
         opts.timeout.FromTimedelta(task.timeout)
     if task.deadline is not None:
-        opts.deadline.FromDatetime(task.deadline)
+        set_timestamp(opts.deadline, task.deadline)
     if task.process_at is not None:
-        opts.process_at.FromDatetime(task.process_at)
+        set_timestamp(opts.process_at, task.process_at)
     if task.expires_at is not None:
-        opts.expires_at.FromDatetime(task.expires_at)
+        set_timestamp(opts.expires_at, task.expires_at)
     if task.retention is not None:
         opts.retention.FromTimedelta(task.retention)
     if task.unique_ttl is not None:
@@ -253,7 +278,7 @@ def event_to_proto(event: TaskEvent) -> service_pb2.TaskEvent:
         previous_state=state_to_proto(event.previous_state),
         error=event.error or "",
     )
-    pb.at.FromDatetime(event.at)
+    set_timestamp(pb.at, event.at)
     return pb
 
 
@@ -268,3 +293,49 @@ def event_from_proto(pb: service_pb2.TaskEvent) -> TaskEvent:
         at=from_timestamp(pb.at),
         error=pb.error or None,
     )
+
+
+# ------------------------------------------------------------------ event batches
+#
+# One NATS message on ``<prefix>.events.<queue>.<state>`` carries every event of a run of
+# same-queue, same-state events (typically all the rows of one broker call): a message per
+# event would cost each service a NATS publish per task and state. The payload is
+# protobuf's length-delimited stream: each TaskEvent serialized and prefixed by its size
+# as a varint (what ``writeDelimitedTo`` writes); one event alone is the same format.
+
+
+def encode_events(events: Sequence[TaskEvent]) -> bytes:
+    """The payload carrying ``events``, in order (see :func:`decode_events`)."""
+    out = bytearray()
+    for event in events:
+        data = event_to_proto(event).SerializeToString()
+        size = len(data)
+        while size >= 0x80:
+            out.append((size & 0x7F) | 0x80)
+            size >>= 7
+        out.append(size)
+        out += data
+    return bytes(out)
+
+
+def decode_events(data: bytes) -> list[service_pb2.TaskEvent]:
+    """The events of a payload written by :func:`encode_events`. Raises DecodeError when
+    the payload is not such a stream."""
+    events: list[service_pb2.TaskEvent] = []
+    pos, end = 0, len(data)
+    while pos < end:
+        size = shift = 0
+        while True:
+            if pos >= end or shift > 28:
+                raise DecodeError("truncated or oversized event length")
+            byte = data[pos]
+            pos += 1
+            size |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                break
+        if pos + size > end:
+            raise DecodeError("event runs past the end of the payload")
+        events.append(service_pb2.TaskEvent.FromString(data[pos : pos + size]))
+        pos += size
+    return events

@@ -37,6 +37,7 @@ from conveyor_runtime.logging import configure_logging
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.settings import CommonSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.tracing import configure_tracing, shutdown_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ async def open_runtime(
     """
     clock = clock or SystemClock()
     subjects = Subjects(settings.subject_prefix)
+    configure_tracing(name, settings.instance_id, settings.otlp_endpoint)
     broker = await open_broker(settings, clock)
     try:
         nc = await connect_nats(settings.nats_url, name=f"{name}-{settings.instance_id}")
@@ -98,6 +100,7 @@ async def open_runtime(
             await close_nats(nc)
     finally:
         await broker.close()
+        shutdown_tracing()
 
 
 def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:

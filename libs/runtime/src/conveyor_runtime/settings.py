@@ -58,6 +58,11 @@ class CommonSettings(BaseSettings):
     lease_ttl: float = Field(
         30.0, gt=0, description="Seconds a dispatched task stays leased without a heartbeat"
     )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="Export OpenTelemetry traces over OTLP/gRPC to this endpoint "
+        "(e.g. http://jaeger:4317); unset: no tracing",
+    )
     health_file: str | None = Field(
         None,
         description="Touch this file every few seconds while connected to NATS and the broker "

@@ -2,7 +2,8 @@
 
 Every message on them is a hint: losing one may delay work, never lose or duplicate it.
 Payloads are the protobuf messages of ``conveyor_protos.v1.cluster_pb2`` (and
-``service_pb2.TaskEvent`` for events).
+``service_pb2.TaskEvent`` for events, several to a message: see
+:func:`conveyor_runtime.codec.encode_events`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Subjects:
 
     # ---- events and dependency resolution
     def events(self, queue: str, state: str) -> str:
-        """``TaskEvent``: a task of ``queue`` entered ``state``."""
+        """``TaskEvent`` batch: tasks of ``queue`` entered ``state``."""
         return f"{self.prefix}.events.{queue}.{state}"
 
     def events_wildcard(self) -> str:

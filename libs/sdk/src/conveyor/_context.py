@@ -11,6 +11,11 @@ from typing import Any
 
 from conveyor._codec import Codec, encode_value
 
+# Guards the lazy creation of a context's threading.Event against a concurrent cancel.
+# Most runs never need the Event (only a sync handler waiting on cancellation does), and
+# building one per delivery costs more than the rest of the context.
+_EVENT_LOCK = threading.Lock()
+
 
 class TaskContext:
     """The second argument of every handler: the delivery being run.
@@ -28,6 +33,7 @@ class TaskContext:
     __slots__ = (
         "_cancel_reason",
         "_cancelled",
+        "_cancelled_event",
         "_codec",
         "_emit_progress",
         "_lease_id",
@@ -81,7 +87,8 @@ class TaskContext:
         self._emit_progress = emit_progress
         self._loop = loop
         self._loop_thread = threading.get_ident()
-        self._cancelled = threading.Event()
+        self._cancelled = False
+        self._cancelled_event: threading.Event | None = None
         self._cancel_reason: str | None = None
 
     @property
@@ -90,7 +97,7 @@ class TaskContext:
 
         Safe to read from any thread: sync handlers poll it to stop early.
         """
-        return self._cancelled.is_set()
+        return self._cancelled
 
     @property
     def cancel_reason(self) -> str | None:
@@ -103,7 +110,13 @@ class TaskContext:
         Returns :attr:`cancelled`. Meant for sync handlers; an async handler must not
         call it (it would block the event loop).
         """
-        return self._cancelled.wait(timeout)
+        with _EVENT_LOCK:
+            event = self._cancelled_event
+            if event is None:
+                event = self._cancelled_event = threading.Event()
+                if self._cancelled:
+                    event.set()
+        return event.wait(timeout)
 
     async def progress(self, value: Any) -> None:
         """Report progress (any value the worker's codec encodes); visible via get_task.
@@ -126,9 +139,13 @@ class TaskContext:
             self._loop.call_soon_threadsafe(self._emit_progress, data)
 
     def _cancel(self, reason: str) -> None:
-        if not self._cancelled.is_set():
+        with _EVENT_LOCK:
+            if self._cancelled:
+                return
             self._cancel_reason = reason
-            self._cancelled.set()
+            self._cancelled = True
+            if self._cancelled_event is not None:
+                self._cancelled_event.set()
 
     def __repr__(self) -> str:
         return (

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 #: The error reported when an attempt outlives its timeout or the task's deadline.
 TIMED_OUT = "timed out"
+#: The server's default limit on a result (CONVEYOR_MAX_RESULT), in encoded bytes.
+DEFAULT_MAX_RESULT = 1024 * 1024
 #: Error messages are cut to this many characters (the server stores them per task).
 MAX_ERROR_LEN = 4096
 
@@ -138,6 +140,7 @@ class Execution:
         "_timer",
         "ctx",
         "envelope",
+        "key",
         "registration",
         "released",
         "reported",
@@ -156,6 +159,8 @@ class Execution:
         session: SessionRunner,
     ) -> None:
         self.envelope = envelope
+        #: (task id, lease id): the delivery's identity.
+        self.key: tuple[str, str] = (envelope.id, envelope.lease_id)
         self.registration = registration
         self.ctx = ctx
         self.session = session
@@ -170,11 +175,6 @@ class Execution:
         self.reported = False
         self._timer: asyncio.TimerHandle | None = None
         self._on_done: Callable[[Execution], None] | None = None
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """(task id, lease id): the delivery's identity."""
-        return self.envelope.id, self.envelope.lease_id
 
     @property
     def finished(self) -> bool:
@@ -193,7 +193,12 @@ class Execution:
         thread have finished, possibly twice (once per event): check :attr:`finished`."""
         loop = asyncio.get_running_loop()
         self._on_done = on_done
-        limit = time_limit(self.ctx.timeout, self.ctx.deadline, datetime.now(UTC))
+        ctx = self.ctx
+        limit = (
+            time_limit(ctx.timeout, ctx.deadline, datetime.now(UTC))
+            if ctx.timeout is not None or ctx.deadline is not None
+            else None
+        )
         self.task = loop.create_task(self._run(codec, pool, limit), name=f"conveyor:{self.key[0]}")
         self.task.add_done_callback(lambda _: on_done(self))
         if limit is not None:
@@ -244,6 +249,12 @@ class Execution:
         except Exception as exc:
             error = f"cannot encode result: {describe_exception(exc)}"
             return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=truncate(error))
+        limit = self.session.worker.max_result_size
+        if len(data) > limit:
+            # A frame past the server's receive limit would end the whole session (and
+            # the task would come back for ever): fail the attempt with the reason instead.
+            error = f"result is {len(data)} bytes; the limit is {limit}"
+            return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=error)
         return make_result(task_id, lease_id, svc.OUTCOME_SUCCESS, result=data)
 
     async def _invoke(self, payload: Any, pool: concurrent.futures.Executor) -> Any:

@@ -177,6 +177,9 @@ class TaskSpec:
             raise InvalidArgument("options must be a TaskOptions")
 
 
+_NO_OPTIONS = TaskOptions()
+
+
 def spec(
     type: str,
     payload: Any = None,
@@ -205,6 +208,30 @@ def spec(
     """
     if isinstance(depends_on, str):
         raise InvalidArgument("depends_on must be a collection of task ids, not one string")
+    if (
+        max_retry is None
+        and timeout is None
+        and deadline is None
+        and process_at is None
+        and process_in is None
+        and expires_at is None
+        and retention is None
+        and unique_key is None
+        and unique_ttl is None
+        and group is None
+        and depends_on == ()
+        and on_failure is OnFailure.BLOCK
+        and concurrency_key is None
+    ):
+        # No option given (the usual case): share one already-checked TaskOptions.
+        return TaskSpec(
+            type=type,
+            payload=payload,
+            queue=queue,
+            id=id,
+            headers=MappingProxyType(dict(headers or {})),
+            options=_NO_OPTIONS,
+        )
     try:
         failure_mode = OnFailure(on_failure)
     except ValueError:

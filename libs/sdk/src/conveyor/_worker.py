@@ -14,9 +14,9 @@ import os
 import re
 import signal
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from conveyor_protos.v1 import service_pb2 as svc
 
@@ -24,7 +24,13 @@ from conveyor._backoff import ReconnectBackoff
 from conveyor._client import DEFAULT_TARGET
 from conveyor._codec import Codec, JsonCodec
 from conveyor._errors import InvalidArgument, error_from_status
-from conveyor._execution import Execution, Handler, Registration, result_for_exception
+from conveyor._execution import (
+    DEFAULT_MAX_RESULT,
+    Execution,
+    Handler,
+    Registration,
+    result_for_exception,
+)
 from conveyor._session import FATAL_CODES, SessionEnded, SessionRunner
 from conveyor._types import DurationLike, to_timedelta
 
@@ -62,7 +68,9 @@ class Worker:
     ``grace_period`` (timedelta or seconds) is how long a stopping worker lets running
     handlers finish before it cancels them and gives their tasks back. ``reconnect``
     paces reconnects after the stream breaks. ``min_server_version`` refuses servers
-    older than that.
+    older than that. ``max_result_size`` is the largest encoded result the worker sends
+    (match the server's ``CONVEYOR_MAX_RESULT``): a larger one fails the attempt with a
+    clear error, where sending it would break the stream.
 
     Register handlers with :meth:`task`, then run the worker::
 
@@ -94,11 +102,16 @@ class Worker:
         worker_id: str | None = None,
         reconnect: ReconnectBackoff | None = None,
         min_server_version: str = "",
+        max_result_size: int = DEFAULT_MAX_RESULT,
     ) -> None:
         if not isinstance(target, str) or not target:
             raise InvalidArgument("target must be a non-empty 'host:port' string")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidArgument(f"concurrency must be an int >= 1, got {concurrency!r}")
+        if isinstance(max_result_size, bool) or not isinstance(max_result_size, int):
+            raise InvalidArgument(f"max_result_size must be an int, got {max_result_size!r}")
+        if max_result_size < 0:
+            raise InvalidArgument(f"max_result_size must be >= 0, got {max_result_size}")
         grace = to_timedelta("grace_period", grace_period)
         if grace is None or grace < timedelta(0):
             raise InvalidArgument("grace_period must be >= 0")
@@ -113,6 +126,7 @@ class Worker:
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.reconnect = reconnect or ReconnectBackoff()
         self.min_server_version = min_server_version
+        self.max_result_size = max_result_size
         self._token = token
         self._handlers: dict[str, Registration] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -172,11 +186,12 @@ class Worker:
     def run_forever(self) -> None:
         """Run the worker in a new event loop until SIGTERM or SIGINT; blocks.
 
-        The entry point for scripts. The first signal stops gracefully (see
-        :meth:`stop`); a second one cancels running handlers at once. Raises what
+        The entry point for scripts. The loop is uvloop's when uvloop is installed (the
+        SDK does not require it), asyncio's otherwise. The first signal stops gracefully
+        (see :meth:`stop`); a second one cancels running handlers at once. Raises what
         :meth:`run` raises.
         """
-        asyncio.run(self.run(handle_signals=True))
+        run_event_loop(self.run(handle_signals=True))
 
     async def run(self, *, handle_signals: bool = False) -> None:
         """Serve tasks until :meth:`stop` is called; reconnect when the stream breaks.
@@ -403,6 +418,20 @@ class Worker:
             logger.debug("worker.result_dropped task_id=%s reason=session_ended", execution.key[0])
             return
         runner.send(result)
+
+
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` to completion in a new event loop: uvloop's when it is installed.
+
+    uvloop roughly halves the cost of each stream read and write (every dispatch is one),
+    so a worker runs noticeably more tasks per CPU second with it.
+    """
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:

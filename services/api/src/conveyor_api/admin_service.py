@@ -22,7 +22,7 @@ from conveyor_broker import (
 from conveyor_broker.types import CANCELED_WHILE_RUNNING_ERROR
 from conveyor_broker.validation import check_queue, check_task_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
-from conveyor_runtime.codec import from_timestamp, task_to_proto
+from conveyor_runtime.codec import decode_events, from_timestamp, task_to_proto
 from conveyor_runtime.subjects import Subjects
 from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NATS
@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 MAX_BATCH_ACTION = 1000
 #: Broker calls a BatchTaskAction runs at once.
 _BATCH_CONCURRENCY = 16
-#: Events a slow WatchEvents caller may fall behind by before events are dropped.
+#: Event messages (each a run of events) a slow WatchEvents caller may fall behind by
+#: before events are dropped.
 _WATCH_BACKLOG = 10_000
 
 #: AdminService methods that exist on the wire but not yet in this server.
@@ -210,13 +211,13 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
                 if data is None:
                     return
                 try:
-                    event = service_pb2.TaskEvent.FromString(data)
+                    events = decode_events(data)
                 except DecodeError:
                     logger.warning("watch_events.bad_event")
                     continue
-                if wanted_states and event.state not in wanted_states:
-                    continue
-                yield event
+                for event in events:
+                    if not wanted_states or event.state in wanted_states:
+                        yield event
         finally:
             self._watchers.discard(inbox)
             for sub in subs:

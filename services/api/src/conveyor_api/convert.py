@@ -6,13 +6,11 @@ maps it straight to INVALID_ARGUMENT.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from conveyor_broker import InvalidTask, NewTask, TaskState
 from conveyor_broker.clock import Clock
-from conveyor_broker.ids import new_id
 from conveyor_broker.validation import check_new_task
 from conveyor_protos.v1 import task_pb2
 from conveyor_runtime import codec
@@ -27,15 +25,18 @@ class TaskDefaults:
     max_payload: int
 
 
+_ON_FAILURE_VALUES = frozenset(task_pb2.OnFailure.values())
+
+
 def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDefaults) -> NewTask:
     """Validate a producer's NewTask and turn it into the broker's, with defaults applied.
 
-    ``process_in`` becomes ``process_at`` relative to ``clock``; an empty id gets a fresh
-    ULID; unset ``max_retry`` and ``retention`` take the server defaults. Raises
-    InvalidTask describing the first problem.
+    ``process_in`` becomes ``process_at`` relative to ``clock``; unset ``max_retry`` and
+    ``retention`` take the server defaults; an empty id stays unset, for the broker to
+    assign (in bulk, with the commit). Raises InvalidTask describing the first problem.
     """
     opts = msg.options
-    if opts.on_failure not in task_pb2.OnFailure.values():
+    if opts.on_failure not in _ON_FAILURE_VALUES:
         raise InvalidTask(f"unknown on_failure value {opts.on_failure}")
     now = clock.now()
     try:
@@ -43,18 +44,14 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
             raise InvalidTask(
                 f"process_in must be >= 0, got {codec.from_duration(opts.process_in)}"
             )
-        task = codec.new_task_from_proto(msg, now)
+        task = codec.new_task_from_proto(
+            msg, now, max_retry=defaults.max_retry, retention=defaults.retention
+        )
     except InvalidTask:
         raise
     except (ValueError, OverflowError) as exc:
         # Out-of-range timestamps and durations surface as these from protobuf/datetime.
         raise InvalidTask(f"bad time value: {exc}") from None
-    task = dataclasses.replace(
-        task,
-        id=task.id or new_id(now),
-        max_retry=defaults.max_retry if task.max_retry is None else task.max_retry,
-        retention=defaults.retention if task.retention is None else task.retention,
-    )
     check_new_task(task, max_payload=defaults.max_payload)
     check_time_bounds(task, now)
     return task

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -380,10 +380,9 @@ class Gateway:
         """
         kind = frame.WhichOneof("frame")
         if kind == "result":
-            self._on_result(frame.result)
+            self._on_results((frame.result,))
         elif kind == "batch_result":
-            for result in frame.batch_result.results:
-                self._on_result(result)
+            self._on_results(frame.batch_result.results)
         elif kind == "heartbeat":
             self._on_heartbeat()
         elif kind == "progress":
@@ -393,7 +392,27 @@ class Gateway:
         else:
             logger.warning("gateway.unexpected_frame gateway=%s kind=%s", self.id, kind)
 
-    def _on_result(self, result: service_pb2.Result) -> None:
+    def _on_results(self, results: Iterable[service_pb2.Result]) -> None:
+        # Successes (nearly every result) are acked together, in one task: a frame's worth
+        # of results costs one ack round trip, not a task and a future apiece.
+        acks: list[tuple[_Held, AckItem]] = []
+        for result in results:
+            held = self._held_for(result)
+            if held is None:
+                continue
+            self._take(held.lease_id)
+            if (
+                result.outcome == service_pb2.OUTCOME_SUCCESS
+                and len(result.result) <= self._config.max_result
+            ):
+                acks.append((held, AckItem(held.task_id, held.lease_id, result.result or None)))
+            else:
+                self._spawn(self._complete(held, result))
+        if acks:
+            self._spawn(self._ack_all(acks))
+
+    def _held_for(self, result: service_pb2.Result) -> _Held | None:
+        """The delivery ``result`` answers, or None (logged) when it answers none of ours."""
         if not result.task_id or not result.lease_id or result.outcome not in _OUTCOMES:
             logger.warning(
                 "gateway.malformed_result gateway=%s task=%s lease=%s outcome=%d",
@@ -402,7 +421,7 @@ class Gateway:
                 result.lease_id,
                 result.outcome,
             )
-            return
+            return None
         held = self._held.get(result.lease_id)
         if held is None or held.task_id != result.task_id:
             logger.info(
@@ -411,9 +430,26 @@ class Gateway:
                 result.task_id,
                 result.lease_id,
             )
-            return
-        self._take(held.lease_id)
-        self._spawn(self._complete(held, result))
+            return None
+        return held
+
+    async def _ack_all(self, acks: list[tuple[_Held, AckItem]]) -> None:
+        try:
+            acked = await self._acks.ack_many([item for _, item in acks])
+        except Exception:
+            # These tasks stay ACTIVE until their leases expire; the reaper retries them.
+            logger.exception("gateway.ack_failed gateway=%s count=%d", self.id, len(acks))
+            acked = [True] * len(acks)  # nothing more to log per task
+        for (held, _), ok in zip(acks, acked, strict=True):
+            if not ok:
+                logger.info(
+                    "gateway.lease_lost gateway=%s task=%s lease=%s queue=%s",
+                    self.id,
+                    held.task_id,
+                    held.lease_id,
+                    held.queue,
+                )
+            self._done.done(held.queue)
 
     async def _complete(self, held: _Held, result: service_pb2.Result) -> None:
         try:

@@ -14,6 +14,7 @@ from conveyor_broker.clock import Clock, SystemClock
 from conveyor_protos.v1 import cluster_pb2, service_pb2_grpc
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.tracing import tracing_enabled
 from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -28,6 +29,7 @@ from conveyor_api.group_commit import AckBatcher, EnqueueCommitter
 from conveyor_api.semver import parse_version
 from conveyor_api.session import HELLO_TIMEOUT, FrameWriter, SessionRegistry, WorkerService
 from conveyor_api.task_service import TaskService, wake_for
+from conveyor_api.tracing import TracingInterceptor
 from conveyor_api.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,8 @@ class ApiServer:
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         interceptors: list[grpc.aio.ServerInterceptor] = []
+        if tracing_enabled():
+            interceptors.append(TracingInterceptor())
         if self.settings.auth_tokens:
             interceptors.append(BearerAuthInterceptor(self.settings.auth_tokens))
         else:

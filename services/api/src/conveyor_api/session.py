@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -100,18 +101,25 @@ class FrameWriter:
 
     def __init__(self, context: _Context) -> None:
         self._context = context
-        self._queue: asyncio.Queue[service_pb2.ServerFrame] = asyncio.Queue()
+        self._frames: deque[service_pb2.ServerFrame] = deque()
+        self._ready = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._run())
         self.task.add_done_callback(_consume_exception)
 
     def send(self, frame: service_pb2.ServerFrame) -> None:
         """Queue ``frame``; frames go out in the order they were sent."""
-        self._queue.put_nowait(frame)
+        self._frames.append(frame)
+        self._ready.set()
 
     async def _run(self) -> None:
+        # A dispatch queues a burst of frames at once: write them back to back, waking
+        # only when the queue runs dry (an asyncio.Queue costs a future per frame).
+        frames = self._frames
         while True:
-            frame = await self._queue.get()
-            await self._context.write(frame)
+            await self._ready.wait()
+            self._ready.clear()
+            while frames:
+                await self._context.write(frames.popleft())
 
 
 class SessionRegistry:

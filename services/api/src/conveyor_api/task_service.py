@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -97,9 +96,7 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
                 items.append(None)
             except InvalidTask as exc:
                 items.append(_item_error(exc))
-        outcomes = await asyncio.gather(
-            *(self._committer.enqueue(task) for _, task in work), return_exceptions=True
-        )
+        outcomes = await self._committer.enqueue_many([task for _, task in work])
         for (index, _), outcome in zip(work, outcomes, strict=True):
             if isinstance(outcome, EnqueueResult):
                 items[index] = service_pb2.EnqueueItemResult(
@@ -107,7 +104,7 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
                 )
             elif isinstance(outcome, BrokerError):
                 items[index] = _item_error(outcome)
-            elif isinstance(outcome, BaseException):
+            else:
                 # Not the item's fault (the broker is down, say): fail the whole call so
                 # the producer retries it rather than reading a partial answer.
                 logger.error("enqueue_batch.failed error=%r", outcome)

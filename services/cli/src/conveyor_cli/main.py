@@ -8,6 +8,8 @@ import sys
 import click
 from conveyor_runtime.settings import CommonSettings
 
+from conveyor_cli.ops import enqueue, queue, task
+
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
 
 
@@ -62,17 +64,21 @@ def serve_maintenance(args: tuple[str, ...]) -> None:
     show_default=True,
     help="PostgreSQL DSN (env CONVEYOR_DSN)",
 )
-def migrate(dsn: str) -> None:
-    """Apply pending database migrations."""
-    from conveyor_broker.postgres import migrate as apply_migrations
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text")
+def migrate(dsn: str, as_json: bool) -> None:
+    """Apply pending database migrations (safe to run from several places at once)."""
+    from conveyor_cli.migrate import run_migrations
 
     try:
-        applied = asyncio.run(apply_migrations(dsn))
+        applied = asyncio.run(run_migrations(dsn, show_progress=not as_json))
     except Exception as exc:  # one clear line, not a traceback
         raise click.ClickException(f"migration failed: {exc}") from None
-    click.echo(
-        f"applied {len(applied)} migration(s): {applied}" if applied else "database is up to date"
-    )
+    if as_json:
+        from conveyor_cli.output import emit_json
+
+        emit_json({"applied": applied})
+    else:
+        click.echo(f"applied migration(s) {applied}" if applied else "database is up to date")
 
 
 @cli.command()
@@ -124,3 +130,8 @@ def health(path: str, max_age: float, port: int | None) -> None:
         except OSError as exc:
             raise click.ClickException(f"unhealthy: port {port}: {exc}") from None
     click.echo("healthy")
+
+
+cli.add_command(enqueue)
+cli.add_command(task)
+cli.add_command(queue)

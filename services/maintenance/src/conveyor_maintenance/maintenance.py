@@ -28,9 +28,11 @@ from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.tracing import tracer
 from nats.aio.client import Client as NatsClient
 
 logger = logging.getLogger(__name__)
+_tracer = tracer(__name__)
 
 SCHEDULER = "scheduler"
 REAPER = "reaper"
@@ -136,7 +138,8 @@ class Maintenance:
                     "maintenance.leader_elected role=%s instance=%s", role, self.instance_id
                 )
             try:
-                await run_pass()
+                with _tracer.start_as_current_span(f"maintenance.{role}"):
+                    await run_pass()
                 self.passes[role] += 1
             except Exception:
                 logger.exception("maintenance.pass_failed role=%s", role)

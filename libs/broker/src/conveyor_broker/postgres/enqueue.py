@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from conveyor_broker.errors import BrokerError, DuplicateTask, InvalidTask
 from conveyor_broker.ids import new_ids
 from conveyor_broker.postgres import queries
-from conveyor_broker.postgres.rows import enqueue_params, new_task, task_from_row
+from conveyor_broker.postgres.rows import enqueue_statement, new_task, task_from_row
 from conveyor_broker.types import EnqueueResult, NewTask, Task, TaskState
 
 if TYPE_CHECKING:
@@ -80,9 +80,8 @@ async def enqueue_plain(
     todo = [_build(tasks[i], plan.ids[i], False, now, default_max_retry) for i in fresh]
     results: dict[str, EnqueueResult] = {}
     for _ in range(_ATTEMPTS):
-        rows = await conn.fetch(
-            queries.ENQUEUE, *enqueue_params(sorted(todo, key=_lock_order), now)
-        )
+        sql, params = enqueue_statement(sorted(todo, key=_lock_order), now)
+        rows = await conn.fetch(sql, *params)
         inserted = {row[0] for row in rows}
         results.update((t.id, EnqueueResult(t, True)) for t in todo if t.id in inserted)
         skipped = [t.id for t in todo if t.id not in inserted]
@@ -148,7 +147,8 @@ async def _enqueue_in_transaction(
     if conflict is not None:
         raise conflict
 
-    rows = await conn.fetch(queries.ENQUEUE, *enqueue_params(sorted(planned, key=_lock_order), now))
+    sql, params = enqueue_statement(sorted(planned, key=_lock_order), now)
+    rows = await conn.fetch(sql, *params)
     inserted = {row[0] for row in rows}
     results.update((t.id, EnqueueResult(t, True)) for t in planned if t.id in inserted)
     skipped = [t for t in planned if t.id not in inserted]

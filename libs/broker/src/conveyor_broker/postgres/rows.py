@@ -9,7 +9,8 @@ from typing import Any
 
 import asyncpg
 
-from conveyor_broker.postgres.queries import TASK_FIELDS
+from conveyor_broker.postgres.queries import ENQUEUE_COLUMNS, TASK_FIELDS
+from conveyor_broker.postgres.queries import enqueue_statement as enqueue_sql
 from conveyor_broker.types import NewTask, OnFailure, Task, TaskState
 
 TASK_FIELD_COUNT = len(TASK_FIELDS)
@@ -143,8 +144,42 @@ def new_task(
     )
 
 
+def enqueue_statement(tasks: Sequence[Task], now: datetime) -> tuple[str, list[Any]]:
+    """The INSERT for ``tasks`` and its parameters: only the optional columns that some
+    task sets (see ``queries.ENQUEUE_OPTIONAL``)."""
+    columns: dict[str, list[Any]] = {
+        "id": [t.id for t in tasks],
+        "queue": [t.queue for t in tasks],
+        "type": [t.type for t in tasks],
+        "payload": [t.payload for t in tasks],
+        "state": [t.state.value for t in tasks],
+        "max_retry": [t.max_retry for t in tasks],
+        "on_failure": [t.on_failure.value for t in tasks],
+        "available_at": [t.available_at for t in tasks],
+    }
+    if any(t.headers for t in tasks):
+        columns["headers"] = [_headers_to_json(t.headers) for t in tasks]
+    if any(t.depends_on for t in tasks):
+        columns["depends_on"] = [",".join(t.depends_on) for t in tasks]
+    for name, values in (
+        ("timeout", [t.timeout for t in tasks]),
+        ("deadline", [t.deadline for t in tasks]),
+        ("process_at", [t.process_at for t in tasks]),
+        ("expires_at", [t.expires_at for t in tasks]),
+        ("retention", [t.retention for t in tasks]),
+        ("unique_key", [t.unique_key for t in tasks]),
+        ("unique_until", [t.unique_until for t in tasks]),
+        ("group_key", [t.group for t in tasks]),
+        ("concurrency_key", [t.concurrency_key for t in tasks]),
+    ):
+        if any(value is not None for value in values):
+            columns[name] = values
+    order = tuple(name for name in ENQUEUE_COLUMNS if name in columns)
+    return enqueue_sql(order), [*(columns[name] for name in order), now]
+
+
 def enqueue_params(tasks: Sequence[Task], now: datetime) -> list[Any]:
-    """The parameters of ``queries.ENQUEUE`` for ``tasks``: one array per column."""
+    """The parameters of ``queries.ENQUEUE`` (every column) for ``tasks``."""
     return [
         [t.id for t in tasks],
         [t.queue for t in tasks],

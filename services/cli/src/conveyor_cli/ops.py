@@ -1,0 +1,244 @@
+"""Operator commands: enqueue, task get|list|cancel, queue list|stats|pause|resume."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from conveyor import AdminClient, Client, ConveyorError, TaskSpec, spec
+from rich.progress import Progress
+
+from conveyor_cli.output import emit_json, queue_table, task_detail, task_table
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+BULK_BATCH = 500
+
+
+def connection_options(func: F) -> F:
+    """--target, --token and --json on a command."""
+    func = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table")(
+        func
+    )
+    func = click.option(
+        "--token", envvar="CONVEYOR_TOKEN", default=None, help="Bearer token (env CONVEYOR_TOKEN)"
+    )(func)
+    func = click.option(
+        "--target",
+        envvar="CONVEYOR_TARGET",
+        default="127.0.0.1:50051",
+        show_default=True,
+        help="Conveyor api address (env CONVEYOR_TARGET)",
+    )(func)
+    return func
+
+
+@contextmanager
+def clear_errors() -> Iterator[None]:
+    """Turn SDK errors into one clear line and exit code 1."""
+    try:
+        yield
+    except ConveyorError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _payload(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"payload is not JSON: {exc}") from None
+
+
+def _spec_from_line(number: int, line: str) -> TaskSpec:
+    try:
+        item = json.loads(line)
+        if not isinstance(item, dict) or "type" not in item:
+            raise ValueError('each line must be an object with a "type"')
+        task_type = item.pop("type")
+        payload = item.pop("payload", None)
+        return spec(task_type, payload, **item)
+    except (ValueError, TypeError, ConveyorError) as exc:
+        raise click.ClickException(f"line {number}: {exc}") from None
+
+
+@click.command()
+@click.argument("task_type", required=False)
+@click.argument("payload", required=False)
+@click.option("--queue", default="default", show_default=True)
+@click.option("--max-retry", type=int, default=None)
+@click.option("--timeout", type=float, default=None, help="Per-attempt timeout, seconds")
+@click.option(
+    "--process-in", type=float, default=None, help="Run no earlier than this many seconds from now"
+)
+@click.option("--unique-key", default=None)
+@click.option(
+    "--file",
+    "file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help='Bulk: a JSON-lines file, one {"type", "payload", "queue", ...} per line',
+)
+@connection_options
+def enqueue(
+    task_type: str | None,
+    payload: str | None,
+    queue: str,
+    max_retry: int | None,
+    timeout: float | None,
+    process_in: float | None,
+    unique_key: str | None,
+    file: Path | None,
+    target: str,
+    token: str | None,
+    as_json: bool,
+) -> None:
+    """Enqueue one task (TYPE and a JSON PAYLOAD), or many from --file."""
+    with clear_errors(), Client(target, token=token) as client:
+        if file is not None:
+            _enqueue_file(client, file, as_json)
+            return
+        if task_type is None:
+            raise click.UsageError("give a task TYPE, or --file")
+        task = client.enqueue(
+            task_type,
+            _payload(payload),
+            queue=queue,
+            max_retry=max_retry,
+            timeout=timeout,
+            process_in=process_in,
+            unique_key=unique_key,
+        )
+        if as_json:
+            emit_json(task)
+        else:
+            click.echo(f"enqueued {task.id} ({task.state.value}) on {task.queue}")
+
+
+def _enqueue_file(client: Client, file: Path, as_json: bool) -> None:
+    lines = [(n, line) for n, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
+    specs = [_spec_from_line(n, line) for n, line in lines]
+    created = failed = 0
+    errors: list[str] = []
+    with Progress(disable=as_json, transient=False) as progress:
+        bar = progress.add_task(f"enqueue {file.name}", total=len(specs))
+        for start in range(0, len(specs), BULK_BATCH):
+            chunk = specs[start : start + BULK_BATCH]
+            for offset, result in enumerate(client.enqueue_batch(chunk)):
+                if result.ok:
+                    created += 1
+                else:
+                    failed += 1
+                    errors.append(f"line {lines[start + offset][0]}: {result.error}")
+            progress.advance(bar, len(chunk))
+    if as_json:
+        emit_json({"enqueued": created, "failed": failed, "errors": errors})
+    else:
+        click.echo(f"enqueued {created} task(s), {failed} failed")
+        for error in errors[:20]:
+            click.echo(f"  {error}", err=True)
+    if failed:
+        raise SystemExit(1)
+
+
+@click.group()
+def task() -> None:
+    """Inspect and act on tasks."""
+
+
+@task.command("get")
+@click.argument("task_id")
+@connection_options
+def task_get(task_id: str, target: str, token: str | None, as_json: bool) -> None:
+    """Show one task."""
+    with clear_errors(), AdminClient(target, token=token) as admin:
+        info = admin.get_task(task_id)
+    emit_json(info) if as_json else task_detail(info)
+
+
+@task.command("list")
+@click.option("--queue", default=None)
+@click.option(
+    "--state", default=None, help="pending, scheduled, active, retry, completed, archived, ..."
+)
+@click.option("--limit", default=50, show_default=True)
+@click.option("--cursor", default=None, help="next_cursor of the previous page")
+@connection_options
+def task_list(
+    queue: str | None,
+    state: str | None,
+    limit: int,
+    cursor: str | None,
+    target: str,
+    token: str | None,
+    as_json: bool,
+) -> None:
+    """List tasks, oldest first."""
+    with clear_errors(), AdminClient(target, token=token) as admin:
+        page = admin.list_tasks(queue=queue, state=state, limit=limit, cursor=cursor)
+    if as_json:
+        emit_json(page)
+        return
+    task_table(page.tasks)
+    if page.next_cursor:
+        click.echo(f"more: --cursor {page.next_cursor}")
+
+
+@task.command("cancel")
+@click.argument("task_id")
+@connection_options
+def task_cancel(task_id: str, target: str, token: str | None, as_json: bool) -> None:
+    """Cancel a waiting task, or abort a running one."""
+    with clear_errors(), AdminClient(target, token=token) as admin:
+        info = admin.cancel_task(task_id)
+    emit_json(info) if as_json else click.echo(f"{info.id} is now {info.state.value}")
+
+
+@click.group()
+def queue() -> None:
+    """Inspect, pause and resume queues."""
+
+
+@queue.command("list")
+@connection_options
+def queue_list(target: str, token: str | None, as_json: bool) -> None:
+    """Every queue with its task counts."""
+    with clear_errors(), AdminClient(target, token=token) as admin:
+        queues = admin.list_queues()
+    emit_json(queues) if as_json else queue_table(queues)
+
+
+@queue.command("stats")
+@click.argument("name")
+@connection_options
+def queue_stats(name: str, target: str, token: str | None, as_json: bool) -> None:
+    """Task counts of one queue."""
+    with clear_errors(), AdminClient(target, token=token) as admin:
+        info = admin.queue_stats(name)
+    emit_json(info) if as_json else queue_table([info])
+
+
+@queue.command("pause")
+@click.argument("name")
+@connection_options
+def queue_pause(name: str, target: str, token: str | None, as_json: bool) -> None:
+    """Stop dispatching a queue's tasks (enqueue still works)."""
+    with clear_errors(), AdminClient(target, token=token) as admin:
+        admin.pause_queue(name)
+    emit_json({"queue": name, "paused": True}) if as_json else click.echo(f"queue {name} paused")
+
+
+@queue.command("resume")
+@click.argument("name")
+@connection_options
+def queue_resume(name: str, target: str, token: str | None, as_json: bool) -> None:
+    """Resume dispatching a paused queue."""
+    with clear_errors(), AdminClient(target, token=token) as admin:
+        admin.resume_queue(name)
+    emit_json({"queue": name, "paused": False}) if as_json else click.echo(f"queue {name} resumed")
