@@ -104,7 +104,10 @@ class ApiSettings(CommonSettings):
     )
     min_sdk_version: str = Field("0.1.0", description="Oldest worker SDK version accepted")
     enqueue_batch_window: float = Field(
-        0.002, ge=0, description="Seconds concurrent enqueues wait to share one commit"
+        0.002,
+        ge=0,
+        description="Longest an enqueue waits behind a commit in flight before it starts "
+        "its own (an enqueue with no commit in flight goes at once)",
     )
     enqueue_batch_max: int = Field(
         500, ge=1, le=1000, description="Most enqueues in one group commit"
