@@ -4,6 +4,9 @@
   dropped afterwards (server from CONVEYOR_TEST_PG_DSN, default the local trust-auth one).
 - ``nats_server``: a private nats-server with JetStream on a free port (function scope,
   so a test may kill it); ``nats_url`` for tests that only need a URL (session scope).
+- For service tests: ``nc`` (a connection to ``nats_url``), ``subjects`` (a prefix of the
+  test's own), ``clock`` (a FakeClock) and ``broker`` (memory, and Postgres on a fresh
+  database, so sweeps see only the test's tasks).
 """
 
 from __future__ import annotations
@@ -11,11 +14,17 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import asyncpg
 import pytest
+from conveyor_broker import Broker, FakeClock
+from conveyor_broker.memory import MemoryBroker
+from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_runtime.embedded_nats import EmbeddedNats
+from conveyor_runtime.nats_connect import close_nats, connect_nats
+from conveyor_runtime.subjects import Subjects
+from nats.aio.client import Client as NatsClient
 
 ADMIN_DSN = os.environ.get("CONVEYOR_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -67,3 +76,48 @@ def nats_server() -> Iterator[EmbeddedNats]:
     """A private nats-server for one test, which the test may kill or restart."""
     with EmbeddedNats() as server:
         yield server
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
+    """A NATS connection to the session's private server."""
+    client = await connect_nats(nats_url, name="test")
+    try:
+        yield client
+    finally:
+        await close_nats(client)
+
+
+@pytest.fixture
+def subjects() -> Subjects:
+    """Subjects under a prefix no other test uses."""
+    return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """The broker's clock; moves only when the test says so."""
+    return FakeClock()
+
+
+@pytest.fixture(params=["memory", pytest.param("postgres", marks=pytest.mark.postgres)])
+def broker_dsn(request: pytest.FixtureRequest) -> str | None:
+    """None for the memory broker, else the DSN of a fresh Postgres database."""
+    if request.param == "memory":
+        return None
+    dsn: str = request.getfixturevalue("fresh_pg_dsn")
+    return dsn
+
+
+@pytest.fixture
+async def broker(broker_dsn: str | None, clock: FakeClock) -> AsyncIterator[Broker]:
+    """Each test runs against the memory broker and against Postgres (a fresh database)."""
+    if broker_dsn is None:
+        b: Broker = MemoryBroker(clock)
+    else:
+        await migrate(broker_dsn)
+        b = await PostgresBroker.connect(broker_dsn, clock, max_size=4)
+    try:
+        yield b
+    finally:
+        await b.close()

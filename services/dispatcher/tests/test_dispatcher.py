@@ -15,8 +15,6 @@ from typing import Any
 import pytest
 from conveyor_broker.clock import FakeClock
 from conveyor_broker.interface import Broker
-from conveyor_broker.memory import MemoryBroker
-from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_broker.types import NewTask, TaskState
 from conveyor_dispatcher import Dispatcher
 from conveyor_protos.v1 import cluster_pb2, task_pb2
@@ -117,47 +115,6 @@ class FakeGateway:
 
 
 # ------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
-    client = await connect_nats(nats_url, name="dispatcher-test")
-    try:
-        yield client
-    finally:
-        await close_nats(client)
-
-
-@pytest.fixture
-def subjects() -> Subjects:
-    return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture(params=["memory", pytest.param("postgres", marks=pytest.mark.postgres)])
-def broker_dsn(request: pytest.FixtureRequest) -> str | None:
-    """None for the memory broker, else the DSN of the session's Postgres database."""
-    if request.param == "memory":
-        return None
-    dsn: str = request.getfixturevalue("pg_dsn")
-    return dsn
-
-
-@pytest.fixture
-async def broker(broker_dsn: str | None, clock: FakeClock) -> AsyncIterator[Broker]:
-    if broker_dsn is None:
-        b: Broker = MemoryBroker(clock)
-    else:
-        await migrate(broker_dsn)
-        b = await PostgresBroker.connect(broker_dsn, clock, max_size=4)
-    try:
-        yield b
-    finally:
-        await b.close()
 
 
 @pytest.fixture

@@ -16,11 +16,10 @@ import pytest
 from conveyor_broker.clock import FakeClock
 from conveyor_broker.interface import Broker
 from conveyor_broker.memory import MemoryBroker
-from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_broker.types import LEASE_EXPIRED_ERROR, NewTask, TaskState
 from conveyor_maintenance import REAPER, SCHEDULER, Maintenance
 from conveyor_protos.v1 import cluster_pb2
-from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
+from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.testing import eventually
@@ -42,48 +41,6 @@ class WakeLog:
 
     def count(self, queue: str) -> int:
         return self.queues.count(queue)
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
-    client = await connect_nats(nats_url, name="maintenance-test")
-    try:
-        yield client
-    finally:
-        await close_nats(client)
-
-
-@pytest.fixture
-def subjects() -> Subjects:
-    return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture(params=["memory", pytest.param("postgres", marks=pytest.mark.postgres)])
-def broker_dsn(request: pytest.FixtureRequest) -> str | None:
-    """None for the memory broker, else the DSN of a fresh Postgres database."""
-    if request.param == "memory":
-        return None
-    # Sweeps see every queue, so each test gets its own database.
-    dsn: str = request.getfixturevalue("fresh_pg_dsn")
-    return dsn
-
-
-@pytest.fixture
-async def broker(broker_dsn: str | None, clock: FakeClock) -> AsyncIterator[Broker]:
-    if broker_dsn is None:
-        b: Broker = MemoryBroker(clock)
-    else:
-        await migrate(broker_dsn)
-        b = await PostgresBroker.connect(broker_dsn, clock, max_size=4)
-    try:
-        yield b
-    finally:
-        await b.close()
 
 
 @pytest.fixture
