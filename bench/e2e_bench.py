@@ -91,10 +91,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     cluster.settings_env["CONVEYOR_LOG_LEVEL"] = "warning"
     try:
         await migrate(dsn)
-        api = await cluster.start_api()
-        cluster.start_dispatcher()
-        cluster.start_maintenance()
-        target = f"127.0.0.1:{api.port}"
+        target = await cluster.start_services()
         record = workdir / "record.txt"
         tail = RecordTail(record)
         for _ in range(args.workers):

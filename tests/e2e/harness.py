@@ -163,6 +163,13 @@ class Cluster:
             raise RuntimeError(f"api exited:\n{proc.log()}")
         return proc
 
+    async def start_services(self) -> str:
+        """One api, one dispatcher and one maintenance process; the api's address."""
+        api = await self.start_api()
+        self.start_dispatcher()
+        self.start_maintenance()
+        return f"127.0.0.1:{api.port}"
+
     def start_dispatcher(self, env: Mapping[str, str] | None = None) -> Proc:
         """A dispatcher process."""
         return self.spawn("dispatcher", ["-m", "conveyor_dispatcher"], env)

@@ -48,10 +48,7 @@ async def start_stack(
     """Start the services (``FAST`` settings plus ``env``) and a worker on ``queues``;
     return once a probe task has completed on each queue (see :func:`_warm_up`)."""
     cluster.settings_env.update({**FAST, **(env or {})})
-    api = await cluster.start_api()
-    cluster.start_dispatcher()
-    cluster.start_maintenance()
-    target = f"127.0.0.1:{api.port}"
+    target = await cluster.start_services()
     record = tmp_path / "record.txt"
     cluster.start_worker(target, queues=queues, concurrency=concurrency, record=record)
     stack = Stack(target, record)

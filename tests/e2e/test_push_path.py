@@ -78,10 +78,7 @@ async def test_killed_worker_task_is_released_and_completes_elsewhere(
 ) -> None:
     # kill -9 closes the worker's socket: the api sees the stream end and releases at once.
     cluster.settings_env["CONVEYOR_LEASE_TTL"] = "300"
-    api = await cluster.start_api()
-    cluster.start_dispatcher()
-    cluster.start_maintenance()
-    target = f"127.0.0.1:{api.port}"
+    target = await cluster.start_services()
     record = tmp_path / "record.txt"
     blocked = cluster.start_worker(
         target, queues={"jobs": 1}, concurrency=1, record=record, mode="block"
@@ -106,10 +103,7 @@ async def test_hung_worker_task_is_redelivered_after_lease_expiry(
     # SIGSTOP freezes the worker with its socket open: only lease expiry can free the task.
     cluster.settings_env["CONVEYOR_LEASE_TTL"] = "2"
     cluster.settings_env["CONVEYOR_REAP_TICK"] = "0.2"
-    api = await cluster.start_api()
-    cluster.start_dispatcher()
-    cluster.start_maintenance()
-    target = f"127.0.0.1:{api.port}"
+    target = await cluster.start_services()
     record = tmp_path / "record.txt"
     hung = cluster.start_worker(
         target, queues={"jobs": 1}, concurrency=1, record=record, mode="block"
@@ -139,10 +133,7 @@ async def test_graceful_stop_releases_tasks_to_another_worker_at_once(
 ) -> None:
     # A long lease: only an immediate release (not lease expiry) can finish in time.
     cluster.settings_env["CONVEYOR_LEASE_TTL"] = "300"
-    api = await cluster.start_api()
-    cluster.start_dispatcher()
-    cluster.start_maintenance()
-    target = f"127.0.0.1:{api.port}"
+    target = await cluster.start_services()
     record = tmp_path / "record.txt"
     stopping = cluster.start_worker(
         target, queues={"jobs": 1}, concurrency=3, record=record, mode="block", grace=0.5
@@ -224,10 +215,7 @@ async def test_killed_api_workers_reconnect_to_another_api(
 async def test_weights_share_work_and_concurrency_is_never_exceeded(
     cluster: Cluster, store: PostgresBroker, tmp_path: Path
 ) -> None:
-    api = await cluster.start_api()
-    cluster.start_dispatcher()
-    cluster.start_maintenance()
-    target = f"127.0.0.1:{api.port}"
+    target = await cluster.start_services()
     record = tmp_path / "record.txt"
     async with AsyncClient(target) as client:
         await enqueue_many(client, "heavy", 600, "e2e.noop")
