@@ -274,6 +274,7 @@ async def test_hello_is_the_first_frame_with_the_worker_settings(harness: Harnes
     assert hello.min_server_version == "0.1.0"
     assert hello.worker_id == "w-1"
     assert list(hello.batch_types) == []
+    assert hello.accepts_dispatches
     assert session.metadata["authorization"] == "Bearer sekret"
 
 
@@ -463,6 +464,44 @@ async def test_concurrency_is_never_exceeded_and_extra_dispatches_are_released(
     done = await session.results(2)
     assert sorted(r.task_id for r in done) == ["C0", "C1"]
     assert peak == 2
+
+
+async def test_a_dispatches_frame_runs_every_task_it_carries(harness: Harness) -> None:
+    harness.start(echo_worker(harness, concurrency=3))
+    session = await harness.double.next_session()
+    tasks = [envelope(f"D{i}") for i in range(3)]
+    session.send(svc.ServerFrame(dispatches=svc.Dispatches(tasks=tasks)))
+    results = await session.results(3)
+    assert sorted((r.task_id, r.lease_id) for r in results) == [
+        ("D0", "L-D0"),
+        ("D1", "L-D1"),
+        ("D2", "L-D2"),
+    ]
+    assert all(r.outcome == svc.OUTCOME_SUCCESS for r in results)
+
+
+async def test_dispatches_beyond_capacity_are_released(harness: Harness) -> None:
+    worker = harness.worker(concurrency=2)
+    gate = asyncio.Event()
+    started: list[str] = []
+
+    @worker.task("t.gated")
+    async def gated(payload: Any, ctx: TaskContext) -> None:
+        started.append(ctx.task_id)
+        await gate.wait()
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    tasks = [envelope(f"X{i}", "t.gated") for i in range(5)]
+    session.send(svc.ServerFrame(dispatches=svc.Dispatches(tasks=tasks)))
+    released = await session.results(3)
+    assert sorted(r.task_id for r in released) == ["X2", "X3", "X4"]
+    assert all(r.outcome == svc.OUTCOME_RELEASE for r in released)
+    gate.set()
+    done = await session.results(2)
+    assert sorted(r.task_id for r in done) == ["X0", "X1"]
+    assert all(r.outcome == svc.OUTCOME_SUCCESS for r in done)
+    assert sorted(started) == ["X0", "X1"]
 
 
 # ---------------------------------------------------------------------- lifecycle

@@ -202,6 +202,39 @@ async def test_dispatch_is_capped_at_free_capacity(
     assert list(other.accepted) == []
 
 
+async def test_accepts_dispatches_gets_one_dispatches_frame(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    session: Session = await open_session({"q": 1}, 3, accepts_dispatches=True)
+    envs = await leased(broker, "q", 4)
+    reply = await dispatch(nc, subjects, session.gateway, "q", envs)
+    assert list(reply.accepted) == [env.id for env in envs[:3]]
+    frame = await session.worker.read_kind("dispatches")
+    assert [t.id for t in frame.dispatches.tasks] == list(reply.accepted)
+    assert [t.lease_id for t in frame.dispatches.tasks] == [env.lease_id for env in envs[:3]]
+    # Still one credit per task: the session is full, and each Result frees one slot.
+    assert reply.credits == 0
+    first = frame.dispatches.tasks[0]
+    await session.worker.result(first, service_pb2.OUTCOME_SUCCESS)
+    await wait_state(broker, first.id, TaskState.COMPLETED)
+    more = await dispatch(nc, subjects, session.gateway, "q", envs[3:])
+    assert list(more.accepted) == [envs[3].id]
+    again = await session.worker.read_kind("dispatches")
+    assert [t.id for t in again.dispatches.tasks] == [envs[3].id]
+
+
+async def test_without_accepts_dispatches_each_task_is_its_own_frame(
+    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+) -> None:
+    session: Session = await open_session({"q": 1}, 3)
+    envs = await leased(broker, "q", 3)
+    reply = await dispatch(nc, subjects, session.gateway, "q", envs)
+    assert len(reply.accepted) == 3
+    for expected in reply.accepted:
+        frame = await session.worker.read_kind("dispatch")
+        assert frame.dispatch.task.id == expected
+
+
 async def test_session_cap_holds_across_queues(
     open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
 ) -> None:

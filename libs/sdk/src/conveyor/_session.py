@@ -1,9 +1,9 @@
 """One WorkerService.Session stream: handshake, frames in and out, graceful close.
 
-A :class:`SessionRunner` lives for one stream. It reads ServerFrames (Dispatch, Cancel,
-Ping), starts executions through its worker, writes Results, Progress and Heartbeats
-through an :class:`~conveyor._outbox.Outbox`, and raises :class:`SessionEnded` when the
-stream ends on its own.
+A :class:`SessionRunner` lives for one stream. It reads ServerFrames (Dispatch,
+Dispatches, Cancel, Ping), starts executions through its worker, writes Results, Progress
+and Heartbeats through an :class:`~conveyor._outbox.Outbox`, and raises
+:class:`SessionEnded` when the stream ends on its own.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ class SessionRunner:
             min_server_version=worker.min_server_version,
             batch_types=[],
             worker_id=worker.worker_id,
+            accepts_dispatches=True,
         )
 
     async def run(self) -> None:
@@ -271,6 +272,10 @@ class SessionRunner:
             kind = frame.WhichOneof("frame")
             if kind == "dispatch":
                 self.on_dispatch(frame.dispatch.task)
+            elif kind == "dispatches":
+                # Exactly N Dispatch frames, in order: each task is checked on its own.
+                for envelope in frame.dispatches.tasks:
+                    self.on_dispatch(envelope)
             elif kind == "cancel":
                 self.on_cancel(frame.cancel)
             elif kind == "batch_dispatch":

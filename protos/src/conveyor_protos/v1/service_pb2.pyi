@@ -124,21 +124,23 @@ class WorkerFrame(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., batch_result: _Optional[_Union[BatchResult, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class ServerFrame(_message.Message):
-    __slots__ = ("welcome", "dispatch", "batch_dispatch", "cancel", "ping")
+    __slots__ = ("welcome", "dispatch", "batch_dispatch", "cancel", "ping", "dispatches")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_DISPATCH_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHES_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     dispatch: Dispatch
     batch_dispatch: BatchDispatch
     cancel: Cancel
     ping: Ping
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., dispatch: _Optional[_Union[Dispatch, _Mapping]] = ..., batch_dispatch: _Optional[_Union[BatchDispatch, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+    dispatches: Dispatches
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., dispatch: _Optional[_Union[Dispatch, _Mapping]] = ..., batch_dispatch: _Optional[_Union[BatchDispatch, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., dispatches: _Optional[_Union[Dispatches, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("queues", "concurrency", "labels", "sdk_version", "min_server_version", "batch_types", "worker_id")
+    __slots__ = ("queues", "concurrency", "labels", "sdk_version", "min_server_version", "batch_types", "worker_id", "accepts_dispatches")
     class QueuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,7 @@ class Hello(_message.Message):
     MIN_SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_TYPES_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_DISPATCHES_FIELD_NUMBER: _ClassVar[int]
     queues: _containers.ScalarMap[str, int]
     concurrency: int
     labels: _containers.ScalarMap[str, str]
@@ -167,7 +170,8 @@ class Hello(_message.Message):
     min_server_version: str
     batch_types: _containers.RepeatedScalarFieldContainer[str]
     worker_id: str
-    def __init__(self, queues: _Optional[_Mapping[str, int]] = ..., concurrency: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., sdk_version: _Optional[str] = ..., min_server_version: _Optional[str] = ..., batch_types: _Optional[_Iterable[str]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    accepts_dispatches: bool
+    def __init__(self, queues: _Optional[_Mapping[str, int]] = ..., concurrency: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., sdk_version: _Optional[str] = ..., min_server_version: _Optional[str] = ..., batch_types: _Optional[_Iterable[str]] = ..., worker_id: _Optional[str] = ..., accepts_dispatches: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("session_id", "lease_ttl", "heartbeat_interval", "server_version", "min_sdk_version")
@@ -188,6 +192,12 @@ class Dispatch(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     task: _task_pb2.TaskEnvelope
     def __init__(self, task: _Optional[_Union[_task_pb2.TaskEnvelope, _Mapping]] = ...) -> None: ...
+
+class Dispatches(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[_task_pb2.TaskEnvelope]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[_task_pb2.TaskEnvelope, _Mapping]]] = ...) -> None: ...
 
 class BatchDispatch(_message.Message):
     __slots__ = ("queue", "group", "type", "tasks")

@@ -93,6 +93,7 @@ def check_hello(hello: service_pb2.Hello, server_version: str, min_sdk_version: 
         worker_id=hello.worker_id,
         sdk_version=hello.sdk_version,
         batch_types=tuple(hello.batch_types),
+        accepts_dispatches=hello.accepts_dispatches,
     )
 
 

@@ -108,6 +108,7 @@ class WorkerStream:
         min_server_version: str = "",
         labels: Mapping[str, str] | None = None,
         worker_id: str = "test-worker",
+        accepts_dispatches: bool = False,
     ) -> service_pb2.Welcome:
         """Send Hello and return the Welcome."""
         hello = service_pb2.Hello(
@@ -117,6 +118,7 @@ class WorkerStream:
             sdk_version=sdk_version,
             min_server_version=min_server_version,
             worker_id=worker_id,
+            accepts_dispatches=accepts_dispatches,
         )
         await self.send(service_pb2.WorkerFrame(hello=hello))
         return (await self.read_kind("welcome")).welcome
