@@ -6,7 +6,9 @@ Starts a private nats-server, a throwaway database (dropped afterwards), one api
 dispatcher, one maintenance process and SDK worker processes; then
 
 1. throughput: enqueues a burst of no-op tasks into the empty database and drains it,
-   reporting enqueue rate and tasks/s drained end to end (first enqueue to last completion);
+   reporting enqueue rate and tasks/s drained end to end (first enqueue to last completion),
+   how many completed while the enqueue was still running, the drain rate after it, and
+   the CPU each process role spent per task during the burst (read from /proc);
 2. latency at light load: enqueues one task at a time at a low rate and reports
    enqueue -> handler-start latency p50/p95/p99 (both ends read CLOCK_MONOTONIC).
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -33,6 +36,42 @@ from conveyor_runtime.embedded_nats import EmbeddedNats
 from tests.e2e.harness import Cluster, wait_for
 
 RESULTS = Path(__file__).resolve().parent / "results"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def postgres_backends(dbname: str) -> list[int]:
+    """Pids of the Postgres backends serving ``dbname`` (read from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if cmdline.startswith("postgres:") and f" {dbname} " in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def cpu_snapshot(cluster: Cluster, dbname: str) -> dict[str, float]:
+    """CPU seconds so far by role: each service, the workers, Postgres, and this process."""
+    snap: dict[str, float] = {}
+    for proc in cluster.procs:
+        role = proc.name.rstrip("0123456789")
+        snap[role] = snap.get(role, 0.0) + cpu_seconds(proc.pid)
+    snap["postgres"] = sum(cpu_seconds(pid) for pid in postgres_backends(dbname))
+    snap["bench client"] = time.process_time()
+    return snap
 
 
 class RecordTail:
@@ -106,6 +145,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             tail.reset()
 
             # 1. Throughput: a burst into the (nearly) empty table, drained at once.
+            cpu0 = cpu_snapshot(cluster, name)
             t0 = time.perf_counter()
             batch = 1000
             pending = [
@@ -115,6 +155,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for chunk in range(0, len(pending), 4):
                 await asyncio.gather(*pending[chunk : chunk + 4])
             t_enqueued = time.perf_counter()
+            done_at_enqueued = tail.count("done")
             await wait_for(
                 lambda: tail.count("done") >= args.tasks,
                 timeout=600,
@@ -122,6 +163,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 message="burst drained",
             )
             t_drained = time.perf_counter()
+            cpu1 = cpu_snapshot(cluster, name)
 
             # 2. Latency at light load.
             tail.reset()
@@ -145,6 +187,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "enqueue_per_s": round(args.tasks / (t_enqueued - t0)),
             "drained_per_s": round(args.tasks / (t_drained - t0)),
             "drain_seconds": round(t_drained - t0, 3),
+            # Completed before the last enqueue returned, and the rate of the rest.
+            "done_while_enqueuing": done_at_enqueued,
+            "drain_only_per_s": round((args.tasks - done_at_enqueued) / (t_drained - t_enqueued)),
+            # CPU microseconds per task during the burst, by process role.
+            "cpu_us_per_task": {
+                role: round((cpu1[role] - cpu0.get(role, 0.0)) / args.tasks * 1e6) for role in cpu1
+            },
             "latency_ms": {
                 "samples": len(latencies),
                 "p50": round(percentile(latencies, 50), 2),
@@ -180,8 +229,13 @@ def main() -> None:
     print(
         f"e2e: {result['tasks']} no-op tasks, {result['workers']} workers x {result['concurrency']}\n"
         f"  enqueue  {result['enqueue_per_s']:>8} tasks/s\n"
-        f"  drained  {result['drained_per_s']:>8} tasks/s end to end ({result['drain_seconds']} s)\n"
-        f"  latency  p50 {lat['p50']} ms  p95 {lat['p95']} ms  p99 {lat['p99']} ms  ({lat['samples']} samples)"
+        f"  drained  {result['drained_per_s']:>8} tasks/s end to end ({result['drain_seconds']} s); "
+        f"{result['done_while_enqueuing']} done while enqueuing, then "
+        f"{result['drain_only_per_s']} tasks/s\n"
+        f"  latency  p50 {lat['p50']} ms  p95 {lat['p95']} ms  p99 {lat['p99']} ms  ({lat['samples']} samples)\n"
+        "  CPU per task during the burst (us): "
+        + ", ".join(f"{role} {us}" for role, us in result["cpu_us_per_task"].items())
+        + f", total {sum(result['cpu_us_per_task'].values())}"
     )
 
 

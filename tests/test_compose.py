@@ -26,9 +26,16 @@ def settings_for(command: list[str]) -> type[CommonSettings]:
 
 
 def test_the_stack_has_every_part() -> None:
-    assert {"postgres", "nats", "migrate", "api", "dispatcher", "maintenance", "jaeger"} <= set(
-        SERVICES
-    )
+    assert {
+        "postgres",
+        "nats",
+        "migrate",
+        "api",
+        "dispatcher",
+        "maintenance",
+        "webhook",
+        "jaeger",
+    } <= set(SERVICES)
     assert "-js" in SERVICES["nats"]["command"]
     assert (ROOT / "Dockerfile").exists()
 
@@ -77,7 +84,7 @@ def test_api_port_is_published_and_checked() -> None:
 def test_services_export_traces_to_the_viewer() -> None:
     ports = SERVICES["jaeger"]["ports"]
     assert "4317:4317" in ports
-    for name in ("api", "dispatcher", "maintenance"):
+    for name in ("api", "dispatcher", "maintenance", "webhook"):
         assert SERVICES[name]["environment"]["CONVEYOR_OTLP_ENDPOINT"] == "http://jaeger:4317"
 
 
@@ -87,3 +94,10 @@ def test_services_reach_postgres_and_nats_by_their_compose_names() -> None:
         assert "@postgres:5432/" in env["CONVEYOR_DSN"], name
         if name != "migrate":
             assert env["CONVEYOR_NATS_URL"] == "nats://nats:4222", name
+
+
+def test_webhook_endpoints_call_back_the_api() -> None:
+    env = SERVICES["webhook"]["environment"]
+    host, _, port = env["CONVEYOR_CALLBACK_ADDRESS"].rpartition(":")
+    assert host == "api", "endpoints reach WebhookService on the api"
+    assert port == SERVICES["api"]["environment"]["CONVEYOR_PORT"]

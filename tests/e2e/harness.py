@@ -178,6 +178,15 @@ class Cluster:
         """A maintenance process."""
         return self.spawn("maintenance", ["-m", "conveyor_maintenance"], env)
 
+    def start_webhook(self, env: Mapping[str, str] | None = None) -> Proc:
+        """A webhook service process (``python -m conveyor_webhook``): a leader-elected
+        webhook manager running one gateway per active webhook worker registration.
+
+        It listens on no port: wait on what it does (its log, the leaders bucket, a
+        delivery). Pass ``CONVEYOR_CALLBACK_ADDRESS`` in ``env`` for asynchronous
+        deliveries."""
+        return self.spawn("webhook", ["-m", "conveyor_webhook"], env)
+
     def start_worker(
         self,
         target: str,

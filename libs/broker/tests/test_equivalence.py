@@ -5,7 +5,8 @@ PostgresBroker (in a fresh schema), each on its own FakeClock moved identically.
 come from a small fixed pool so operations collide (idempotent enqueue, unique keys,
 lease-scoped calls on the wrong task). After every operation the two must agree on the
 outcome (value or exception type), the events reported, and the observable state: every
-task (except its lease id, which is random), queue_stats and pending_count.
+task (except its lease id, which is random), queue_stats, pending_count and the webhook
+worker registrations.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from conveyor_broker.types import (
     Task,
     TaskEvent,
     TaskState,
+    WebhookWorker,
+    WebhookWorkerSpec,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -124,6 +127,32 @@ class Spec:
         )
 
 
+WEBHOOKS = ("hook-a", "hook-b")
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One webhook registration to upsert (concurrency 0 is invalid on purpose)."""
+
+    name: str
+    queues: tuple[str, ...]
+    concurrency: int
+    timeout_ms: int
+    paused: bool
+    secrets: tuple[str, ...]
+
+    def build(self) -> WebhookWorkerSpec:
+        return WebhookWorkerSpec(
+            name=self.name,
+            url=f"https://hooks.example.com/{self.name}",
+            queues={queue: n + 1 for n, queue in enumerate(self.queues)},
+            concurrency=self.concurrency,
+            timeout=timedelta(milliseconds=self.timeout_ms),
+            paused=self.paused,
+            secrets=self.secrets,
+        )
+
+
 @dataclass(frozen=True)
 class Op:
     """An operation: a broker method name and its arguments (slots stand for task ids)."""
@@ -184,6 +213,13 @@ class Op:
                 return await b.set_queue_paused(a[0], a[1])
             case "advance":
                 return side.clock.advance(timedelta(milliseconds=a[0]))
+            case "webhook_upsert":
+                # A few in a row, so that replaces (and their secret rules) come up often.
+                return [await b.upsert_webhook_worker(hook.build()) for hook in a[0]]
+            case "webhook_pause":
+                return await b.set_webhook_worker_paused(a[0], a[1])
+            case "webhook_delete":
+                return await b.delete_webhook_worker(a[0])
         raise AssertionError(f"unknown operation {self.name}")
 
 
@@ -214,6 +250,18 @@ specs = st.builds(
 )
 
 
+hooks = st.builds(
+    Hook,
+    name=st.sampled_from(WEBHOOKS),
+    # Mostly valid; the last choice of each is invalid, so rejects are compared too.
+    queues=st.sampled_from([(QUEUES[0],), QUEUES] * 4 + [()]),
+    concurrency=st.sampled_from([1, 5] * 4 + [0]),
+    timeout_ms=st.sampled_from([1, 30_000] * 4 + [0]),
+    paused=st.booleans(),
+    secrets=st.sampled_from([(), ("s1",), ("s2", "s1")] * 3 + [("",)]),
+)
+webhook_names = st.sampled_from(WEBHOOKS)
+
 _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "enqueue": st.tuples(st.lists(specs, min_size=1, max_size=3).map(tuple)),
     "lease": st.tuples(queues, limits, st.integers(5, 60), st.sampled_from([True] * 3 + [False])),
@@ -236,6 +284,9 @@ _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "delete": st.tuples(slots),
     "pause": st.tuples(queues, st.booleans()),
     "advance": st.tuples(st.integers(1, 15_000)),
+    "webhook_upsert": st.tuples(st.lists(hooks, min_size=1, max_size=4).map(tuple)),
+    "webhook_pause": st.tuples(webhook_names, st.booleans()),
+    "webhook_delete": st.tuples(webhook_names),
 }
 # Weighted towards what moves tasks through their lives: enqueue, lease, outcomes, time.
 # (one_of does not weight repeated branches; sampled_from does.)
@@ -244,6 +295,7 @@ _KINDS = [
     *["fail"] * 4,
     *["ack", "advance"] * 3,
     "release",
+    "webhook_upsert",
     *_ARGS,
 ]
 operations = st.sampled_from(_KINDS).flatmap(
@@ -268,6 +320,8 @@ def _normal(value: Any) -> Any:
         return [_normal(v) for v in value]
     if isinstance(value, QueueStats):
         return (value.queue, value.paused, dict(value.counts))
+    if isinstance(value, WebhookWorker):
+        return replace(value, queues=dict(value.queues))
     if isinstance(value, ReapedTask | datetime | dict | int | bool) or value is None:
         return value
     raise AssertionError(f"no normal form for {value!r}")
@@ -289,6 +343,7 @@ async def _snapshot(broker: Broker) -> tuple[Any, ...]:
         page.next_cursor,
         _normal(await broker.queue_stats()),
         await broker.pending_count(),
+        _normal(await broker.list_webhook_workers()),
     )
 
 

@@ -17,7 +17,7 @@ from conveyor_broker.testing import BrokerConformance, FakeClock
 pytestmark = pytest.mark.postgres
 
 SCHEMA = "conveyor_conformance"
-TABLES = "conveyor_tasks, conveyor_queues, conveyor_task_dependencies"
+TABLES = "conveyor_tasks, conveyor_queues, conveyor_task_dependencies, conveyor_webhook_workers"
 
 
 @pytest.fixture(scope="module")

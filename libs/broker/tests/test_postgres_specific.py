@@ -17,7 +17,15 @@ from typing import Any
 
 import asyncpg
 import pytest
-from conveyor_broker import AckItem, DuplicateTask, FakeClock, LeaseRef, NewTask, TaskState
+from conveyor_broker import (
+    AckItem,
+    DuplicateTask,
+    FakeClock,
+    LeaseRef,
+    NewTask,
+    TaskState,
+    WebhookWorkerSpec,
+)
 from conveyor_broker.postgres import (
     PostgresBroker,
     latest_version,
@@ -267,6 +275,24 @@ async def test_concurrent_leasers_never_share_or_lose_a_task(pg_dsn: str) -> Non
         finally:
             await conn.close()
         assert stored == dict(leased)
+
+
+async def test_concurrent_upserts_of_one_webhook_worker_all_succeed(pg_dsn: str) -> None:
+    clock = FakeClock()
+    async with scratch_schema(pg_dsn) as dsn, brokers(dsn, clock, 4) as fleet:
+        specs = [
+            WebhookWorkerSpec("race", f"https://hooks.example.com/{n}", {"q": 1}, concurrency=n)
+            for n in range(1, 9)
+        ]
+        clock.advance(timedelta(seconds=1))
+        stored = await asyncio.gather(
+            *(fleet[n % len(fleet)].upsert_webhook_worker(spec) for n, spec in enumerate(specs))
+        )
+        assert {w.created_at for w in stored} == {clock.now()}
+        [final] = await fleet[0].list_webhook_workers()
+        # The last writer wins as a whole: the row is one of the specs, not a mix.
+        assert (final.url, final.concurrency) in {(s.url, s.concurrency) for s in specs}
+        assert final.url.endswith(f"/{final.concurrency}")
 
 
 async def test_overlapping_batches_in_opposite_orders_do_not_deadlock(pg_dsn: str) -> None:
@@ -524,3 +550,25 @@ async def test_purge_adds_retention_as_exact_time_across_a_dst_change(pg_dsn: st
             assert await broker.purge_terminal(archive_retention=month) == 1
         finally:
             await broker.close()
+
+
+async def test_webhook_worker_times_read_back_in_utc_whatever_the_session_zone(
+    pg_dsn: str,
+) -> None:
+    clock = FakeClock(datetime(2030, 3, 10, 6, 59, 59, 999999, tzinfo=UTC))
+    timeout = timedelta(minutes=59, seconds=59, microseconds=999999)
+    async with scratch_schema(pg_dsn) as dsn:
+        writer = await PostgresBroker.connect(f"{dsn}&timezone=Asia/Kolkata", clock)
+        reader = await PostgresBroker.connect(f"{dsn}&timezone=America/New_York", clock)
+        try:
+            written = await writer.upsert_webhook_worker(
+                WebhookWorkerSpec("tz", "https://hooks.example.com/", {"q": 1}, timeout=timeout)
+            )
+            read = await reader.get_webhook_worker("tz")
+            assert read == written
+            assert read.timeout == timeout
+            assert read.created_at == clock.now()
+            assert read.created_at.utcoffset() == timedelta(0)
+        finally:
+            await writer.close()
+            await reader.close()

@@ -13,9 +13,15 @@ from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.types import NewTask, TaskEvent, TaskState
 from conveyor_protos.v1 import service_pb2, task_pb2
 from conveyor_runtime.codec import decode_events, event_from_proto
-from conveyor_runtime.events import MAX_EVENTS_PER_MESSAGE, EventPublisher
+from conveyor_runtime.events import (
+    MAX_EVENTS_PER_MESSAGE,
+    EventGate,
+    EventPublisher,
+    announce_watch,
+)
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.testing import eventually
 from nats.aio.msg import Msg
 
 TIMEOUT = 10.0
@@ -159,3 +165,58 @@ async def test_stop_flushes_what_is_buffered(nc: NatsClient, subjects: Subjects)
     async with asyncio.timeout(TIMEOUT):
         await enough.wait()
     assert [pb.task_id for _, pb in unpack(got)] == [f"id{n}" for n in range(50)]
+
+
+async def test_gate_publishes_only_while_someone_watches(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    """Unwatched, the broker builds no events; an announcement turns them on for the TTL,
+    and they stop again once the TTL passes without another one."""
+    got, _ = await collect(nc, subjects.events_wildcard(), 1)
+    broker = MemoryBroker(FakeClock())
+    publisher = EventPublisher(nc, subjects)
+    await publisher.start()
+    gate = EventGate(broker, publisher, nc, subjects, ttl=0.5)
+    await gate.start()
+    await nc.flush()
+    try:
+        unwatched = (await broker.enqueue(NewTask(queue="emails", type="send"))).task
+        assert not gate.open
+
+        await announce_watch(nc, subjects)
+        await eventually(lambda: gate.open, within=TIMEOUT)
+        watched = (await broker.enqueue(NewTask(queue="emails", type="send"))).task
+        await eventually(lambda: any(e.task_id == watched.id for _, e in unpack(got)))
+
+        # The TTL lapses with no further announcement.
+        await eventually(lambda: not gate.open, within=TIMEOUT)
+        after = (await broker.enqueue(NewTask(queue="emails", type="send"))).task
+        await publisher.stop()  # flushes anything buffered
+        await nc.flush()
+        ids = {e.task_id for _, e in unpack(got)}
+        assert watched.id in ids
+        assert unwatched.id not in ids
+        assert after.id not in ids
+        assert publisher.published == 1
+    finally:
+        await gate.stop()
+        await publisher.stop()
+        await broker.close()
+
+
+async def test_gate_in_process_keep_open_needs_no_round_trip(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    """A watcher in the same process opens the gate at once, before any NATS message."""
+    broker = MemoryBroker(FakeClock())
+    publisher = EventPublisher(nc, subjects)
+    gate = EventGate(broker, publisher, nc, subjects, ttl=30)
+    try:
+        gate.keep_open()
+        assert gate.open
+        await broker.enqueue(NewTask(queue="emails", type="send"))
+        assert publisher.backlog == 1
+    finally:
+        await gate.stop()
+        await broker.close()
+    assert not gate.open

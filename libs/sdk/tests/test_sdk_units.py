@@ -89,9 +89,12 @@ EXPORTED = {
     "TaskState",
     "Unauthenticated",
     "Unavailable",
+    "WebhookWorker",
+    "WebhookWorkerNotFound",
     "Worker",
     "__version__",
     "spec",
+    "webhooks",
 }
 
 

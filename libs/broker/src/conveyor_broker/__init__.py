@@ -12,6 +12,7 @@ from conveyor_broker.errors import (
     InvalidTask,
     LeaseLost,
     TaskNotFound,
+    WebhookWorkerNotFound,
 )
 from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, EventSink
 from conveyor_broker.types import (
@@ -31,6 +32,8 @@ from conveyor_broker.types import (
     TaskEvent,
     TaskPage,
     TaskState,
+    WebhookWorker,
+    WebhookWorkerSpec,
 )
 
 __all__ = [
@@ -65,4 +68,7 @@ __all__ = [
     "TaskNotFound",
     "TaskPage",
     "TaskState",
+    "WebhookWorker",
+    "WebhookWorkerNotFound",
+    "WebhookWorkerSpec",
 ]

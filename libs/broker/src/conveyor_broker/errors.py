@@ -52,3 +52,7 @@ class InvalidState(BrokerError):
 
 class BrokerClosed(BrokerError):
     """The broker was closed."""
+
+
+class WebhookWorkerNotFound(BrokerError, LookupError):
+    """No webhook worker registration has this name."""

@@ -54,6 +54,8 @@ from conveyor_broker.types import (
     TaskEvent,
     TaskPage,
     TaskState,
+    WebhookWorker,
+    WebhookWorkerSpec,
 )
 
 #: Called once per committed state change, in commit order. Must not block.
@@ -289,6 +291,34 @@ class Broker(abc.ABC):
     @abc.abstractmethod
     async def info(self) -> BrokerInfo:
         """What this broker is."""
+
+    # ---------------------------------------------------- webhook registrations
+
+    @abc.abstractmethod
+    async def upsert_webhook_worker(self, spec: WebhookWorkerSpec) -> WebhookWorker:
+        """Create or replace the registration ``spec.name`` and return it as stored.
+
+        ``created_at`` is kept on replace; ``updated_at = now``. Empty ``spec.secrets``
+        keeps the stored secrets (none on create). Raises InvalidTask for bad input (see
+        :func:`conveyor_broker.validation.check_webhook_worker`); nothing changes then.
+        """
+
+    @abc.abstractmethod
+    async def get_webhook_worker(self, name: str) -> WebhookWorker:
+        """The registration ``name``. Raises WebhookWorkerNotFound."""
+
+    @abc.abstractmethod
+    async def list_webhook_workers(self) -> list[WebhookWorker]:
+        """Every registration, by name."""
+
+    @abc.abstractmethod
+    async def set_webhook_worker_paused(self, name: str, paused: bool) -> WebhookWorker:
+        """Pause or resume a registration (``updated_at = now``). Raises
+        WebhookWorkerNotFound."""
+
+    @abc.abstractmethod
+    async def delete_webhook_worker(self, name: str) -> None:
+        """Delete a registration. Raises WebhookWorkerNotFound."""
 
     # --------------------------------------------------------------- lifecycle
 

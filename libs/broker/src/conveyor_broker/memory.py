@@ -27,6 +27,7 @@ from conveyor_broker.errors import (
     InvalidTask,
     LeaseLost,
     TaskNotFound,
+    WebhookWorkerNotFound,
 )
 from conveyor_broker.ids import new_id
 from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, EventSink
@@ -49,6 +50,8 @@ from conveyor_broker.types import (
     TaskEvent,
     TaskPage,
     TaskState,
+    WebhookWorker,
+    WebhookWorkerSpec,
 )
 from conveyor_broker.validation import (
     MAX_PAYLOAD,
@@ -57,6 +60,8 @@ from conveyor_broker.validation import (
     check_limit,
     check_queue,
     check_task_id,
+    check_webhook_name,
+    check_webhook_worker,
 )
 
 logger = logging.getLogger(__name__)
@@ -108,6 +113,7 @@ class MemoryBroker(Broker):
         self._sink: EventSink | None = None
         self._table = TaskTable()
         self._paused: dict[str, bool] = {}
+        self._webhooks: dict[str, WebhookWorker] = {}
 
     # ---------------------------------------------------------------- plumbing
 
@@ -589,6 +595,63 @@ class MemoryBroker(Broker):
         async with self._locked():
             return BrokerInfo(driver="memory", version=_package_version())
 
+    # ---------------------------------------------------- webhook registrations
+
+    def _webhook(self, name: str) -> WebhookWorker:
+        check_webhook_name(name)
+        worker = self._webhooks.get(name)
+        if worker is None:
+            raise WebhookWorkerNotFound(name)
+        return worker
+
+    async def upsert_webhook_worker(self, spec: WebhookWorkerSpec) -> WebhookWorker:
+        """Create or replace the registration ``spec.name`` (see
+        Broker.upsert_webhook_worker)."""
+        async with self._locked() as now:
+            check_webhook_worker(spec)
+            stored = self._webhooks.get(spec.name)
+            if spec.secrets:
+                secrets = tuple(spec.secrets)
+            else:
+                secrets = () if stored is None else stored.secrets
+            worker = WebhookWorker(
+                name=spec.name,
+                url=spec.url,
+                # A read-only copy: a snapshot must not change under the caller or the store.
+                queues=MappingProxyType({q: int(w) for q, w in spec.queues.items()}),
+                concurrency=int(spec.concurrency),
+                timeout=spec.timeout,
+                paused=bool(spec.paused),
+                secrets=secrets,
+                created_at=now if stored is None else stored.created_at,
+                updated_at=now,
+            )
+            self._webhooks[spec.name] = worker
+            return worker
+
+    async def get_webhook_worker(self, name: str) -> WebhookWorker:
+        """The registration ``name``. Raises WebhookWorkerNotFound."""
+        async with self._locked():
+            return self._webhook(name)
+
+    async def list_webhook_workers(self) -> list[WebhookWorker]:
+        """Every registration, by name."""
+        async with self._locked():
+            return [self._webhooks[name] for name in sorted(self._webhooks)]
+
+    async def set_webhook_worker_paused(self, name: str, paused: bool) -> WebhookWorker:
+        """Pause or resume a registration. Raises WebhookWorkerNotFound."""
+        async with self._locked() as now:
+            worker = replace(self._webhook(name), paused=paused, updated_at=now)
+            self._webhooks[name] = worker
+            return worker
+
+    async def delete_webhook_worker(self, name: str) -> None:
+        """Delete a registration. Raises WebhookWorkerNotFound."""
+        async with self._locked():
+            self._webhook(name)
+            del self._webhooks[name]
+
     # --------------------------------------------------------------- lifecycle
 
     def set_event_sink(self, sink: EventSink | None) -> None:
@@ -600,6 +663,7 @@ class MemoryBroker(Broker):
         async with self._lock:
             self._closed = True
             self._table = TaskTable()
+            self._webhooks = {}
 
 
 def _is_due(task: Task, now: datetime) -> bool:

@@ -206,3 +206,36 @@ class TaskEvent:
     previous_state: TaskState | None
     at: datetime
     error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookWorkerSpec:
+    """A webhook worker registration as an operator writes it (UpsertWebhookWorker).
+
+    ``secrets`` are the signing secrets, newest first. An upsert with no secrets keeps
+    the stored ones (secrets are write-only: reads never show them to operators, so an
+    edit must not have to repeat them).
+    """
+
+    name: str
+    url: str
+    queues: Mapping[str, int]
+    concurrency: int = 10
+    timeout: timedelta = timedelta(seconds=30)
+    paused: bool = False
+    secrets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookWorker:
+    """A stored webhook worker registration."""
+
+    name: str
+    url: str
+    queues: Mapping[str, int]
+    concurrency: int
+    timeout: timedelta
+    paused: bool
+    secrets: tuple[str, ...]
+    created_at: datetime
+    updated_at: datetime

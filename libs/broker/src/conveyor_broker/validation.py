@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from urllib.parse import urlsplit
 
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.ids import is_ulid
-from conveyor_broker.types import NewTask
+from conveyor_broker.types import NewTask, WebhookWorkerSpec
 
 #: Queue names are single NATS subject tokens: letters, digits, '_' and '-'.
 QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
@@ -113,3 +114,52 @@ def check_limit(limit: int, *, upper: int = 1000) -> None:
     """Raise InvalidTask unless 1 <= limit <= upper."""
     if not 1 <= limit <= upper:
         raise InvalidTask(f"limit must be in 1..{upper}, got {limit}")
+
+
+#: Webhook registration limits.
+MAX_WEBHOOK_CONCURRENCY = 10_000
+MAX_WEBHOOK_SECRETS = 10
+MAX_WEBHOOK_SECRET_LEN = 512
+MAX_WEBHOOK_URL_LEN = 2048
+MAX_WEBHOOK_TIMEOUT = timedelta(hours=1)
+MAX_QUEUE_WEIGHT = 1000
+
+
+def check_webhook_name(name: str) -> None:
+    """Raise InvalidTask unless ``name`` is a valid webhook worker name (queue-name rules)."""
+    if not isinstance(name, str) or not QUEUE_RE.match(name):
+        raise InvalidTask(
+            f"invalid webhook worker name {name!r}: 1-128 letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def check_webhook_worker(spec: WebhookWorkerSpec) -> None:
+    """Raise InvalidTask unless ``spec`` is a registration a broker may store."""
+    check_webhook_name(spec.name)
+    parsed = urlsplit(spec.url) if isinstance(spec.url, str) else None
+    if (
+        parsed is None
+        or parsed.scheme not in ("http", "https")
+        or not parsed.hostname
+        or len(spec.url) > MAX_WEBHOOK_URL_LEN
+    ):
+        raise InvalidTask(f"invalid webhook url {spec.url!r}: an http:// or https:// URL")
+    if not spec.queues:
+        raise InvalidTask("a webhook worker serves at least one queue")
+    for queue, weight in spec.queues.items():
+        check_queue(queue)
+        if not isinstance(weight, int) or not 1 <= weight <= MAX_QUEUE_WEIGHT:
+            raise InvalidTask(f"weight of queue {queue!r} must be 1..{MAX_QUEUE_WEIGHT}")
+    if (
+        not isinstance(spec.concurrency, int)
+        or not 1 <= spec.concurrency <= MAX_WEBHOOK_CONCURRENCY
+    ):
+        raise InvalidTask(f"webhook concurrency must be 1..{MAX_WEBHOOK_CONCURRENCY}")
+    if not timedelta(0) < spec.timeout <= MAX_WEBHOOK_TIMEOUT:
+        raise InvalidTask(f"webhook timeout must be > 0 and at most {MAX_WEBHOOK_TIMEOUT}")
+    if len(spec.secrets) > MAX_WEBHOOK_SECRETS:
+        raise InvalidTask(f"a webhook worker has at most {MAX_WEBHOOK_SECRETS} secrets")
+    for secret in spec.secrets:
+        if not isinstance(secret, str) or not 1 <= len(secret) <= MAX_WEBHOOK_SECRET_LEN:
+            raise InvalidTask(f"a webhook secret is 1..{MAX_WEBHOOK_SECRET_LEN} characters")

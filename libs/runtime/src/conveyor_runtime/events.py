@@ -5,6 +5,14 @@ The broker calls its event sink inside its commit path, so the sink must never b
 the buffer into NATS publishes. Events are hints for watchers (WatchEvents, the
 dashboard); when the buffer overflows the oldest events are dropped and counted.
 
+Events cost every process CPU per task, so by default they are published on demand:
+an :class:`EventGate` attaches the publisher to the broker only while someone has
+announced on ``<prefix>.watch`` within :data:`WATCH_TTL` seconds. A watcher announces
+itself before it reads and every :data:`WATCH_REANNOUNCE` seconds while it reads
+(:func:`announce_watch`); the api's WatchEvents does. Events that happen in a process
+before the first announcement reaches it are not published (the stream is live, not a
+log).
+
 Each message carries a run of consecutive events of one queue and state (see
 :func:`~conveyor_runtime.codec.encode_events`): a broker call's rows share both, so a
 batch of a hundred acks costs one publish, not a hundred, and watchers still see every
@@ -19,13 +27,21 @@ import logging
 import threading
 from collections import deque
 
+from conveyor_broker.interface import Broker
 from conveyor_broker.types import TaskEvent
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from conveyor_runtime.codec import encode_events, event_state_token
 from conveyor_runtime.subjects import Subjects
 
 logger = logging.getLogger(__name__)
+
+#: Seconds an announcement keeps a process publishing events.
+WATCH_TTL = 15.0
+#: Seconds between a watcher's announcements (well inside WATCH_TTL).
+WATCH_REANNOUNCE = 5.0
 
 #: Most events in one message (about 100 bytes each: far below NATS's 1 MB default).
 MAX_EVENTS_PER_MESSAGE = 1000
@@ -128,3 +144,72 @@ class EventPublisher:
                 logger.warning("events.publish_failed backlog=%d error=%r", self.backlog, exc)
                 await asyncio.sleep(0.5)
                 self._wakeup.set()
+
+
+async def announce_watch(nc: NatsClient, subjects: Subjects) -> None:
+    """Tell every process that someone watches events now (see :class:`EventGate`)."""
+    await nc.publish(subjects.watch(), b"")
+
+
+class EventGate:
+    """Attaches ``publisher`` to ``broker`` while someone watches events.
+
+    Each announcement on ``subjects.watch()`` keeps the sink attached for ``ttl`` seconds
+    more; without announcements the broker has no sink, and builds no events at all.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        publisher: EventPublisher,
+        nc: NatsClient,
+        subjects: Subjects,
+        *,
+        ttl: float = WATCH_TTL,
+    ) -> None:
+        self._broker = broker
+        self._publisher = publisher
+        self._nc = nc
+        self._subjects = subjects
+        self._ttl = ttl
+        self._sub: Subscription | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+
+    @property
+    def open(self) -> bool:
+        """True while the broker's events are being published."""
+        return self._expiry is not None
+
+    async def start(self) -> None:
+        """Listen for announcements."""
+        if self._sub is None:
+            self._sub = await self._nc.subscribe(self._subjects.watch(), cb=self._on_watch)
+
+    async def _on_watch(self, msg: Msg) -> None:
+        self.keep_open()
+
+    def keep_open(self) -> None:
+        """Publish events for ``ttl`` seconds from now (also for in-process watchers)."""
+        loop = asyncio.get_running_loop()
+        if self._expiry is None:
+            self._broker.set_event_sink(self._publisher)
+            logger.info("events.publishing reason=watched")
+        else:
+            self._expiry.cancel()
+        self._expiry = loop.call_later(self._ttl, self._close)
+
+    def _close(self) -> None:
+        self._expiry = None
+        self._broker.set_event_sink(None)
+        logger.info("events.paused reason=unwatched")
+
+    async def stop(self) -> None:
+        """Stop listening and detach the sink."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self._broker.set_event_sink(None)
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()

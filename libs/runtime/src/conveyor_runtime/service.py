@@ -32,7 +32,7 @@ from nats.aio.client import Client as NatsClient
 
 from conveyor_runtime import health
 from conveyor_runtime.broker_factory import open_broker
-from conveyor_runtime.events import EventPublisher
+from conveyor_runtime.events import EventGate, EventPublisher
 from conveyor_runtime.logging import configure_logging
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.settings import CommonSettings
@@ -55,6 +55,8 @@ class Runtime:
     clock: Clock
     subjects: Subjects
     events: EventPublisher | None
+    #: Attaches ``events`` to the broker while someone watches (``events = on_demand``).
+    gate: EventGate | None = None
 
 
 @asynccontextmanager
@@ -68,7 +70,8 @@ async def open_runtime(
     """Open the broker and the NATS connection; close both on the way out.
 
     With ``publish_events`` the broker's lifecycle events are published to
-    ``<prefix>.events.<queue>.<state>`` (see :mod:`conveyor_runtime.events`).
+    ``<prefix>.events.<queue>.<state>`` (see :mod:`conveyor_runtime.events`): always, or
+    while someone watches (``settings.events``).
     """
     clock = clock or SystemClock()
     subjects = Subjects(settings.subject_prefix)
@@ -77,23 +80,30 @@ async def open_runtime(
     try:
         nc = await connect_nats(settings.nats_url, name=f"{name}-{settings.instance_id}")
         events = EventPublisher(nc, subjects) if publish_events else None
+        gate: EventGate | None = None
         try:
             if events is not None:
                 await events.start()
-                broker.set_event_sink(events)
+                if settings.events == "always":
+                    broker.set_event_sink(events)
+                else:
+                    gate = EventGate(broker, events, nc, subjects)
+                    await gate.start()
             beat = (
                 asyncio.create_task(health.beat(settings.health_file, nc, broker))
                 if settings.health_file
                 else None
             )
             try:
-                yield Runtime(settings, broker, nc, clock, subjects, events)
+                yield Runtime(settings, broker, nc, clock, subjects, events, gate)
             finally:
                 if beat is not None:
                     beat.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await beat
         finally:
+            if gate is not None:
+                await gate.stop()
             broker.set_event_sink(None)
             if events is not None:
                 await events.stop()

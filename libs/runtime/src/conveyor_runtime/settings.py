@@ -68,6 +68,11 @@ class CommonSettings(BaseSettings):
         description="Touch this file every few seconds while connected to NATS and the broker "
         "(for `conveyor health`)",
     )
+    events: Literal["on_demand", "always"] = Field(
+        "on_demand",
+        description="Publish lifecycle events to NATS only while someone watches them "
+        "(WatchEvents announces itself), or always (for your own NATS consumers)",
+    )
 
     @property
     def lease_ttl_delta(self) -> timedelta:
@@ -181,6 +186,32 @@ class WebhookSettings(CommonSettings):
     """services/webhook: webhook workers."""
 
     reconcile_tick: float = Field(5.0, gt=0, description="Seconds between registration reconciles")
+    leader_ttl: float = Field(
+        5.0, gt=0, description="Seconds the webhook-manager leadership key lives without a refresh"
+    )
+    register_tick: float = Field(
+        5.0, gt=0, description="Seconds between a webhook gateway's capacity re-announcements"
+    )
+    max_result: int = Field(
+        1024 * 1024, gt=0, description="Largest task result in bytes an endpoint may return"
+    )
+    callback_address: str = Field(
+        "",
+        description="The api's public gRPC address, sent to endpoints as the callback for "
+        "WebhookService (empty: none)",
+    )
+    breaker_threshold: int = Field(
+        5,
+        ge=1,
+        description="Consecutive transport failures (connect error, timeout, 5xx) of an "
+        "endpoint before its circuit breaker opens",
+    )
+    breaker_cooldown: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds an open circuit breaker announces no capacity before it lets "
+        "a single probe delivery through",
+    )
 
 
 #: Every service's settings class, by service name (the order of the reference).

@@ -56,6 +56,12 @@ class Subjects:
         """``CancelBroadcast`` to every gateway: abort a running task if you hold it."""
         return f"{self.prefix}.cancel"
 
+    # ---- webhook workers: api -> webhook gateway
+    def webhook_callback(self, worker: str) -> str:
+        """Request/reply ``WebhookCallback`` -> ``WebhookCallbackReply`` (queue group
+        ``webhook``): an endpoint's callback for a delivery of webhook worker ``worker``."""
+        return f"{self.prefix}.webhook.{worker}.callback"
+
     # ---- events and dependency resolution
     def events(self, queue: str, state: str) -> str:
         """``TaskEvent`` batch: tasks of ``queue`` entered ``state``."""
@@ -64,6 +70,12 @@ class Subjects:
     def events_wildcard(self) -> str:
         """Every lifecycle event."""
         return f"{self.prefix}.events.>"
+
+    def watch(self) -> str:
+        """``Watch`` announcements (empty body): someone watches lifecycle events, so every
+        process publishes them for a while (see :class:`conveyor_runtime.events.EventGate`).
+        Outside ``events.>`` on purpose: watchers of every event never see it."""
+        return f"{self.prefix}.watch"
 
     def resolve(self) -> str:
         """``Resolve`` (queue group ``resolvers``): a task reached a terminal state."""

@@ -1,5 +1,6 @@
 """Conveyor's Python SDK: enqueue tasks with a Client, run them with a Worker, operate
-the queues with an AdminClient.
+the queues with an AdminClient; :mod:`conveyor.webhooks` helps webhook endpoints (verify
+a delivery's signature, call back for asynchronous deliveries).
 
 ::
 
@@ -19,8 +20,9 @@ the queues with an AdminClient.
 
 from __future__ import annotations
 
+from conveyor import webhooks
 from conveyor._admin import AdminClient, AsyncAdminClient
-from conveyor._admin_types import BatchActionResult, QueueInfo, TaskEvent, TaskPage
+from conveyor._admin_types import BatchActionResult, QueueInfo, TaskEvent, TaskPage, WebhookWorker
 from conveyor._admin_wire import AsyncEventStream, EventStream
 from conveyor._backoff import ReconnectBackoff
 from conveyor._client import AsyncClient, Client
@@ -40,6 +42,7 @@ from conveyor._errors import (
     TaskNotFound,
     Unauthenticated,
     Unavailable,
+    WebhookWorkerNotFound,
 )
 from conveyor._types import (
     EnqueueResult,
@@ -88,7 +91,10 @@ __all__ = [
     "TaskState",
     "Unauthenticated",
     "Unavailable",
+    "WebhookWorker",
+    "WebhookWorkerNotFound",
     "Worker",
     "__version__",
     "spec",
+    "webhooks",
 ]

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
 
-from conveyor._admin_types import BatchActionResult, QueueInfo, TaskPage
+from conveyor._admin_types import BatchActionResult, QueueInfo, TaskPage, WebhookWorker
 from conveyor._admin_wire import (
     ARCHIVE,
     CANCEL,
@@ -28,6 +28,9 @@ from conveyor._admin_wire import (
     reschedule_request,
     response_type,
     watch_request,
+    webhook_from_wire,
+    webhook_request,
+    with_webhook_name,
 )
 from conveyor._codec import Codec, JsonCodec
 from conveyor._errors import ConveyorError
@@ -46,12 +49,17 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
             page = await admin.list_tasks(queue="emails", state="archived")
             await admin.revive_tasks([t.id for t in page.tasks])
 
+    Webhook workers (external HTTP endpoints the server delivers tasks to) are managed
+    with ``upsert_webhook_worker``, ``get_webhook_worker``, ``list_webhook_workers``,
+    ``pause_webhook_worker``, ``resume_webhook_worker`` and ``delete_webhook_worker``.
+
     Every task action also exists in a batch form (``cancel_tasks``...) that selects
     tasks by ``ids``, or by ``queue`` and optionally ``state`` (at most 1000 tasks, the
     first by id), and returns a :class:`BatchActionResult`. Errors are the SDK's
     exceptions: :class:`TaskNotFound` for an unknown id, :class:`FailedPrecondition` for
     an action the task's state does not allow, :class:`InvalidArgument` for bad input,
-    :class:`PermissionDenied` on a read-only server.
+    :class:`PermissionDenied` on a read-only server, :class:`WebhookWorkerNotFound` for
+    an unknown webhook worker.
     """
 
     def __init__(
@@ -220,6 +228,82 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
         """Dispatch ``queue`` again."""
         request = svc.ResumeQueueRequest(queue=queue)
         await self._call("ResumeQueue", request, svc.ResumeQueueResponse)
+
+    # ------------------------------------------------------- webhook workers
+
+    async def upsert_webhook_worker(
+        self,
+        name: str,
+        url: str,
+        queues: Mapping[str, int] | Iterable[str],
+        *,
+        concurrency: int = 10,
+        timeout: DurationLike = 30.0,  # noqa: ASYNC109 (a registration field, not a wait)
+        paused: bool = False,
+        secrets: Iterable[str] = (),
+    ) -> WebhookWorker:
+        """Register (or replace) the webhook worker ``name``: the server POSTs tasks of
+        ``queues`` (name -> weight, or a list of names) to ``url``, at most
+        ``concurrency`` at once, each answered within ``timeout`` (seconds or timedelta).
+
+        ``secrets`` sign deliveries and lease tokens, newest first: the newest signs, any
+        verifies, so rotate by putting a new one in front and dropping the old one once
+        in-flight deliveries are done. No secrets keeps the stored ones (a registration
+        gets no deliveries until it has one). Every other field is replaced. Returns the
+        stored registration (never its secrets); :class:`InvalidArgument` for bad input.
+        """
+        request = webhook_request(
+            name,
+            url,
+            queues,
+            concurrency=concurrency,
+            timeout=timeout,
+            paused=paused,
+            secrets=secrets,
+        )
+        response = await self._webhook(
+            "UpsertWebhookWorker", request, svc.UpsertWebhookWorkerResponse, name
+        )
+        return webhook_from_wire(response.worker)
+
+    async def get_webhook_worker(self, name: str) -> WebhookWorker:
+        """The registration ``name``; :class:`WebhookWorkerNotFound` when there is none."""
+        request = svc.GetWebhookWorkerRequest(name=name)
+        response = await self._webhook(
+            "GetWebhookWorker", request, svc.GetWebhookWorkerResponse, name
+        )
+        return webhook_from_wire(response.worker)
+
+    async def list_webhook_workers(self) -> list[WebhookWorker]:
+        """Every webhook worker registration, by name."""
+        request = svc.ListWebhookWorkersRequest()
+        response = await self._call("ListWebhookWorkers", request, svc.ListWebhookWorkersResponse)
+        return [webhook_from_wire(worker) for worker in response.workers]
+
+    async def pause_webhook_worker(self, name: str) -> None:
+        """Stop new deliveries to ``name`` (deliveries in flight finish)."""
+        request = svc.SetWebhookWorkerPausedRequest(name=name, paused=True)
+        await self._webhook(
+            "SetWebhookWorkerPaused", request, svc.SetWebhookWorkerPausedResponse, name
+        )
+
+    async def resume_webhook_worker(self, name: str) -> None:
+        """Deliver to ``name`` again."""
+        request = svc.SetWebhookWorkerPausedRequest(name=name, paused=False)
+        await self._webhook(
+            "SetWebhookWorkerPaused", request, svc.SetWebhookWorkerPausedResponse, name
+        )
+
+    async def delete_webhook_worker(self, name: str) -> None:
+        """Remove the registration ``name`` (deliveries in flight finish)."""
+        request = svc.DeleteWebhookWorkerRequest(name=name)
+        await self._webhook("DeleteWebhookWorker", request, svc.DeleteWebhookWorkerResponse, name)
+
+    async def _webhook(self, method: str, request: object, response_type: Any, name: str) -> Any:
+        try:
+            return await self._call(method, request, response_type)
+        except ConveyorError as exc:
+            raise with_webhook_name(exc, name) from None
 
     # ---------------------------------------------------------------- events
 
@@ -396,6 +480,66 @@ class AdminClient(AdminBase, SyncRpcClient):
     def resume_queue(self, queue: str) -> None:
         """Dispatch ``queue`` again."""
         self._call("ResumeQueue", svc.ResumeQueueRequest(queue=queue), svc.ResumeQueueResponse)
+
+    def upsert_webhook_worker(
+        self,
+        name: str,
+        url: str,
+        queues: Mapping[str, int] | Iterable[str],
+        *,
+        concurrency: int = 10,
+        timeout: DurationLike = 30.0,
+        paused: bool = False,
+        secrets: Iterable[str] = (),
+    ) -> WebhookWorker:
+        """Register (or replace) a webhook worker (see
+        :meth:`AsyncAdminClient.upsert_webhook_worker`); secrets are never returned."""
+        request = webhook_request(
+            name,
+            url,
+            queues,
+            concurrency=concurrency,
+            timeout=timeout,
+            paused=paused,
+            secrets=secrets,
+        )
+        response = self._webhook(
+            "UpsertWebhookWorker", request, svc.UpsertWebhookWorkerResponse, name
+        )
+        return webhook_from_wire(response.worker)
+
+    def get_webhook_worker(self, name: str) -> WebhookWorker:
+        """The registration ``name``; :class:`WebhookWorkerNotFound` when there is none."""
+        request = svc.GetWebhookWorkerRequest(name=name)
+        response = self._webhook("GetWebhookWorker", request, svc.GetWebhookWorkerResponse, name)
+        return webhook_from_wire(response.worker)
+
+    def list_webhook_workers(self) -> list[WebhookWorker]:
+        """Every webhook worker registration, by name."""
+        request = svc.ListWebhookWorkersRequest()
+        response = self._call("ListWebhookWorkers", request, svc.ListWebhookWorkersResponse)
+        return [webhook_from_wire(worker) for worker in response.workers]
+
+    def pause_webhook_worker(self, name: str) -> None:
+        """Stop new deliveries to ``name`` (deliveries in flight finish)."""
+        request = svc.SetWebhookWorkerPausedRequest(name=name, paused=True)
+        self._webhook("SetWebhookWorkerPaused", request, svc.SetWebhookWorkerPausedResponse, name)
+
+    def resume_webhook_worker(self, name: str) -> None:
+        """Deliver to ``name`` again."""
+        request = svc.SetWebhookWorkerPausedRequest(name=name, paused=False)
+        self._webhook("SetWebhookWorkerPaused", request, svc.SetWebhookWorkerPausedResponse, name)
+
+    def delete_webhook_worker(self, name: str) -> None:
+        """Remove the registration ``name`` (deliveries in flight finish)."""
+        request = svc.DeleteWebhookWorkerRequest(name=name)
+        self._webhook("DeleteWebhookWorker", request, svc.DeleteWebhookWorkerResponse, name)
+
+    def _webhook(self, method: str, request: object, response_type: Any, name: str) -> Any:
+        try:
+            return self._call(method, request, response_type)
+        except ConveyorError as exc:
+            raise with_webhook_name(exc, name) from None
 
     def watch_events(
         self, *, queues: Iterable[str] = (), states: Iterable[StateLike] = ()

@@ -1,11 +1,11 @@
-"""What the admin clients return: pages of tasks, queue statistics, batch outcomes and
-lifecycle events."""
+"""What the admin clients return: pages of tasks, queue statistics, batch outcomes,
+lifecycle events and webhook worker registrations."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from conveyor._types import TaskInfo, TaskState
 
@@ -69,3 +69,22 @@ class TaskEvent:
     def deleted(self) -> bool:
         """True when the event reports the task's deletion."""
         return self.state is None
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookWorker:
+    """A webhook worker registration: the server POSTs tasks of ``queues`` (name ->
+    weight) to ``url``, at most ``concurrency`` at once, each answered within ``timeout``.
+
+    Its signing secrets are write-only: the server never returns them, so they are not
+    here. ``paused`` registrations get no deliveries. Timestamps are timezone-aware (UTC).
+    """
+
+    name: str
+    url: str
+    queues: Mapping[str, int]
+    concurrency: int
+    timeout: timedelta
+    paused: bool
+    created_at: datetime | None
+    updated_at: datetime | None

@@ -3,8 +3,8 @@ streams. Proto types stay in here; the clients and their callers only see SDK ty
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, Self
 
@@ -13,11 +13,24 @@ import grpc.aio
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 
-from conveyor._admin_types import BatchActionResult, QueueInfo, TaskEvent, TaskPage
+from conveyor._admin_types import BatchActionResult, QueueInfo, TaskEvent, TaskPage, WebhookWorker
 from conveyor._codec import Codec
-from conveyor._convert import state_from_wire, state_to_wire, task_from_wire, timestamp_to_wire
-from conveyor._errors import ConveyorError, InvalidArgument, error_from_rpc, error_from_status
-from conveyor._types import TaskInfo, TaskState
+from conveyor._convert import (
+    duration_to_wire,
+    state_from_wire,
+    state_to_wire,
+    task_from_wire,
+    timestamp_from_wire,
+    timestamp_to_wire,
+)
+from conveyor._errors import (
+    ConveyorError,
+    InvalidArgument,
+    WebhookWorkerNotFound,
+    error_from_rpc,
+    error_from_status,
+)
+from conveyor._types import DurationLike, TaskInfo, TaskState, to_timedelta
 
 ADMIN_SERVICE = "/conveyor.v1.AdminService/"
 
@@ -152,6 +165,79 @@ def reschedule_request(id: str, process_at: datetime) -> svc.RescheduleTaskReque
 def response_type(method: str) -> type[svc.GetTaskResponse] | type[svc.TaskActionResponse]:
     """The response message of a single-task AdminService method."""
     return svc.GetTaskResponse if method == "GetTask" else svc.TaskActionResponse
+
+
+# ------------------------------------------------------------- webhook workers
+
+
+def _webhook_queues(queues: Mapping[str, int] | Iterable[str]) -> dict[str, int]:
+    if isinstance(queues, str):
+        queues = [queues]
+    weights = dict(queues) if isinstance(queues, Mapping) else dict.fromkeys(queues, 1)
+    for name, weight in weights.items():
+        if not isinstance(name, str):
+            raise InvalidArgument(f"queue names are strings, got {name!r}")
+        if isinstance(weight, bool) or not isinstance(weight, int):
+            raise InvalidArgument(f"weight of queue {name!r} must be an int, got {weight!r}")
+    return weights
+
+
+def webhook_request(
+    name: str,
+    url: str,
+    queues: Mapping[str, int] | Iterable[str],
+    *,
+    concurrency: int,
+    timeout: DurationLike,
+    paused: bool,
+    secrets: Iterable[str],
+) -> svc.UpsertWebhookWorkerRequest:
+    """An UpsertWebhookWorker request. The SDK checks types; the server checks values
+    (and answers InvalidArgument naming the problem)."""
+    if isinstance(secrets, str):
+        raise InvalidArgument("secrets must be a collection of strings, not one string")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise InvalidArgument(f"concurrency must be an int >= 1, got {concurrency!r}")
+    delta = to_timedelta("timeout", timeout)
+    if delta is None or delta <= timedelta(0):
+        raise InvalidArgument(f"timeout must be > 0, got {timeout!r}")
+    secret_list = list(secrets)
+    if not all(isinstance(secret, str) for secret in secret_list):
+        raise InvalidArgument("secrets must be strings")
+    try:
+        worker = svc.WebhookWorker(
+            name=name,
+            url=url,
+            queues=_webhook_queues(queues),
+            concurrency=concurrency,
+            timeout=duration_to_wire(delta),
+            paused=bool(paused),
+            secrets=secret_list,
+        )
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgument(f"invalid webhook worker: {exc}") from None
+    return svc.UpsertWebhookWorkerRequest(worker=worker)
+
+
+def webhook_from_wire(message: svc.WebhookWorker) -> WebhookWorker:
+    """The SDK view of a registration (the wire never carries its secrets)."""
+    return WebhookWorker(
+        name=message.name,
+        url=message.url,
+        queues=dict(message.queues),
+        concurrency=message.concurrency,
+        timeout=message.timeout.ToTimedelta(),
+        paused=message.paused,
+        created_at=timestamp_from_wire(message, "created_at"),
+        updated_at=timestamp_from_wire(message, "updated_at"),
+    )
+
+
+def with_webhook_name(exc: ConveyorError, name: str) -> ConveyorError:
+    """``exc``, as a WebhookWorkerNotFound naming ``name`` when the server said NOT_FOUND."""
+    if exc.code == "NOT_FOUND":
+        return WebhookWorkerNotFound(exc.message, code=exc.code, name=name)
+    return exc
 
 
 class AdminBase:

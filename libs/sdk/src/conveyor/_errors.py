@@ -39,6 +39,16 @@ class TaskNotFound(ConveyorError, LookupError):
         self.task_id = task_id
 
 
+class WebhookWorkerNotFound(ConveyorError, LookupError):
+    """No webhook worker is registered under this name. ``name`` is the name asked for."""
+
+    def __init__(
+        self, message: str, *, code: str | None = "NOT_FOUND", name: str | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.name = name
+
+
 class AlreadyExists(ConveyorError):
     """A live task already holds the unique key; ``existing_id`` names it when known."""
 

@@ -16,7 +16,7 @@ from conveyor_api.server import ApiServer
 async def serve(settings: ApiSettings, stop: asyncio.Event) -> None:
     """Open the broker and NATS, serve until ``stop`` is set, then stop gracefully."""
     async with open_runtime(settings, name="api") as rt:
-        server = ApiServer(settings, rt.broker, rt.nc, rt.clock)
+        server = ApiServer(settings, rt.broker, rt.nc, rt.clock, event_gate=rt.gate)
         await server.start()
         await stop.wait()
         await server.stop()

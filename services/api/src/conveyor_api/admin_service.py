@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 from conveyor_broker import (
@@ -18,11 +18,27 @@ from conveyor_broker import (
     QueueStats,
     Task,
     TaskState,
+    WebhookWorker,
+    WebhookWorkerNotFound,
+    WebhookWorkerSpec,
 )
 from conveyor_broker.types import CANCELED_WHILE_RUNNING_ERROR
-from conveyor_broker.validation import check_queue, check_task_id
+from conveyor_broker.validation import (
+    check_queue,
+    check_task_id,
+    check_webhook_name,
+    check_webhook_worker,
+)
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
-from conveyor_runtime.codec import decode_events, from_timestamp, task_to_proto
+from conveyor_runtime.codec import (
+    decode_events,
+    duration,
+    from_duration,
+    from_timestamp,
+    set_timestamp,
+    task_to_proto,
+)
+from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate, announce_watch
 from conveyor_runtime.subjects import Subjects
 from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NATS
@@ -62,12 +78,59 @@ NOT_YET_IMPLEMENTED = (
     "ListCronEntries",
     "SetCronPaused",
     "DeleteCronEntry",
-    "UpsertWebhookWorker",
-    "GetWebhookWorker",
-    "ListWebhookWorkers",
-    "SetWebhookWorkerPaused",
-    "DeleteWebhookWorker",
 )
+
+
+#: What an UpsertWebhookWorker that leaves a field unset (zero) gets.
+DEFAULT_WEBHOOK_SPEC = WebhookWorkerSpec(name="", url="", queues={})
+
+
+def webhook_worker_to_proto(worker: WebhookWorker) -> service_pb2.WebhookWorker:
+    """A stored registration as the wire message, WITHOUT its secrets (write-only)."""
+    message = service_pb2.WebhookWorker(
+        name=worker.name,
+        url=worker.url,
+        queues=dict(worker.queues),
+        concurrency=worker.concurrency,
+        timeout=duration(worker.timeout),
+        paused=worker.paused,
+    )
+    set_timestamp(message.created_at, worker.created_at)
+    set_timestamp(message.updated_at, worker.updated_at)
+    return message
+
+
+def webhook_spec_from_proto(message: service_pb2.WebhookWorker) -> WebhookWorkerSpec:
+    """An operator's registration as the broker's spec, checked.
+
+    ``concurrency`` 0 and an unset ``timeout`` take the defaults (10, 30 s); no secrets
+    keeps the stored ones. Raises InvalidTask describing the first problem.
+    """
+    check_webhook_name(message.name)
+    timeout = DEFAULT_WEBHOOK_SPEC.timeout
+    if message.HasField("timeout"):
+        try:
+            timeout = from_duration(message.timeout)
+        except (ValueError, OverflowError) as exc:
+            raise InvalidTask(f"invalid webhook timeout: {exc}") from None
+    spec = WebhookWorkerSpec(
+        name=message.name,
+        url=message.url,
+        queues=dict(message.queues),
+        concurrency=message.concurrency or DEFAULT_WEBHOOK_SPEC.concurrency,
+        timeout=timeout,
+        paused=message.paused,
+        secrets=tuple(message.secrets),
+    )
+    check_webhook_worker(spec)
+    return spec
+
+
+async def _abort_webhook(context: _Context, exc: Exception, name: str = "") -> NoReturn:
+    """abort_for_error, with an unknown registration ``name`` as NOT_FOUND."""
+    if isinstance(exc, WebhookWorkerNotFound):
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no webhook worker named {name!r}")
+    await abort_for_error(context, exc)
 
 
 def stats_to_proto(stats: QueueStats) -> service_pb2.QueueStats:
@@ -91,8 +154,10 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         wakes: WakePublisher,
         registry: SessionRegistry,
         server_version: str,
+        event_gate: EventGate | None = None,
     ) -> None:
         self._broker = broker
+        self._event_gate = event_gate
         self._nc = nc
         self._subjects = subjects
         self._wakes = wakes
@@ -203,6 +268,8 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         ]
         subs = [await self._nc.subscribe(s, cb=on_event) for s in subjects]
         self._watchers.add(inbox)
+        await self._announce_watch()  # before the first event could matter to the caller
+        announcer = asyncio.get_running_loop().create_task(self._keep_announcing())
         try:
             await self._nc.flush()
             await context.send_initial_metadata(())
@@ -219,12 +286,28 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
                     if not wanted_states or event.state in wanted_states:
                         yield event
         finally:
+            announcer.cancel()
             self._watchers.discard(inbox)
             for sub in subs:
                 try:
                     await sub.unsubscribe()
                 except Exception as exc:
                     logger.debug("watch_events.unsubscribe_failed error=%r", exc)
+
+    async def _announce_watch(self) -> None:
+        """Make every process publish events for a while (by default they publish only
+        while watched: see :mod:`conveyor_runtime.events`)."""
+        if self._event_gate is not None:
+            self._event_gate.keep_open()  # this process: at once, no round trip
+        try:
+            await announce_watch(self._nc, self._subjects)
+        except Exception as exc:
+            logger.warning("watch_events.announce_failed error=%r", exc)
+
+    async def _keep_announcing(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_REANNOUNCE)
+            await self._announce_watch()
 
     # ---------------------------------------------------------- queue flags
 
@@ -375,6 +458,78 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             sum(done),
         )
         return service_pb2.BatchTaskActionResponse(affected=sum(done), failures=failures)
+
+    # ------------------------------------------------------- webhook workers
+    # No NATS nudge: the webhook manager converges on the stored registrations every
+    # reconcile tick. Secrets are write-only: no response ever carries them.
+
+    async def UpsertWebhookWorker(
+        self, request: service_pb2.UpsertWebhookWorkerRequest, context: _Context
+    ) -> service_pb2.UpsertWebhookWorkerResponse:
+        """Create or replace a registration (no secrets given: the stored ones stay)."""
+        try:
+            if not request.HasField("worker"):
+                raise InvalidTask("worker is required")
+            spec = webhook_spec_from_proto(request.worker)
+            worker = await self._broker.upsert_webhook_worker(spec)
+        except Exception as exc:
+            await _abort_webhook(context, exc)
+        logger.info(
+            "admin.webhook_upserted name=%s queues=%s concurrency=%d paused=%s secrets=%d",
+            worker.name,
+            ",".join(sorted(worker.queues)),
+            worker.concurrency,
+            worker.paused,
+            len(worker.secrets),
+        )
+        return service_pb2.UpsertWebhookWorkerResponse(worker=webhook_worker_to_proto(worker))
+
+    async def GetWebhookWorker(
+        self, request: service_pb2.GetWebhookWorkerRequest, context: _Context
+    ) -> service_pb2.GetWebhookWorkerResponse:
+        """One registration by name (without its secrets)."""
+        try:
+            check_webhook_name(request.name)
+            worker = await self._broker.get_webhook_worker(request.name)
+        except Exception as exc:
+            await _abort_webhook(context, exc, request.name)
+        return service_pb2.GetWebhookWorkerResponse(worker=webhook_worker_to_proto(worker))
+
+    async def ListWebhookWorkers(
+        self, request: service_pb2.ListWebhookWorkersRequest, context: _Context
+    ) -> service_pb2.ListWebhookWorkersResponse:
+        """Every registration, by name (without secrets)."""
+        try:
+            workers = await self._broker.list_webhook_workers()
+        except Exception as exc:
+            await _abort_webhook(context, exc)
+        return service_pb2.ListWebhookWorkersResponse(
+            workers=[webhook_worker_to_proto(w) for w in workers]
+        )
+
+    async def SetWebhookWorkerPaused(
+        self, request: service_pb2.SetWebhookWorkerPausedRequest, context: _Context
+    ) -> service_pb2.SetWebhookWorkerPausedResponse:
+        """Pause (no new deliveries) or resume a registration."""
+        try:
+            check_webhook_name(request.name)
+            await self._broker.set_webhook_worker_paused(request.name, request.paused)
+        except Exception as exc:
+            await _abort_webhook(context, exc, request.name)
+        logger.info("admin.webhook_paused name=%s paused=%s", request.name, request.paused)
+        return service_pb2.SetWebhookWorkerPausedResponse()
+
+    async def DeleteWebhookWorker(
+        self, request: service_pb2.DeleteWebhookWorkerRequest, context: _Context
+    ) -> service_pb2.DeleteWebhookWorkerResponse:
+        """Delete a registration (its gateway drains on the manager's next reconcile)."""
+        try:
+            check_webhook_name(request.name)
+            await self._broker.delete_webhook_worker(request.name)
+        except Exception as exc:
+            await _abort_webhook(context, exc, request.name)
+        logger.info("admin.webhook_deleted name=%s", request.name)
+        return service_pb2.DeleteWebhookWorkerResponse()
 
     async def _select(
         self, request: service_pb2.BatchTaskActionRequest

@@ -10,6 +10,16 @@ Flow control: the worker's concurrency is split across its queues by weight
 only while the task's queue has a free slot *and* the session as a whole is under the
 worker's concurrency, whatever the dispatcher believes; so a stale or doubled dispatcher
 can never overload a worker.
+
+Hooks for gateways whose "worker" is not a stream (the webhook service drives one Gateway
+per webhook registration, with an HTTP transport as ``send``):
+
+- :meth:`Gateway.cap_concurrency` lowers the concurrency at runtime (a circuit breaker
+  announces 0, then a single probe slot) and re-announces capacity at once.
+- A held delivery can be *parked* (:meth:`Gateway.park`): its slot stays held, but the
+  bulk heartbeat no longer extends its lease; :meth:`Gateway.extend_held` extends one
+  lease, :meth:`Gateway.drop_parked` forgets a parked delivery whose lease lapsed, and
+  :meth:`Gateway.resolve` applies a Result that arrived out of band and waits for it.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from conveyor_broker import AckItem, Backoff, Broker, LeaseLost, LeaseRef
+from conveyor_broker import AckItem, Backoff, Broker, LeaseLost, LeaseRef, TaskNotFound, TaskState
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import codec
@@ -120,6 +130,10 @@ class Gateway:
         self.spec = spec
         self.connected_at = connected_at
         self.capacity = split_capacity(spec.concurrency, spec.queues)
+        # The concurrency in force and the per-queue slots announced: the worker's own,
+        # unless cap_concurrency lowered them.
+        self._limit = spec.concurrency
+        self._slots = self.capacity
         self._broker = broker
         self._nc = nc
         self._subjects = subjects
@@ -131,11 +145,13 @@ class Gateway:
         self._held: dict[str, _Held] = {}  # lease id -> delivery
         self._lease_of: dict[str, str] = {}  # task id -> lease id
         self._per_queue: Counter[str] = Counter()
+        self._parked: set[str] = set()  # lease ids the bulk heartbeat skips
         self._timers = AttemptTimers(
             grace=config.timeout_grace, clock=config.clock, on_overrun=self._on_overrun
         )
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._started = False
         self._ticker: asyncio.Task[None] | None = None
         self._extending = False
         self._closed = False
@@ -157,6 +173,7 @@ class Gateway:
         # The dispatch subscription must be known to the server before a dispatcher
         # hears about us, or its first request finds no responder.
         await self._nc.flush()
+        self._started = True
         for queue in sorted(self.capacity):
             await self._register(queue)
         self._ticker = asyncio.get_running_loop().create_task(self._register_loop())
@@ -197,6 +214,7 @@ class Gateway:
         held = list(self._held.values())
         self._held.clear()
         self._timers.clear()
+        self._parked.clear()
         self._lease_of.clear()
         self._per_queue.clear()
         outcomes = await asyncio.gather(
@@ -238,8 +256,8 @@ class Gateway:
         """Slots this session can still take on ``queue``."""
         if self._closed or queue not in self.capacity:
             return 0
-        by_queue = self.capacity[queue] - self._per_queue[queue]
-        overall = self.spec.concurrency - len(self._held)
+        by_queue = self._slots[queue] - self._per_queue[queue]
+        overall = self._limit - len(self._held)
         return max(0, min(by_queue, overall))
 
     def _hold(self, env: task_pb2.TaskEnvelope, queue: str) -> None:
@@ -258,6 +276,8 @@ class Gateway:
             return None
         if self._timers:
             self._timers.disarm(lease_id)
+        if self._parked:
+            self._parked.discard(lease_id)
         if self._lease_of.get(held.task_id) == lease_id:
             del self._lease_of[held.task_id]
         self._per_queue[held.queue] -= 1
@@ -357,7 +377,7 @@ class Gateway:
         return cluster_pb2.Register(
             gateway=self.id,
             queue=queue,
-            capacity=self.capacity[queue],
+            capacity=self._slots[queue],
             weight=self.spec.queues[queue],
             in_flight=self._per_queue[queue],
             labels=dict(self.spec.labels),
@@ -568,7 +588,17 @@ class Gateway:
 
     async def _extend(self) -> None:
         try:
-            refs = [LeaseRef(h.task_id, h.lease_id) for h in self._held.values()]
+            if self._parked:
+                parked = self._parked
+                refs = [
+                    LeaseRef(h.task_id, h.lease_id)
+                    for h in self._held.values()
+                    if h.lease_id not in parked
+                ]
+                if not refs:
+                    return
+            else:
+                refs = [LeaseRef(h.task_id, h.lease_id) for h in self._held.values()]
             lost = await self._broker.extend_leases(refs, self._config.lease_ttl)
         except Exception:
             logger.exception("gateway.extend_failed gateway=%s", self.id)
@@ -631,6 +661,131 @@ class Gateway:
         self._cancel_on_worker(held, reason)
         self._done.done(held.queue)
         logger.info("gateway.canceled gateway=%s task=%s reason=%s", self.id, task_id, reason)
+        return True
+
+    # ------------------------------------------- hooks for non-stream workers
+
+    @property
+    def concurrency(self) -> int:
+        """The concurrency in force: the worker's, or less under :meth:`cap_concurrency`."""
+        return self._limit
+
+    def cap_concurrency(self, cap: int | None) -> None:
+        """Hold at most ``cap`` tasks (None: the worker's full concurrency) from now on.
+
+        0 announces capacity 0 on every queue; a cap below the worker's concurrency
+        announces that many slots split across the queues as usual. Tasks already held
+        are kept. When the announced capacity changes, it is re-announced at once.
+        """
+        if cap is not None and cap < 0:
+            raise ValueError(f"cap must be >= 0, got {cap}")
+        limit = self.spec.concurrency if cap is None else min(cap, self.spec.concurrency)
+        if limit == self._limit:
+            return
+        self._limit = limit
+        if limit == self.spec.concurrency:
+            self._slots = self.capacity
+        elif limit == 0:
+            self._slots = dict.fromkeys(self.capacity, 0)
+        else:
+            self._slots = split_capacity(limit, self.spec.queues)
+        logger.info("gateway.concurrency_capped gateway=%s concurrency=%d", self.id, limit)
+        if self._started and not self._closed:
+            self._spawn(self._register_all())
+
+    async def _register_all(self) -> None:
+        for queue in sorted(self.capacity):
+            if self._closed:
+                return  # the closing registration must be the last word
+            await self._register(queue)
+
+    def park(self, lease_id: str) -> bool:
+        """Park the held delivery ``lease_id``: its slot stays held, but heartbeats no
+        longer extend its lease (only :meth:`extend_held` does). False when not held."""
+        if lease_id not in self._held:
+            return False
+        self._parked.add(lease_id)
+        return True
+
+    def is_parked(self, lease_id: str) -> bool:
+        """True while ``lease_id`` is held and parked."""
+        return lease_id in self._parked
+
+    def holds_lease(self, task_id: str, lease_id: str) -> bool:
+        """True when this gateway holds ``task_id`` under ``lease_id``."""
+        held = self._held.get(lease_id)
+        return held is not None and held.task_id == task_id
+
+    async def extend_held(self, task_id: str, lease_id: str) -> datetime | None:
+        """Extend one held lease by the lease TTL; the new expiry. None when this gateway
+        does not hold it. When the broker says the lease is lost, the delivery is dropped
+        (the worker is told to cancel it, its slot freed) and LeaseLost raised."""
+        held = self._held.get(lease_id)
+        if held is None or held.task_id != task_id:
+            return None
+        try:
+            return await self._broker.extend_lease(task_id, lease_id, self._config.lease_ttl)
+        except LeaseLost:
+            if self._take(lease_id) is not None:
+                self._cancel_on_worker(held, LEASE_LOST_REASON)
+                self._done.done(held.queue)
+            raise
+
+    def drop_parked(self, lease_id: str) -> bool:
+        """Forget a parked delivery whose lease has lapsed: free its slot and publish done.
+
+        No broker call: the reaper takes the task back. False when ``lease_id`` is not
+        parked here.
+        """
+        if lease_id not in self._parked:
+            return False
+        held = self._take(lease_id)
+        if held is None:
+            return False
+        self._done.done(held.queue)
+        logger.info(
+            "gateway.parked_lease_lapsed gateway=%s task=%s lease=%s",
+            self.id,
+            held.task_id,
+            lease_id,
+        )
+        return True
+
+    async def resolve(self, result: service_pb2.Result, *, queue: str = "") -> bool:
+        """Apply a Result that arrived out of band (a webhook callback) and wait for it.
+
+        For a delivery this gateway holds it does what a stream Result does (the same
+        outcome mapping; the slot is freed and done published). For one it does not hold
+        (say, one made before a restart) only the lease-scoped broker call is made, which
+        the broker refuses unless the lease is still current. True when the outcome was
+        applied; False when the lease is lost. Raises ValueError for a malformed result;
+        a broker failure propagates (the task then stays leased until it expires).
+        """
+        if not result.task_id or not result.lease_id or result.outcome not in _OUTCOMES:
+            raise ValueError("a result needs a task id, a lease id and a final outcome")
+        held = self._held.get(result.lease_id)
+        if held is not None and held.task_id == result.task_id:
+            self._take(held.lease_id)
+            try:
+                await self._apply_outcome(held, result)
+            except LeaseLost:
+                return False
+            finally:
+                self._done.done(held.queue)
+            return True
+        try:
+            task = await self._broker.get_task(result.task_id)
+        except TaskNotFound:
+            return False
+        if task.state != TaskState.ACTIVE or task.lease_id != result.lease_id:
+            return False
+        if queue and queue != task.queue:
+            return False
+        stranger = _Held(task.id, result.lease_id, task.queue, task.retried, task.deadline)
+        try:
+            await self._apply_outcome(stranger, result)
+        except LeaseLost:
+            return False
         return True
 
     # ---------------------------------------------------------------- view

@@ -12,6 +12,7 @@ import grpc
 from conveyor_broker import Broker
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_protos.v1 import cluster_pb2, service_pb2_grpc
+from conveyor_runtime.events import EventGate
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tracing import tracing_enabled
@@ -31,6 +32,7 @@ from conveyor_api.session import HELLO_TIMEOUT, FrameWriter, SessionRegistry, Wo
 from conveyor_api.task_service import TaskService, wake_for
 from conveyor_api.tracing import TracingInterceptor
 from conveyor_api.version import __version__
+from conveyor_api.webhook_service import WebhookService
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ def _add(register: Callable[..., None], servicer: object, server: grpc.aio.Serve
 
 
 class ApiServer:
-    """TaskService, WorkerService and AdminService on one gRPC port.
+    """TaskService, WorkerService, AdminService and WebhookService on one gRPC port.
 
     ``broker`` and ``nc`` belong to the caller (it connects and closes them); the server
     only uses them. ``port`` is the bound port once :meth:`start` returns.
@@ -79,6 +81,7 @@ class ApiServer:
         clock: Clock | None = None,
         *,
         hello_timeout: float = HELLO_TIMEOUT,
+        event_gate: EventGate | None = None,
     ) -> None:
         parse_version(settings.min_sdk_version)  # fail at construction, not per session
         self.settings = settings
@@ -104,6 +107,7 @@ class ApiServer:
             clock=self.clock,
         )
         self._hello_timeout = hello_timeout
+        self._event_gate = event_gate
         self._server: grpc.aio.Server | None = None
         self._cancel_sub: Subscription | None = None
         self._admin: AdminService | None = None
@@ -175,8 +179,19 @@ class ApiServer:
             wakes=self.wakes,
             registry=self.registry,
             server_version=__version__,
+            event_gate=self._event_gate,
         )
         _add(service_pb2_grpc.add_AdminServiceServicer_to_server, self._admin, server)
+        _add(
+            service_pb2_grpc.add_WebhookServiceServicer_to_server,
+            WebhookService(
+                broker=self.broker,
+                nc=self.nc,
+                subjects=self.subjects,
+                max_result=settings.max_result,
+            ),
+            server,
+        )
         self.port = server.add_insecure_port(f"{settings.host}:{settings.port}")
         if self.port == 0:
             raise OSError(f"could not bind {settings.host}:{settings.port}")

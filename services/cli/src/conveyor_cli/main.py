@@ -9,6 +9,7 @@ import click
 from conveyor_runtime.settings import CommonSettings
 
 from conveyor_cli.ops import enqueue, queue, task
+from conveyor_cli.webhooks import webhook
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
 
@@ -54,6 +55,13 @@ def serve_dispatcher(args: tuple[str, ...]) -> None:
 def serve_maintenance(args: tuple[str, ...]) -> None:
     """The maintenance service: scheduler and reaper (leader-elected)."""
     _serve("conveyor_maintenance", args)
+
+
+@serve.command("webhook", context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_webhook(args: tuple[str, ...]) -> None:
+    """The webhook service: webhook workers (manager leader-elected)."""
+    _serve("conveyor_webhook", args)
 
 
 @cli.command()
@@ -135,3 +143,4 @@ def health(path: str, max_age: float, port: int | None) -> None:
 cli.add_command(enqueue)
 cli.add_command(task)
 cli.add_command(queue)
+cli.add_command(webhook)

@@ -30,12 +30,17 @@ from conveyor_broker.errors import (
     InvalidTask,
     LeaseLost,
     TaskNotFound,
+    WebhookWorkerNotFound,
 )
 from conveyor_broker.ids import is_ulid, new_ids
 from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, EventSink
 from conveyor_broker.postgres import enqueue, queries
 from conveyor_broker.postgres.migrations import schema_version
-from conveyor_broker.postgres.rows import task_from_row
+from conveyor_broker.postgres.rows import (
+    task_from_row,
+    webhook_queues_to_json,
+    webhook_worker_from_row,
+)
 from conveyor_broker.types import (
     EXPIRED_ERROR,
     LEASE_EXPIRED_ERROR,
@@ -50,6 +55,8 @@ from conveyor_broker.types import (
     TaskEvent,
     TaskPage,
     TaskState,
+    WebhookWorker,
+    WebhookWorkerSpec,
 )
 from conveyor_broker.validation import (
     MAX_PAYLOAD,
@@ -58,6 +65,8 @@ from conveyor_broker.validation import (
     check_limit,
     check_queue,
     check_task_id,
+    check_webhook_name,
+    check_webhook_worker,
 )
 
 if TYPE_CHECKING:
@@ -534,6 +543,58 @@ class PostgresBroker(Broker):
         async with self._pool.acquire() as conn:
             version = await schema_version(conn)
         return BrokerInfo(DRIVER, _package_version(), version)
+
+    # ------------------------------------------------------ webhook registrations
+
+    async def upsert_webhook_worker(self, spec: WebhookWorkerSpec) -> WebhookWorker:
+        """Create or replace the registration ``spec.name`` in one statement (see
+        :meth:`Broker.upsert_webhook_worker`)."""
+        now = self._now()
+        check_webhook_worker(spec)
+        row = await self._pool.fetchrow(
+            queries.UPSERT_WEBHOOK_WORKER,
+            spec.name,
+            spec.url,
+            webhook_queues_to_json(spec.queues),
+            int(spec.concurrency),
+            spec.timeout,
+            bool(spec.paused),
+            list(spec.secrets),
+            now,
+        )
+        assert row is not None  # an upsert always returns its row
+        return webhook_worker_from_row(row)
+
+    async def get_webhook_worker(self, name: str) -> WebhookWorker:
+        """The registration ``name``. Raises WebhookWorkerNotFound."""
+        self._now()
+        check_webhook_name(name)
+        row = await self._pool.fetchrow(queries.GET_WEBHOOK_WORKER, name)
+        if row is None:
+            raise WebhookWorkerNotFound(name)
+        return webhook_worker_from_row(row)
+
+    async def list_webhook_workers(self) -> list[WebhookWorker]:
+        """Every registration, by name (byte order)."""
+        self._now()
+        rows = await self._pool.fetch(queries.LIST_WEBHOOK_WORKERS)
+        return [webhook_worker_from_row(row) for row in rows]
+
+    async def set_webhook_worker_paused(self, name: str, paused: bool) -> WebhookWorker:
+        """Pause or resume a registration. Raises WebhookWorkerNotFound."""
+        now = self._now()
+        check_webhook_name(name)
+        row = await self._pool.fetchrow(queries.SET_WEBHOOK_WORKER_PAUSED, name, bool(paused), now)
+        if row is None:
+            raise WebhookWorkerNotFound(name)
+        return webhook_worker_from_row(row)
+
+    async def delete_webhook_worker(self, name: str) -> None:
+        """Delete a registration. Raises WebhookWorkerNotFound."""
+        self._now()
+        check_webhook_name(name)
+        if await self._pool.fetchval(queries.DELETE_WEBHOOK_WORKER, name) is None:
+            raise WebhookWorkerNotFound(name)
 
     # ----------------------------------------------------------------- lifecycle
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 import asyncpg
 
-from conveyor_broker.postgres.queries import ENQUEUE_COLUMNS, TASK_FIELDS
+from conveyor_broker.postgres.queries import ENQUEUE_COLUMNS, TASK_FIELDS, WEBHOOK_FIELDS
 from conveyor_broker.postgres.queries import enqueue_statement as enqueue_sql
-from conveyor_broker.types import NewTask, OnFailure, Task, TaskState
+from conveyor_broker.types import NewTask, OnFailure, Task, TaskState, WebhookWorker
 
 TASK_FIELD_COUNT = len(TASK_FIELDS)
+WEBHOOK_FIELD_COUNT = len(WEBHOOK_FIELDS)
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -202,3 +204,37 @@ def enqueue_params(tasks: Sequence[Task], now: datetime) -> list[Any]:
         [t.available_at for t in tasks],
         now,
     ]
+
+
+def webhook_queues_to_json(queues: Mapping[str, int]) -> str:
+    """The ``queues`` column value (a JSON object, queue -> weight) for a registration."""
+    return json.dumps({queue: int(weight) for queue, weight in queues.items()})
+
+
+def webhook_worker_from_row(row: asyncpg.Record) -> WebhookWorker:
+    """The WebhookWorker a row describes: its columns are ``queries.WEBHOOK_FIELDS``, in
+    order (``queues`` as JSON text)."""
+    (
+        name,
+        url,
+        queues,
+        concurrency,
+        timeout,
+        paused,
+        secrets,
+        created_at,
+        updated_at,
+    ) = row[:WEBHOOK_FIELD_COUNT]
+    loaded: dict[str, int] = json.loads(queues)
+    return WebhookWorker(
+        name=name,
+        url=url,
+        # Read-only, like the memory broker's snapshots.
+        queues=MappingProxyType(loaded),
+        concurrency=concurrency,
+        timeout=timeout,
+        paused=paused,
+        secrets=tuple(secrets),
+        created_at=created_at,
+        updated_at=updated_at,
+    )

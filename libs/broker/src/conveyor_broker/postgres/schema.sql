@@ -125,3 +125,25 @@ CREATE TABLE conveyor_task_dependencies (
 -- The resolver: "who waits for this task?"
 CREATE INDEX conveyor_task_dependencies_depends_on_idx
     ON conveyor_task_dependencies (depends_on);
+
+-- Webhook worker registrations: one row per registered HTTP endpoint the webhook service
+-- delivers tasks to (names sort in byte order).
+CREATE TABLE conveyor_webhook_workers (
+    name        text COLLATE "C" NOT NULL,
+    url         text NOT NULL,
+    -- Queue name -> weight (a JSON object of positive integers).
+    queues      jsonb NOT NULL,
+    concurrency integer NOT NULL,
+    -- Per-delivery timeout; an interval keeps a timedelta exact to the microsecond.
+    timeout     interval NOT NULL,
+    paused      boolean NOT NULL DEFAULT false,
+    -- Signing secrets, newest first. Empty until the operator sets some.
+    secrets     text[] NOT NULL DEFAULT '{}',
+    created_at  timestamptz NOT NULL,
+    updated_at  timestamptz NOT NULL,
+    CONSTRAINT conveyor_webhook_workers_pkey PRIMARY KEY (name),
+    CONSTRAINT conveyor_webhook_workers_queues_check CHECK (
+        jsonb_typeof(queues) = 'object' AND queues <> '{}'::jsonb),
+    CONSTRAINT conveyor_webhook_workers_concurrency_check CHECK (concurrency > 0),
+    CONSTRAINT conveyor_webhook_workers_timeout_check CHECK (timeout > interval '0')
+);

@@ -28,6 +28,7 @@ pytest.register_assert_rewrite(
     "conveyor_broker.testing.lease",
     "conveyor_broker.testing.outcomes",
     "conveyor_broker.testing.sweeps",
+    "conveyor_broker.testing.webhooks",
 )
 
 from conveyor_broker.clock import FakeClock  # noqa: E402
@@ -37,9 +38,12 @@ from conveyor_broker.testing.events import EventTests  # noqa: E402
 from conveyor_broker.testing.lease import LeaseTests  # noqa: E402
 from conveyor_broker.testing.outcomes import OutcomeTests  # noqa: E402
 from conveyor_broker.testing.sweeps import SweepTests  # noqa: E402
+from conveyor_broker.testing.webhooks import WebhookTests  # noqa: E402
 
 
-class BrokerConformance(EnqueueTests, LeaseTests, OutcomeTests, SweepTests, AdminTests, EventTests):
+class BrokerConformance(
+    EnqueueTests, LeaseTests, OutcomeTests, SweepTests, AdminTests, EventTests, WebhookTests
+):
     """Every behaviour the Broker interface promises. Subclass it and provide the
     ``clock`` and ``broker`` fixtures (see the module docstring)."""
 

@@ -1,0 +1,588 @@
+"""AdminService webhook registrations and WebhookService callbacks over a real gRPC socket,
+with a stand-in webhook gateway answering on the real nats-server. Every test runs over
+the memory broker and over Postgres (registrations and their secrets are stored there)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import grpc
+import pytest
+from conveyor_api import ApiServer
+from conveyor_api.testing import CountingBroker, MakeApi
+from conveyor_broker import Broker, FakeClock, WebhookWorker, WebhookWorkerSpec
+from conveyor_broker.postgres import PostgresBroker, migrate
+from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
+from conveyor_runtime.nats_connect import NatsClient
+from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.webhook_auth import LeaseClaims, mint_lease_token
+from google.protobuf.duration_pb2 import Duration
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+TOKEN = "s3cret-token"
+SCHEMA = "conveyor_api_webhook_tests"
+NAME = "hooky"
+NEW_SECRET = "whsec-new-0123456789"
+OLD_SECRET = "whsec-old-9876543210"
+TASK_ID = "01HZZZZZZZZZZZZZZZZZZZZZZA"
+LEASE_ID = "01HZZZZZZZZZZZZZZZZZZZZZZB"
+Reply = cluster_pb2.WebhookCallbackReply
+
+
+async def _make_schema(pg_dsn: str) -> str:
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}")
+    finally:
+        await admin.close()
+    dsn = f"{pg_dsn}?search_path={SCHEMA}"
+    await migrate(dsn)
+    return dsn
+
+
+@pytest.fixture(scope="module")
+def webhook_schema_dsn(pg_dsn: str) -> str:
+    """A migrated schema of its own in the session's database."""
+    return asyncio.run(_make_schema(pg_dsn))
+
+
+@pytest.fixture(params=["memory", pytest.param("postgres", marks=pytest.mark.postgres)])
+def broker_dsn(request: pytest.FixtureRequest) -> str | None:
+    """None for the memory broker, else the DSN of this module's Postgres schema."""
+    if request.param == "memory":
+        return None
+    dsn: str = request.getfixturevalue("webhook_schema_dsn")
+    return dsn
+
+
+@pytest.fixture
+async def broker(broker_dsn: str | None, clock: FakeClock) -> AsyncIterator[Broker]:
+    """Overrides the api conftest's memory broker: memory, then Postgres (emptied)."""
+    b: Broker
+    if broker_dsn is None:
+        b = CountingBroker(clock)
+    else:
+        conn = await asyncpg.connect(broker_dsn)
+        try:
+            await conn.execute("TRUNCATE conveyor_webhook_workers")
+        finally:
+            await conn.close()
+        b = await PostgresBroker.connect(broker_dsn, clock, max_size=4)
+    yield b
+    await b.close()
+
+
+async def expect_code(call: Any, request: Any, code: grpc.StatusCode, **kwargs: Any) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call(request, **kwargs)
+    assert info.value.code() == code, info.value.details()
+    return info.value.details() or ""
+
+
+def wire_worker(
+    name: str = NAME,
+    *,
+    url: str = "https://hooks.example.com/conveyor",
+    queues: dict[str, int] | None = None,
+    concurrency: int = 4,
+    timeout: float | None = 12.5,
+    paused: bool = False,
+    secrets: tuple[str, ...] = (NEW_SECRET, OLD_SECRET),
+) -> service_pb2.WebhookWorker:
+    message = service_pb2.WebhookWorker(
+        name=name,
+        url=url,
+        queues=queues if queues is not None else {"wh-a": 2, "wh-b": 1},
+        concurrency=concurrency,
+        paused=paused,
+        secrets=list(secrets),
+    )
+    if timeout is not None:
+        message.timeout.FromTimedelta(timedelta(seconds=timeout))
+    return message
+
+
+def upsert(worker: service_pb2.WebhookWorker) -> service_pb2.UpsertWebhookWorkerRequest:
+    return service_pb2.UpsertWebhookWorkerRequest(worker=worker)
+
+
+def assert_no_secrets(response: Any, *secrets: str) -> None:
+    """Neither the decoded message nor its bytes carry any secret."""
+    data = response.SerializeToString()
+    for secret in secrets or (NEW_SECRET, OLD_SECRET):
+        assert secret.encode() not in data
+    workers = list(getattr(response, "workers", [])) or [response.worker]
+    for worker in workers:
+        assert list(worker.secrets) == []
+
+
+# ----------------------------------------------------------- registrations
+
+
+async def test_register_read_pause_resume_delete_without_ever_returning_secrets(
+    admin: Any, broker: Broker, clock: FakeClock
+) -> None:
+    created_at = clock.now()
+    made = await admin.UpsertWebhookWorker(upsert(wire_worker()))
+    assert_no_secrets(made)
+    worker = made.worker
+    assert (worker.name, worker.url, dict(worker.queues)) == (
+        NAME,
+        "https://hooks.example.com/conveyor",
+        {"wh-a": 2, "wh-b": 1},
+    )
+    assert (worker.concurrency, worker.timeout.ToTimedelta(), worker.paused) == (
+        4,
+        timedelta(seconds=12.5),
+        False,
+    )
+    assert worker.created_at.ToDatetime(tzinfo=UTC) == created_at
+    assert worker.updated_at.ToDatetime(tzinfo=UTC) == created_at
+    assert (await broker.get_webhook_worker(NAME)).secrets == (NEW_SECRET, OLD_SECRET)
+
+    got = await admin.GetWebhookWorker(service_pb2.GetWebhookWorkerRequest(name=NAME))
+    assert_no_secrets(got)
+    assert got.worker == worker
+
+    # An edit without secrets keeps the stored ones and bumps updated_at only.
+    clock.advance(timedelta(minutes=5))
+    edited = await admin.UpsertWebhookWorker(upsert(wire_worker(concurrency=9, secrets=())))
+    assert_no_secrets(edited)
+    assert edited.worker.concurrency == 9
+    assert edited.worker.created_at.ToDatetime(tzinfo=UTC) == created_at
+    assert edited.worker.updated_at.ToDatetime(tzinfo=UTC) == clock.now()
+    assert (await broker.get_webhook_worker(NAME)).secrets == (NEW_SECRET, OLD_SECRET)
+
+    await admin.UpsertWebhookWorker(upsert(wire_worker("another", secrets=("zzz-secret",))))
+    listed = await admin.ListWebhookWorkers(service_pb2.ListWebhookWorkersRequest())
+    assert_no_secrets(listed, NEW_SECRET, OLD_SECRET, "zzz-secret")
+    assert [w.name for w in listed.workers] == ["another", NAME]
+
+    await admin.SetWebhookWorkerPaused(
+        service_pb2.SetWebhookWorkerPausedRequest(name=NAME, paused=True)
+    )
+    assert (await broker.get_webhook_worker(NAME)).paused
+    got = await admin.GetWebhookWorker(service_pb2.GetWebhookWorkerRequest(name=NAME))
+    assert got.worker.paused
+    await admin.SetWebhookWorkerPaused(
+        service_pb2.SetWebhookWorkerPausedRequest(name=NAME, paused=False)
+    )
+    assert not (await broker.get_webhook_worker(NAME)).paused
+
+    await admin.DeleteWebhookWorker(service_pb2.DeleteWebhookWorkerRequest(name=NAME))
+    assert [w.name for w in await broker.list_webhook_workers()] == ["another"]
+    await expect_code(
+        admin.GetWebhookWorker,
+        service_pb2.GetWebhookWorkerRequest(name=NAME),
+        grpc.StatusCode.NOT_FOUND,
+    )
+
+
+async def test_unset_concurrency_and_timeout_take_the_defaults(admin: Any) -> None:
+    made = await admin.UpsertWebhookWorker(upsert(wire_worker(concurrency=0, timeout=None)))
+    assert made.worker.concurrency == 10
+    assert made.worker.timeout.ToTimedelta() == timedelta(seconds=30)
+
+
+BAD_WORKERS: dict[str, Callable[[], service_pb2.WebhookWorker]] = {
+    "empty-name": lambda: wire_worker(""),
+    "bad-name": lambda: wire_worker("no spaces"),
+    "no-url": lambda: wire_worker(url=""),
+    "ftp-url": lambda: wire_worker(url="ftp://hooks.example.com/x"),
+    "url-without-host": lambda: wire_worker(url="https:///path"),
+    "no-queues": lambda: wire_worker(queues={}),
+    "bad-queue": lambda: wire_worker(queues={"no spaces": 1}),
+    "zero-weight": lambda: wire_worker(queues={"wh-a": 0}),
+    "huge-weight": lambda: wire_worker(queues={"wh-a": 1001}),
+    "negative-concurrency": lambda: wire_worker(concurrency=-1),
+    "huge-concurrency": lambda: wire_worker(concurrency=10_001),
+    "zero-timeout": lambda: wire_worker(timeout=0),
+    "negative-timeout": lambda: wire_worker(timeout=-1),
+    "timeout-over-an-hour": lambda: wire_worker(timeout=3601),
+    "empty-secret": lambda: wire_worker(secrets=("good-secret", "")),
+    "too-many-secrets": lambda: wire_worker(secrets=tuple(f"s-{i}" for i in range(11))),
+    "secret-too-long": lambda: wire_worker(secrets=("x" * 513,)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_WORKERS))
+async def test_bad_registrations_are_invalid_argument_and_change_nothing(
+    admin: Any, broker: Broker, clock: FakeClock, case: str
+) -> None:
+    stored = await broker.upsert_webhook_worker(
+        WebhookWorkerSpec(name=NAME, url="https://a.example.com/", queues={"q": 1}, secrets=("k",))
+    )
+    before = await broker.list_webhook_workers()
+    clock.advance(timedelta(seconds=1))
+    bad = BAD_WORKERS[case]()
+    details = await expect_code(
+        admin.UpsertWebhookWorker, upsert(bad), grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert details
+    assert await broker.list_webhook_workers() == before
+    assert await broker.get_webhook_worker(NAME) == stored
+
+
+async def test_a_missing_worker_message_is_invalid_argument(admin: Any) -> None:
+    details = await expect_code(
+        admin.UpsertWebhookWorker,
+        service_pb2.UpsertWebhookWorkerRequest(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert "worker is required" in details
+
+
+async def test_unknown_and_malformed_names(admin: Any, broker: Broker) -> None:
+    calls: list[tuple[Any, Callable[[str], Any]]] = [
+        (admin.GetWebhookWorker, lambda n: service_pb2.GetWebhookWorkerRequest(name=n)),
+        (
+            admin.SetWebhookWorkerPaused,
+            lambda n: service_pb2.SetWebhookWorkerPausedRequest(name=n, paused=True),
+        ),
+        (admin.DeleteWebhookWorker, lambda n: service_pb2.DeleteWebhookWorkerRequest(name=n)),
+    ]
+    for call, request in calls:
+        details = await expect_code(call, request("nobody"), grpc.StatusCode.NOT_FOUND)
+        assert "nobody" in details
+        await expect_code(call, request("no way"), grpc.StatusCode.INVALID_ARGUMENT)
+        await expect_code(call, request(""), grpc.StatusCode.INVALID_ARGUMENT)
+    assert await broker.list_webhook_workers() == []
+
+
+async def test_read_only_allows_reads_and_refuses_webhook_mutations(
+    make_api: MakeApi, broker: Broker
+) -> None:
+    api = await make_api(read_only=True)
+    await broker.upsert_webhook_worker(
+        WebhookWorkerSpec(name=NAME, url="https://a.example.com/", queues={"q": 1})
+    )
+    before = await broker.list_webhook_workers()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
+        stub: Any = service_pb2_grpc.AdminServiceStub
+        admin = stub(channel)
+        got = await admin.GetWebhookWorker(service_pb2.GetWebhookWorkerRequest(name=NAME))
+        assert got.worker.name == NAME
+        listed = await admin.ListWebhookWorkers(service_pb2.ListWebhookWorkersRequest())
+        assert [w.name for w in listed.workers] == [NAME]
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        await expect_code(admin.UpsertWebhookWorker, upsert(wire_worker()), denied)
+        await expect_code(
+            admin.SetWebhookWorkerPaused,
+            service_pb2.SetWebhookWorkerPausedRequest(name=NAME, paused=True),
+            denied,
+        )
+        await expect_code(
+            admin.DeleteWebhookWorker, service_pb2.DeleteWebhookWorkerRequest(name=NAME), denied
+        )
+    assert await broker.list_webhook_workers() == before
+
+
+# ---------------------------------------------------------------- callbacks
+
+
+class FakeGateway:
+    """Stands in for the webhook gateway: answers ``WebhookCallback`` requests on the
+    worker's callback subject (queue group "webhook") with ``reply``, and keeps them."""
+
+    def __init__(self, reply: Reply | None = None) -> None:
+        self.reply = reply or Reply(status=Reply.STATUS_OK)
+        self.callbacks: list[cluster_pb2.WebhookCallback] = []
+        self._sub: Subscription | None = None
+
+    async def start(self, nc: NatsClient, subjects: Subjects, worker: str = NAME) -> FakeGateway:
+        async def on_msg(msg: Msg) -> None:
+            self.callbacks.append(cluster_pb2.WebhookCallback.FromString(msg.data))
+            await msg.respond(self.reply.SerializeToString())
+
+        self._sub = await nc.subscribe(
+            subjects.webhook_callback(worker), queue="webhook", cb=on_msg
+        )
+        await nc.flush()
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+
+def lease_token(
+    secret: str = NEW_SECRET,
+    *,
+    worker: str = NAME,
+    task_id: str = TASK_ID,
+    lease_id: str = LEASE_ID,
+    queue: str = "wh-a",
+) -> str:
+    return mint_lease_token(secret, LeaseClaims(worker, task_id, lease_id, queue))
+
+
+def report(
+    token: str,
+    outcome: service_pb2.Outcome = service_pb2.OUTCOME_SUCCESS,
+    *,
+    result: bytes = b"",
+    error: str = "",
+    retry_after: Duration | None = None,
+) -> service_pb2.WebhookReportResultRequest:
+    request = service_pb2.WebhookReportResultRequest(
+        lease_token=token, outcome=outcome, result=result, error=error
+    )
+    if retry_after is not None:
+        request.retry_after.CopyFrom(retry_after)
+    return request
+
+
+def seconds(value: float) -> Duration:
+    d = Duration()
+    d.FromTimedelta(timedelta(seconds=value))
+    return d
+
+
+@pytest.fixture
+async def registered(broker: Broker) -> WebhookWorker:
+    """The registration callbacks are verified against: two secrets, newest first."""
+    return await broker.upsert_webhook_worker(
+        WebhookWorkerSpec(
+            name=NAME,
+            url="https://hooks.example.com/conveyor",
+            queues={"wh-a": 1},
+            secrets=(NEW_SECRET, OLD_SECRET),
+        )
+    )
+
+
+@pytest.fixture
+def hooks(channel: grpc.aio.Channel) -> Any:
+    """A raw WebhookService stub."""
+    stub: Any = service_pb2_grpc.WebhookServiceStub
+    return stub(channel)
+
+
+@pytest.fixture
+async def gateway(
+    nc: NatsClient, subjects: Subjects, registered: WebhookWorker
+) -> AsyncIterator[FakeGateway]:
+    fake = await FakeGateway().start(nc, subjects)
+    yield fake
+    await fake.stop()
+
+
+def _tampered() -> str:
+    # Claims of another task under the MAC of this one.
+    real = lease_token().split(".")
+    other = lease_token(task_id="01HZZZZZZZZZZZZZZZZZZZZZZC").split(".")
+    return ".".join([real[0], other[1], real[2]])
+
+
+FORGED: dict[str, Callable[[], str]] = {
+    "empty": lambda: "",
+    "garbage": lambda: "not-a-token",
+    "wrong-version": lambda: "v2." + lease_token().split(".", 1)[1],
+    "unknown-secret": lambda: lease_token("someone-elses-secret"),
+    "unknown-worker": lambda: lease_token(worker="nobody"),
+    "bad-worker-name": lambda: lease_token(worker="no way"),
+    "tampered-claims": _tampered,
+    "truncated-mac": lambda: lease_token()[:-4],
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+async def test_a_bad_or_forged_token_is_unauthenticated_and_routes_nothing(
+    hooks: Any, gateway: FakeGateway, case: str
+) -> None:
+    token = FORGED[case]()
+    for call, request in (
+        (hooks.Heartbeat, service_pb2.WebhookHeartbeatRequest(lease_token=token)),
+        (hooks.ReportResult, report(token)),
+    ):
+        details = await expect_code(call, request, grpc.StatusCode.UNAUTHENTICATED)
+        assert details == "invalid lease token"
+    assert gateway.callbacks == []
+
+
+async def test_a_worker_without_secrets_accepts_no_token(
+    hooks: Any, broker: Broker, nc: NatsClient, subjects: Subjects
+) -> None:
+    await broker.upsert_webhook_worker(
+        WebhookWorkerSpec(name="bare", url="https://a.example.com/", queues={"q": 1})
+    )
+    fake = await FakeGateway().start(nc, subjects, "bare")
+    await expect_code(
+        hooks.Heartbeat,
+        service_pb2.WebhookHeartbeatRequest(lease_token=lease_token(worker="bare")),
+        grpc.StatusCode.UNAUTHENTICATED,
+    )
+    assert fake.callbacks == []
+    await fake.stop()
+
+
+async def test_heartbeat_routes_to_the_gateway_and_returns_the_new_expiry(
+    hooks: Any, gateway: FakeGateway
+) -> None:
+    expires = datetime(2030, 1, 2, 3, 4, 5, 250_000, tzinfo=UTC)
+    gateway.reply = Reply(status=Reply.STATUS_OK, lease_expires_at=expires.timestamp())
+    response = await hooks.Heartbeat(
+        service_pb2.WebhookHeartbeatRequest(lease_token=lease_token(), progress=b'{"pct":40}')
+    )
+    assert response.lease_expires_at.ToDatetime(tzinfo=UTC) == expires
+    [callback] = gateway.callbacks
+    assert (callback.worker, callback.task_id, callback.lease_id, callback.queue) == (
+        NAME,
+        TASK_ID,
+        LEASE_ID,
+        "wh-a",
+    )
+    assert callback.WhichOneof("kind") == "heartbeat"
+    assert callback.heartbeat.progress == b'{"pct":40}'
+
+
+async def test_a_token_signed_with_a_rotated_out_secret_works_while_it_is_listed(
+    hooks: Any, gateway: FakeGateway, admin: Any
+) -> None:
+    await hooks.Heartbeat(service_pb2.WebhookHeartbeatRequest(lease_token=lease_token(OLD_SECRET)))
+    await hooks.ReportResult(report(lease_token(OLD_SECRET, lease_id="01HZZZZZZZZZZZZZZZZZZZZZZD")))
+    assert [c.lease_id for c in gateway.callbacks] == [LEASE_ID, "01HZZZZZZZZZZZZZZZZZZZZZZD"]
+    # The rotation ends: the old secret is dropped, and its tokens stop working at once.
+    await admin.UpsertWebhookWorker(upsert(wire_worker(queues={"wh-a": 1}, secrets=(NEW_SECRET,))))
+    await expect_code(
+        hooks.Heartbeat,
+        service_pb2.WebhookHeartbeatRequest(lease_token=lease_token(OLD_SECRET)),
+        grpc.StatusCode.UNAUTHENTICATED,
+    )
+    await hooks.Heartbeat(service_pb2.WebhookHeartbeatRequest(lease_token=lease_token()))
+    assert len(gateway.callbacks) == 3
+
+
+async def test_report_result_routes_every_field(hooks: Any, gateway: FakeGateway) -> None:
+    await hooks.ReportResult(report(lease_token(), result=b'{"ok":true}'))
+    await hooks.ReportResult(
+        report(
+            lease_token(),
+            service_pb2.OUTCOME_FAILURE,
+            error="upstream said no",
+            retry_after=seconds(2.5),
+        )
+    )
+    await hooks.ReportResult(report(lease_token(), service_pb2.OUTCOME_FAILURE, error="again"))
+    await hooks.ReportResult(report(lease_token(), service_pb2.OUTCOME_SKIP_RETRY, error="bad"))
+    await hooks.ReportResult(
+        report(lease_token(), service_pb2.OUTCOME_RELEASE, retry_after=seconds(0))
+    )
+    results = [c.result for c in gateway.callbacks]
+    assert all(c.WhichOneof("kind") == "result" for c in gateway.callbacks)
+    assert all(
+        (c.worker, c.task_id, c.lease_id) == (NAME, TASK_ID, LEASE_ID) for c in gateway.callbacks
+    )
+    assert [(r.outcome, r.result, r.error, r.retry_after) for r in results] == [
+        (service_pb2.OUTCOME_SUCCESS, b'{"ok":true}', "", -1.0),
+        (service_pb2.OUTCOME_FAILURE, b"", "upstream said no", 2.5),
+        (service_pb2.OUTCOME_FAILURE, b"", "again", -1.0),
+        (service_pb2.OUTCOME_SKIP_RETRY, b"", "bad", -1.0),
+        (service_pb2.OUTCOME_RELEASE, b"", "", 0.0),
+    ]
+
+
+async def test_gateway_reply_statuses_map_to_grpc_codes(hooks: Any, gateway: FakeGateway) -> None:
+    gateway.reply = Reply(status=Reply.STATUS_LEASE_LOST, message="reaped")
+    details = await expect_code(
+        hooks.ReportResult, report(lease_token()), grpc.StatusCode.FAILED_PRECONDITION
+    )
+    assert details == "lease lost"
+    await expect_code(
+        hooks.Heartbeat,
+        service_pb2.WebhookHeartbeatRequest(lease_token=lease_token()),
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
+    gateway.reply = Reply(status=Reply.STATUS_INVALID, message="release is not allowed here")
+    details = await expect_code(
+        hooks.ReportResult, report(lease_token()), grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert details == "release is not allowed here"
+    gateway.reply = Reply(status=Reply.STATUS_OK)
+    assert await hooks.ReportResult(report(lease_token())) == (
+        service_pb2.WebhookReportResultResponse()
+    )
+    assert len(gateway.callbacks) == 4
+
+
+async def test_bad_reports_are_invalid_argument_before_any_routing(
+    make_api: MakeApi, gateway: FakeGateway
+) -> None:
+    api = await make_api(max_result=64)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
+        stub: Any = service_pb2_grpc.WebhookServiceStub
+        hooks = stub(channel)
+        bad = {
+            "outcome must be": report(lease_token(), service_pb2.OUTCOME_UNSPECIFIED),
+            "got 99": report(lease_token(), 99),  # type: ignore[arg-type]
+            "retry_after must be >= 0": report(
+                lease_token(), service_pb2.OUTCOME_FAILURE, retry_after=seconds(-1)
+            ),
+            "result is 65 bytes; the limit is 64": report(lease_token(), result=b"x" * 65),
+        }
+        for expected, request in bad.items():
+            details = await expect_code(
+                hooks.ReportResult, request, grpc.StatusCode.INVALID_ARGUMENT
+            )
+            assert expected in details
+        details = await expect_code(
+            hooks.Heartbeat,
+            service_pb2.WebhookHeartbeatRequest(lease_token=lease_token(), progress=b"x" * 65),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+        assert "progress is 65 bytes" in details
+        # At the limit is fine.
+        await hooks.ReportResult(report(lease_token(), result=b"x" * 64))
+    assert [c.result.result for c in gateway.callbacks] == [b"x" * 64]
+
+
+async def test_no_running_gateway_is_unavailable(hooks: Any, registered: WebhookWorker) -> None:
+    for call, request in (
+        (hooks.Heartbeat, service_pb2.WebhookHeartbeatRequest(lease_token=lease_token())),
+        (hooks.ReportResult, report(lease_token())),
+    ):
+        details = await expect_code(call, request, grpc.StatusCode.UNAVAILABLE)
+        assert details == f"webhook worker {NAME} is not running; retry"
+
+
+async def test_callbacks_need_no_bearer_token_when_auth_is_on(
+    make_api: MakeApi, gateway: FakeGateway
+) -> None:
+    api: ApiServer = await make_api(auth_tokens=[TOKEN], allow_unauthenticated=False)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
+        stub: Any = service_pb2_grpc.WebhookServiceStub
+        await stub(channel).ReportResult(report(lease_token()))
+        admin_stub: Any = service_pb2_grpc.AdminServiceStub
+        await expect_code(
+            admin_stub(channel).ListWebhookWorkers,
+            service_pb2.ListWebhookWorkersRequest(),
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
+    assert len(gateway.callbacks) == 1
+
+
+async def test_the_sdk_callbacks_reach_the_gateway(api: ApiServer, gateway: FakeGateway) -> None:
+    from conveyor import FailedPrecondition
+    from conveyor.webhooks import AsyncCallbacks
+
+    expires = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    gateway.reply = Reply(status=Reply.STATUS_OK, lease_expires_at=expires.timestamp())
+    async with AsyncCallbacks(f"127.0.0.1:{api.port}") as callbacks:
+        assert await callbacks.heartbeat(lease_token(OLD_SECRET), progress={"pct": 10}) == expires
+        await callbacks.report_result(lease_token(), "failure", error="later", retry_after=4)
+        gateway.reply = Reply(status=Reply.STATUS_LEASE_LOST)
+        with pytest.raises(FailedPrecondition, match="lease lost"):
+            await callbacks.report_result(lease_token(), "success", result=[1])
+    beat, failed, _lost = gateway.callbacks
+    assert beat.heartbeat.progress == b'{"pct":10}'
+    assert (failed.result.outcome, failed.result.error, failed.result.retry_after) == (
+        service_pb2.OUTCOME_FAILURE,
+        "later",
+        4.0,
+    )

@@ -1,0 +1,76 @@
+"""What the webhook service sends an endpoint: the JSON-RPC body and its HTTP headers.
+
+Pure functions (no I/O), so the wire format is tested on its own. The format is the one
+in docs (webhook contract): ``POST <url>`` with a JSON-RPC 2.0 call of method
+``conveyor.task`` whose ``id`` is the lease id, signed with the registration's newest
+secret over the exact body bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import UTC, datetime
+
+from conveyor_protos.v1 import task_pb2
+from conveyor_runtime import codec
+from conveyor_runtime.webhook_auth import (
+    SIGNATURE_HEADER,
+    LeaseClaims,
+    mint_lease_token,
+    sign_delivery,
+)
+
+from conveyor_webhook.version import __version__
+
+#: The JSON-RPC method of a delivery.
+METHOD = "conveyor.task"
+#: The header naming the task a delivery carries (stable across retries: dedupe on it).
+DELIVERY_HEADER = "Conveyor-Delivery"
+USER_AGENT = f"conveyor-webhook/{__version__}"
+
+
+def rfc3339(value: datetime) -> str:
+    """``value`` as an RFC 3339 UTC timestamp (``2030-01-01T00:00:00.5Z``)."""
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def delivery_body(
+    env: task_pb2.TaskEnvelope, *, worker: str, secret: str, callback: str
+) -> tuple[bytes, str]:
+    """The body of the delivery of ``env`` by webhook worker ``worker``, and the lease
+    token it carries (minted with ``secret``, the registration's newest)."""
+    token = mint_lease_token(
+        secret, LeaseClaims(worker=worker, task_id=env.id, lease_id=env.lease_id, queue=env.queue)
+    )
+    params = {
+        "task_id": env.id,
+        "queue": env.queue,
+        "type": env.type,
+        "payload": base64.b64encode(env.payload).decode("ascii"),
+        "headers": dict(env.headers),
+        "attempt": env.attempt,
+        "max_retry": env.max_retry,
+        "lease_token": token,
+        "lease_expires_at": (
+            rfc3339(codec.from_timestamp(env.lease_expires_at))
+            if env.HasField("lease_expires_at")
+            else None
+        ),
+        "deadline": (
+            rfc3339(codec.from_timestamp(env.deadline)) if env.HasField("deadline") else None
+        ),
+        "callback": callback,
+    }
+    call = {"jsonrpc": "2.0", "id": env.lease_id, "method": METHOD, "params": params}
+    return json.dumps(call, separators=(",", ":")).encode(), token
+
+
+def delivery_headers(body: bytes, *, task_id: str, secret: str, timestamp: int) -> dict[str, str]:
+    """The HTTP headers of a delivery: content type, signature, delivery id, user agent."""
+    return {
+        "Content-Type": "application/json",
+        SIGNATURE_HEADER: sign_delivery(secret, body, timestamp),
+        DELIVERY_HEADER: task_id,
+        "User-Agent": USER_AGENT,
+    }

@@ -1,0 +1,306 @@
+"""WebhookManager: the cluster singleton that runs one WebhookGateway per registration.
+
+Every webhook instance runs a manager; only the holder of the ``webhook-manager`` key in
+the leaders bucket runs gateways, the others try to claim the key every
+``leader_ttl / 2``. The leader reconciles every ``reconcile_tick``: it lists the stored
+registrations and converges onto them.
+
+- An active registration (not paused, with at least one secret) with no gateway gets one.
+- A changed url, timeout or secret list is taken by the running gateway in place.
+- Changed queues or concurrency restart it: drain the old gateway, then start a new one
+  (a new gateway id).
+- A registration paused, deleted or left without a secret has its gateway drained.
+
+Draining waits for open synchronous deliveries (up to the registration's timeout) and
+releases everything else. Drains run in the background, so a slow endpoint never holds
+up the reconcile of the others; a registration whose old gateway is still draining gets
+its new one from the reconcile that follows the drain. Losing leadership, or
+:meth:`WebhookManager.stop`, drains every gateway.
+
+An operator's cancel of a running task (the ``CancelBroadcast`` every gateway hears)
+reaches the gateway holding it, which aborts that task's HTTP request if still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+from conveyor_api.coalesce import WakePublisher
+from conveyor_api.gateway import GatewayConfig
+from conveyor_api.group_commit import AckBatcher
+from conveyor_broker import Broker, WebhookWorker
+from conveyor_broker.clock import Clock, SystemClock
+from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
+from conveyor_runtime.settings import WebhookSettings
+from conveyor_runtime.subjects import Subjects
+from google.protobuf.message import DecodeError
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from conveyor_webhook.gateway import WebhookConfig, WebhookGateway
+
+logger = logging.getLogger(__name__)
+
+#: The manager's key in the leaders bucket.
+ROLE = "webhook-manager"
+
+
+def is_active(worker: WebhookWorker) -> bool:
+    """True when ``worker`` should have a running gateway: not paused, and a secret."""
+    return not worker.paused and bool(worker.secrets)
+
+
+def needs_restart(running: WebhookWorker, stored: WebhookWorker) -> bool:
+    """True when a running gateway cannot take ``stored`` in place (queues, concurrency)."""
+    return dict(running.queues) != dict(stored.queues) or running.concurrency != stored.concurrency
+
+
+class WebhookManager:
+    """Runs the gateways of every active registration while this instance leads."""
+
+    def __init__(
+        self,
+        settings: WebhookSettings,
+        broker: Broker,
+        nc: NATS,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self.instance_id = settings.instance_id
+        self.subjects = Subjects(settings.subject_prefix)
+        self.clock: Clock = clock or SystemClock()
+        self._broker = broker
+        self._nc = nc
+        self.config = WebhookConfig(
+            gateway=GatewayConfig(
+                lease_ttl=settings.lease_ttl_delta,
+                register_tick=settings.register_tick,
+                max_result=settings.max_result,
+                clock=self.clock,
+            ),
+            callback_address=settings.callback_address,
+            breaker_threshold=settings.breaker_threshold,
+            breaker_cooldown=settings.breaker_cooldown,
+        )
+        #: The running gateways, by registration name.
+        self.gateways: dict[str, WebhookGateway] = {}
+        self.reconciles = 0
+        self._keeper: LeaseKeeper | None = None
+        self._loop: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._http: aiohttp.ClientSession | None = None
+        self._acks: AckBatcher | None = None
+        self._wakes: WakePublisher | None = None
+        self._retiring: dict[str, tuple[WebhookGateway, asyncio.Task[None]]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._cancel_sub: Subscription | None = None
+
+    # -------------------------------------------------------------- lifecycle
+
+    @property
+    def leading(self) -> bool:
+        """True while this instance holds the webhook-manager role."""
+        return self._keeper is not None and self._keeper.holds(ROLE)
+
+    @property
+    def draining(self) -> frozenset[str]:
+        """Registrations whose (old) gateway is draining right now."""
+        return frozenset(self._retiring)
+
+    async def settled(self) -> None:
+        """Wait until no gateway is draining and the reconciles that follow drains ran.
+
+        Not for the manager's own background tasks (they would wait for themselves).
+        """
+        while self._retiring or self._background:
+            pending = [task for _, task in self._retiring.values()]
+            await asyncio.gather(*pending, *self._background, return_exceptions=True)
+
+    async def _drains_done(self) -> None:
+        while self._retiring:
+            await asyncio.gather(
+                *(task for _, task in self._retiring.values()), return_exceptions=True
+            )
+
+    async def start(self) -> None:
+        """Open the leaders bucket and start the leadership/reconcile loop."""
+        if self._keeper is not None:
+            return
+        self._http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), raise_for_status=False
+        )
+        self._acks = AckBatcher(self._broker)
+        self._wakes = WakePublisher(self._nc, self.subjects)
+        kv = await open_lease_bucket(
+            self._nc, self.subjects.leaders_bucket, self.settings.leader_ttl
+        )
+        self._cancel_sub = await self._nc.subscribe(
+            self.subjects.cancel(), cb=self._on_cancel_broadcast
+        )
+        self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
+        await self._keeper.start()
+        self._loop = asyncio.create_task(self._lead(), name="webhook-manager")
+        logger.info("webhook.manager_started instance=%s", self.instance_id)
+
+    async def stop(self) -> None:
+        """Drain every gateway, then give the role up so another instance takes over."""
+        self._stopping = True
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+            self._loop = None
+        await self._stop_all()
+        await self.settled()
+        if self._cancel_sub is not None:
+            try:
+                await self._cancel_sub.unsubscribe()
+            except Exception as exc:  # the connection may be gone already
+                logger.debug("webhook.unsubscribe_failed error=%r", exc)
+            self._cancel_sub = None
+        if self._keeper is not None:
+            await self._keeper.stop(release=True)
+            self._keeper = None
+        if self._acks is not None:
+            await self._acks.aclose()
+        if self._wakes is not None:
+            await self._wakes.aclose()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        logger.info("webhook.manager_stopped instance=%s", self.instance_id)
+
+    async def _on_cancel_broadcast(self, msg: Msg) -> None:
+        try:
+            request = cluster_pb2.CancelBroadcast.FromString(msg.data)
+        except DecodeError:
+            logger.warning("webhook.bad_cancel_broadcast")
+            return
+        if request.task_id:
+            reason = request.reason or "canceled by an operator"
+            gateways = [*self.gateways.values(), *(g for g, _ in self._retiring.values())]
+            for gateway in gateways:
+                if gateway.gateway.cancel(request.task_id, reason):
+                    break
+
+    def _on_lost(self, role: str) -> None:
+        logger.warning("webhook.leadership_lost role=%s instance=%s", role, self.instance_id)
+        self._in_background(self._stop_all())
+
+    async def _lead(self) -> None:
+        retry = self.settings.leader_ttl / 2
+        while True:
+            keeper = self._keeper
+            if keeper is None:
+                return
+            if not keeper.holds(ROLE):
+                if self.gateways:
+                    await self._stop_all()
+                try:
+                    elected = await keeper.claim(ROLE)
+                except Exception:
+                    logger.exception("webhook.claim_failed")
+                    elected = False
+                if not elected:
+                    await asyncio.sleep(retry)
+                    continue
+                logger.info("webhook.leader_elected instance=%s", self.instance_id)
+            try:
+                await self.reconcile()
+            except Exception:
+                logger.exception("webhook.reconcile_failed")
+            await asyncio.sleep(self.settings.reconcile_tick)
+
+    # -------------------------------------------------------------- reconcile
+
+    async def reconcile(self) -> None:
+        """Converge the running gateways onto the stored registrations (see the module
+        docstring); drains it starts go on in the background (:meth:`settled` waits for
+        them). Not leading: drain every gateway instead. A broker failure propagates and
+        changes nothing."""
+        async with self._lock:
+            if not self.leading or self._stopping:
+                self._retire_all()
+                return
+            stored = await self._broker.list_webhook_workers()
+            self.reconciles += 1
+            desired = {w.name: w for w in stored if is_active(w)}
+            for name, gateway in list(self.gateways.items()):
+                worker = desired.get(name)
+                if worker is None or needs_restart(gateway.worker, worker):
+                    self._retire(gateway)
+                else:
+                    gateway.refresh(worker)
+            for name, worker in desired.items():
+                # One whose old gateway still drains starts when that drain is over.
+                if name not in self.gateways and name not in self._retiring:
+                    await self._start(worker)
+
+    async def _start(self, worker: WebhookWorker) -> None:
+        if self._http is None or self._acks is None or self._wakes is None:
+            raise RuntimeError("the webhook manager is not started")
+        gateway = WebhookGateway(
+            worker,
+            broker=self._broker,
+            nc=self._nc,
+            subjects=self.subjects,
+            config=self.config,
+            acks=self._acks,
+            wakes=self._wakes,
+            http=self._http,
+        )
+        try:
+            await gateway.start()
+        except Exception:
+            logger.exception("webhook.gateway_start_failed worker=%s", worker.name)
+            await gateway.drain()
+            return
+        self.gateways[worker.name] = gateway
+
+    def _retire(self, gateway: WebhookGateway) -> None:
+        """Drain ``gateway`` in the background; a reconcile follows the drain."""
+        name = gateway.name
+        if self.gateways.get(name) is gateway:
+            del self.gateways[name]
+        logger.info("webhook.draining worker=%s gateway=%s", name, gateway.id)
+        task = asyncio.get_running_loop().create_task(gateway.drain())
+        self._retiring[name] = (gateway, task)
+
+        def drained(done: asyncio.Task[None]) -> None:
+            if self._retiring.get(name, (None, None))[1] is done:
+                del self._retiring[name]
+            if not done.cancelled() and done.exception() is not None:
+                logger.error("webhook.drain_failed worker=%s", name, exc_info=done.exception())
+            if not self._stopping and self.leading:
+                self._in_background(self._reconcile_quietly())
+
+        task.add_done_callback(drained)
+
+    def _retire_all(self) -> None:
+        for gateway in list(self.gateways.values()):
+            self._retire(gateway)
+
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reconcile_quietly(self) -> None:
+        try:
+            await self.reconcile()
+        except Exception:
+            logger.exception("webhook.reconcile_failed")
+
+    async def _stop_all(self) -> None:
+        """Drain every gateway and wait for every drain."""
+        async with self._lock:
+            self._retire_all()
+        await self._drains_done()

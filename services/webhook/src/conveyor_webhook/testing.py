@@ -1,0 +1,221 @@
+"""Test helpers for the webhook service: a real HTTP endpoint that records deliveries and
+answers as told, plus shortcuts to register a worker and submit tasks. Used by this
+package's tests and by anyone testing an integration without a real endpoint.
+
+Nothing here sleeps for time: waits poll a condition until a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import uuid
+from collections.abc import Awaitable, Callable, Container
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+from aiohttp import web
+from conveyor_broker import Broker, NewTask, WebhookWorker, WebhookWorkerSpec
+from conveyor_broker.clock import Clock
+from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.settings import WebhookSettings
+from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.testing import eventually
+from nats.aio.client import Client as NATS
+
+from conveyor_webhook.gateway import WebhookGateway
+from conveyor_webhook.manager import WebhookManager
+
+
+@dataclass
+class Delivery:
+    """One POST the endpoint received."""
+
+    headers: dict[str, str]
+    body: bytes
+    call: dict[str, Any]
+
+    @property
+    def task_id(self) -> str:
+        """The delivered task's id."""
+        return str(self.call["params"]["task_id"])
+
+    @property
+    def lease_id(self) -> str:
+        """The delivery's lease id (the JSON-RPC id)."""
+        return str(self.call["id"])
+
+    @property
+    def token(self) -> str:
+        """The delivery's lease token."""
+        return str(self.call["params"]["lease_token"])
+
+
+#: How the endpoint answers one delivery.
+Answer = Callable[[Delivery], Awaitable[web.StreamResponse]]
+
+
+def rpc(outcome: str, *, result: bytes | None = None, **extra: Any) -> Answer:
+    """Answer HTTP 200 with a JSON-RPC result of ``outcome`` (the call's id echoed)."""
+
+    async def answer(delivery: Delivery) -> web.StreamResponse:
+        body: dict[str, Any] = {"outcome": outcome, **extra}
+        if result is not None:
+            body["result"] = base64.b64encode(result).decode()
+        return web.json_response({"jsonrpc": "2.0", "id": delivery.lease_id, "result": body})
+
+    return answer
+
+
+def rpc_error(message: str, code: int = -32000) -> Answer:
+    """Answer HTTP 200 with a JSON-RPC error object."""
+
+    async def answer(delivery: Delivery) -> web.StreamResponse:
+        error = {"code": code, "message": message}
+        return web.json_response({"jsonrpc": "2.0", "id": delivery.lease_id, "error": error})
+
+    return answer
+
+
+def status(code: int) -> Answer:
+    """Answer with a bare HTTP status."""
+
+    async def answer(delivery: Delivery) -> web.StreamResponse:
+        return web.Response(status=code, text="nope")
+
+    return answer
+
+
+@dataclass
+class Endpoint:
+    """A webhook endpoint on a free local port: records every delivery, answers with
+    ``answer``. Use as ``async with Endpoint() as ep``."""
+
+    answer: Answer = field(default_factory=lambda: rpc("success"))
+    deliveries: list[Delivery] = field(default_factory=list)
+    url: str = ""
+    #: Set to let answers made by :meth:`hold` go out.
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    _runner: web.AppRunner | None = None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        delivery = Delivery(dict(request.headers), body, json.loads(body))
+        self.deliveries.append(delivery)
+        return await self.answer(delivery)
+
+    def hold(self, then: Answer) -> None:
+        """From now on, answer with ``then`` only once ``release`` is set."""
+
+        async def answer(delivery: Delivery) -> web.StreamResponse:
+            await self.release.wait()
+            return await then(delivery)
+
+        self.answer = answer
+
+    async def __aenter__(self) -> Endpoint:
+        app = web.Application()
+        app.router.add_post("/hook", self._handle)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}/hook"
+        await web.SockSite(self._runner, sock).start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+class _Book(Protocol):
+    @property
+    def book(self) -> Container[str]: ...
+
+
+class _Dispatcher(Protocol):
+    def queue(self, name: str) -> _Book | None: ...
+
+
+async def register(broker: Broker, url: str, name: str, **overrides: Any) -> WebhookWorker:
+    """Store a registration ``name`` for ``url`` (concurrency 4, timeout 10 s, two secrets
+    unless overridden)."""
+    fields: dict[str, Any] = {
+        "name": name,
+        "url": url,
+        "queues": {"hooks": 1},
+        "concurrency": 4,
+        "timeout": timedelta(seconds=10),
+        "secrets": ("newest-secret", "older-secret"),
+    }
+    fields.update(overrides)
+    return await broker.upsert_webhook_worker(WebhookWorkerSpec(**fields))
+
+
+async def running_gateway(
+    manager: WebhookManager, dispatcher: _Dispatcher, name: str, queue: str
+) -> WebhookGateway:
+    """Wait until ``manager`` leads, reconcile (and let drains finish), and wait until
+    ``dispatcher`` (the owner of ``queue``) has the gateway of ``name`` in its book."""
+    await eventually(lambda: manager.leading)
+    await manager.reconcile()
+    await manager.settled()
+    gateway = manager.gateways[name]
+
+    def known() -> bool:
+        qd = dispatcher.queue(queue)
+        return qd is not None and gateway.id in qd.book
+
+    await eventually(known)
+    return gateway
+
+
+async def submit(broker: Broker, nc: NATS, subjects: Subjects, queue: str, **fields: Any) -> str:
+    """Enqueue a task on ``queue`` and wake the queue; the task id."""
+    fields.setdefault("payload", b'{"amount": 42}')
+    fields.setdefault("type", "invoice.charge")
+    result = await broker.enqueue(NewTask(queue=queue, **fields))
+    await nc.publish(subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString())
+    await nc.flush()
+    return result.task.id
+
+
+class Managers:
+    """Starts WebhookManagers on one broker, NATS connection and subject prefix, with
+    settings overrides as keywords; stops every one on the way out of ``async with``."""
+
+    def __init__(
+        self, broker: Broker, nc: NATS, clock: Clock, nats_url: str, subjects: Subjects
+    ) -> None:
+        self._broker = broker
+        self._nc = nc
+        self._clock = clock
+        self._defaults: dict[str, Any] = {
+            "nats_url": nats_url,
+            "subject_prefix": subjects.prefix,
+            "broker": "memory",
+            "leader_ttl": 2.0,
+            "reconcile_tick": 60.0,
+            "register_tick": 5.0,
+            "callback_address": "api.test:50051",
+        }
+        self.started: list[WebhookManager] = []
+
+    async def __call__(self, **overrides: Any) -> WebhookManager:
+        options = {"instance_id": f"wh-{uuid.uuid4().hex[:6]}", **self._defaults, **overrides}
+        manager = WebhookManager(WebhookSettings(**options), self._broker, self._nc, self._clock)
+        await manager.start()
+        self.started.append(manager)
+        return manager
+
+    async def __aenter__(self) -> Managers:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for manager in reversed(self.started):
+            await manager.stop()
