@@ -542,6 +542,49 @@ async def test_bad_reports_are_invalid_argument_before_any_routing(
     assert [c.result.result for c in gateway.callbacks] == [b"x" * 64]
 
 
+async def test_a_retry_after_too_long_to_represent_is_invalid_argument(
+    hooks: Any, gateway: FakeGateway
+) -> None:
+    month = 30 * 24 * 3600
+    bad = {
+        "retry_after must be at most 30 days": [
+            Duration(seconds=month, nanos=1),
+            Duration(seconds=month + 1),
+            Duration(seconds=10**12),  # past what a timedelta holds
+            Duration(seconds=2**63 - 1, nanos=999_999_999),
+        ],
+        "retry_after is not a valid Duration": [Duration(seconds=1, nanos=2_000_000_000)],
+        "retry_after must be >= 0": [Duration(seconds=-(2**63)), Duration(nanos=-1)],
+    }
+    for expected, durations in bad.items():
+        for duration in durations:
+            request = report(lease_token(), service_pb2.OUTCOME_FAILURE, retry_after=duration)
+            details = await expect_code(
+                hooks.ReportResult, request, grpc.StatusCode.INVALID_ARGUMENT
+            )
+            assert expected in details, (duration, details)
+    assert gateway.callbacks == []
+    # Exactly 30 days is fine, and routed to the second.
+    await hooks.ReportResult(
+        report(lease_token(), service_pb2.OUTCOME_FAILURE, retry_after=Duration(seconds=month))
+    )
+    [callback] = gateway.callbacks
+    assert callback.result.retry_after == month
+
+
+async def test_a_broker_failure_in_the_gateway_is_unavailable(
+    hooks: Any, gateway: FakeGateway
+) -> None:
+    gateway.reply = Reply(status=Reply.STATUS_INVALID, message="broker unavailable: retry")
+    for call, request in (
+        (hooks.Heartbeat, service_pb2.WebhookHeartbeatRequest(lease_token=lease_token())),
+        (hooks.ReportResult, report(lease_token())),
+    ):
+        details = await expect_code(call, request, grpc.StatusCode.UNAVAILABLE)
+        assert details == f"webhook worker {NAME} could not reach its broker; retry"
+    assert len(gateway.callbacks) == 2
+
+
 async def test_no_running_gateway_is_unavailable(hooks: Any, registered: WebhookWorker) -> None:
     for call, request in (
         (hooks.Heartbeat, service_pb2.WebhookHeartbeatRequest(lease_token=lease_token())),

@@ -225,3 +225,16 @@ def test_as_result_maps_answers_to_stream_results() -> None:
 
     ok = as_result(Finished(service_pb2.OUTCOME_SUCCESS, b"r"), TASK, LEASE)
     assert (ok.outcome, ok.result) == (service_pb2.OUTCOME_SUCCESS, b"r")
+
+
+def test_a_body_nested_too_deeply_is_an_invalid_response() -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for body in (
+        deep,
+        b'{"jsonrpc": "2.0", "id": "' + LEASE.encode() + b'", "result": ' + deep + b"}",
+    ):
+        reply = parse_response(200, body, LEASE)
+        assert reply == Broken(
+            "invalid JSON-RPC response from the endpoint: the body is nested too deeply"
+        )
+        assert not reply.transport

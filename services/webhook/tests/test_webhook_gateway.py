@@ -17,16 +17,19 @@ from datetime import timedelta
 
 import pytest
 from aiohttp import web
+from conveyor_api.coalesce import WakePublisher
+from conveyor_api.gateway import GatewayConfig
+from conveyor_api.group_commit import AckBatcher
 from conveyor_broker import Broker, FakeClock, NewTask, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_dispatcher import Dispatcher
 from conveyor_protos.v1 import cluster_pb2, service_pb2
-from conveyor_runtime.nats_connect import NatsClient
+from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.testing import eventually
 from conveyor_runtime.webhook_auth import verify_delivery, verify_lease_token
-from conveyor_webhook import WebhookGateway
+from conveyor_webhook import WebhookConfig, WebhookGateway
 from conveyor_webhook.testing import (
     Delivery,
     Endpoint,
@@ -35,10 +38,12 @@ from conveyor_webhook.testing import (
     rpc,
     rpc_error,
     running_gateway,
+    send_callback,
     status,
     submit,
 )
 from nats.aio.msg import Msg
+from nats.errors import ConnectionClosedError
 
 QUEUE = "hooks"
 NAME = "billing"
@@ -121,20 +126,19 @@ async def callback(
     outcome: cluster_pb2.WebhookOutcome | None = None,
     lease_id: str | None = None,
     task_id: str | None = None,
+    queue: str = QUEUE,
 ) -> cluster_pb2.WebhookCallbackReply:
     """Send a WebhookCallback the way the api's WebhookService does."""
-    request = cluster_pb2.WebhookCallback(
-        worker=NAME,
+    return await send_callback(
+        nc,
+        subjects,
+        NAME,
         task_id=task_id or delivery.task_id,
         lease_id=lease_id or delivery.lease_id,
-        queue=QUEUE,
+        queue=queue,
+        beat=beat,
+        outcome=outcome,
     )
-    if outcome is not None:
-        request.result.CopyFrom(outcome)
-    else:
-        request.heartbeat.CopyFrom(cluster_pb2.WebhookBeat(progress=beat or b""))
-    msg = await nc.request(subjects.webhook_callback(NAME), request.SerializeToString(), timeout=5)
-    return cluster_pb2.WebhookCallbackReply.FromString(msg.data)
 
 
 # ------------------------------------------------------------- sync outcomes
@@ -479,7 +483,41 @@ async def test_a_callback_that_is_not_final_is_invalid(
 
 
 @memory_only
-async def test_a_callback_for_a_lease_the_gateway_does_not_hold_is_still_applied(
+async def test_a_heartbeat_for_a_lease_the_gateway_does_not_hold_adopts_it(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    clock: FakeClock,
+    endpoint: Endpoint,
+    managers: Managers,
+    dispatcher: Dispatcher,
+) -> None:
+    # A delivery made by an earlier incarnation (gone without releasing it).
+    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
+    task_id = (await broker.enqueue(NewTask(queue=QUEUE, type="invoice.charge"))).task.id
+    (leased,) = await broker.lease(QUEUE, 1, timedelta(seconds=30))
+    assert leased.lease_id is not None
+    orphan = Delivery({}, b"", {"id": leased.lease_id, "params": {"task_id": task_id}})
+    assert gateway.gateway.in_flight == 0
+
+    clock.advance(timedelta(seconds=5))
+    beat = await callback(nc, subjects, orphan, beat=b"")
+    assert beat.status == Reply.STATUS_OK
+    assert beat.lease_expires_at == (clock.now() + timedelta(seconds=30)).timestamp()
+    # It counts against the concurrency again, as a parked delivery.
+    assert (gateway.gateway.in_flight, gateway.parked) == (1, 1)
+    assert gateway.gateway.free(QUEUE) == 3
+
+    reply = await callback(nc, subjects, orphan, outcome=outcome(service_pb2.OUTCOME_SKIP_RETRY))
+    assert reply.status == Reply.STATUS_OK
+    task = await broker.get_task(task_id)
+    assert task.state == TaskState.ARCHIVED
+    assert task.last_error == "handler asked to skip retries"
+    assert (gateway.gateway.in_flight, gateway.parked) == (0, 0)
+
+
+@memory_only
+async def test_a_result_for_a_lease_the_gateway_does_not_hold_is_still_applied(
     broker: Broker,
     nc: NatsClient,
     subjects: Subjects,
@@ -487,20 +525,99 @@ async def test_a_callback_for_a_lease_the_gateway_does_not_hold_is_still_applied
     managers: Managers,
     dispatcher: Dispatcher,
 ) -> None:
-    # A delivery made by an earlier incarnation (gone without releasing it).
-    await start_gateway(broker, endpoint, managers, dispatcher)
+    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
     task_id = (await broker.enqueue(NewTask(queue=QUEUE, type="invoice.charge"))).task.id
     (leased,) = await broker.lease(QUEUE, 1, timedelta(seconds=30))
     assert leased.lease_id is not None
     orphan = Delivery({}, b"", {"id": leased.lease_id, "params": {"task_id": task_id}})
 
-    beat = await callback(nc, subjects, orphan, beat=b"")
-    assert beat.status == Reply.STATUS_OK
-    reply = await callback(nc, subjects, orphan, outcome=outcome(service_pb2.OUTCOME_SKIP_RETRY))
+    reply = await callback(nc, subjects, orphan, outcome=outcome(service_pb2.OUTCOME_SUCCESS))
     assert reply.status == Reply.STATUS_OK
+    assert await state_of(broker, task_id) == TaskState.COMPLETED
+    assert gateway.gateway.in_flight == 0
+
+
+@memory_only
+async def test_callbacks_for_a_task_of_a_queue_the_worker_does_not_serve_are_invalid(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    clock: FakeClock,
+    endpoint: Endpoint,
+    managers: Managers,
+    dispatcher: Dispatcher,
+) -> None:
+    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
+    task_id = (await broker.enqueue(NewTask(queue="elsewhere", type="x"))).task.id
+    (leased,) = await broker.lease("elsewhere", 1, timedelta(seconds=30))
+    assert leased.lease_id is not None
+    foreign = Delivery({}, b"", {"id": leased.lease_id, "params": {"task_id": task_id}})
+    clock.advance(timedelta(seconds=5))
+
+    beat = await callback(nc, subjects, foreign, queue="elsewhere", beat=b"progress")
+    result = await callback(
+        nc, subjects, foreign, queue="elsewhere", outcome=outcome(service_pb2.OUTCOME_SUCCESS)
+    )
+    for reply in (beat, result):
+        assert reply.status == Reply.STATUS_INVALID
+        assert "'elsewhere'" in reply.message
     task = await broker.get_task(task_id)
-    assert task.state == TaskState.ARCHIVED
-    assert task.last_error == "handler asked to skip retries"
+    assert (task.state, task.lease_id, task.progress) == (TaskState.ACTIVE, leased.lease_id, None)
+    assert task.lease_expires_at == leased.lease_expires_at
+    assert gateway.gateway.in_flight == 0
+
+
+@memory_only
+async def test_a_result_over_this_services_max_result_is_invalid_and_changes_nothing(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    endpoint: Endpoint,
+    managers: Managers,
+    dispatcher: Dispatcher,
+) -> None:
+    endpoint.answer = rpc("accepted")
+    gateway = await start_gateway(
+        broker, endpoint, managers, dispatcher, manager_options={"max_result": 10}
+    )
+    task_id = await submit(broker, nc, subjects, QUEUE)
+    await eventually(lambda: gateway.parked == 1)
+    (delivery,) = endpoint.deliveries
+
+    big = outcome(service_pb2.OUTCOME_SUCCESS, result=b"x" * 11)
+    reply = await callback(nc, subjects, delivery, outcome=big)
+    assert reply.status == Reply.STATUS_INVALID
+    assert reply.message == "result is 11 bytes; the limit is 10"
+    assert await state_of(broker, task_id) == TaskState.ACTIVE
+    assert (gateway.gateway.in_flight, gateway.parked) == (1, 1)
+    # The endpoint reports a failure instead.
+    failed = await callback(
+        nc, subjects, delivery, outcome=outcome(service_pb2.OUTCOME_FAILURE, error="too big")
+    )
+    assert failed.status == Reply.STATUS_OK
+    assert await state_of(broker, task_id) == TaskState.RETRY
+
+
+@memory_only
+async def test_accepted_without_a_callback_address_fails_the_attempt(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    endpoint: Endpoint,
+    managers: Managers,
+    dispatcher: Dispatcher,
+) -> None:
+    endpoint.answer = rpc("accepted")
+    gateway = await start_gateway(
+        broker, endpoint, managers, dispatcher, manager_options={"callback_address": ""}
+    )
+    task_id = await submit(broker, nc, subjects, QUEUE)
+
+    await wait_state(broker, task_id, TaskState.RETRY)
+    task = await broker.get_task(task_id)
+    assert task.last_error == "endpoint answered accepted but no callback address is configured"
+    assert (gateway.gateway.in_flight, gateway.parked) == (0, 0)
+    assert gateway.breaker.failures == 0  # the endpoint answered
 
 
 @memory_only
@@ -534,7 +651,7 @@ async def test_the_bulk_heartbeat_extends_open_deliveries_but_not_parked_ones(
 
 
 @memory_only
-async def test_a_parked_delivery_whose_lease_lapsed_frees_its_slot(
+async def test_a_parked_delivery_whose_lease_lapsed_frees_its_slot_and_fails_the_attempt(
     broker: Broker,
     nc: NatsClient,
     subjects: Subjects,
@@ -543,14 +660,51 @@ async def test_a_parked_delivery_whose_lease_lapsed_frees_its_slot(
     managers: Managers,
     dispatcher: Dispatcher,
 ) -> None:
-    gateway, _ = await accepted_delivery(broker, nc, subjects, endpoint, managers, dispatcher)
-    assert gateway.sweep_lapsed() == 0  # still leased
+    gateway, delivery = await accepted_delivery(
+        broker, nc, subjects, endpoint, managers, dispatcher
+    )
+    assert await gateway.sweep_lapsed() == 0  # still leased
     assert gateway.gateway.in_flight == 1
     clock.advance(timedelta(seconds=31))
 
-    assert gateway.sweep_lapsed() == 1
+    assert await gateway.sweep_lapsed() == 1
     assert gateway.gateway.in_flight == 0
     assert gateway.parked == 0
+    # The lease is ended in the broker (no reaper runs here), with the usual backoff...
+    task = await broker.get_task(delivery.task_id)
+    assert (task.state, task.retried) == (TaskState.RETRY, 1)
+    assert task.last_error == "webhook delivery stopped heartbeating"
+    assert task.available_at > clock.now()
+    # ...so a late callback cannot revive an attempt nobody counts any more.
+    late_beat = await callback(nc, subjects, delivery)
+    assert late_beat.status == Reply.STATUS_LEASE_LOST
+    late = await callback(nc, subjects, delivery, outcome=outcome(service_pb2.OUTCOME_SUCCESS))
+    assert late.status == Reply.STATUS_LEASE_LOST
+    assert (await broker.get_task(delivery.task_id)).state == TaskState.RETRY
+
+
+@memory_only
+async def test_a_lapsed_parked_delivery_someone_else_extended_is_kept(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    clock: FakeClock,
+    endpoint: Endpoint,
+    managers: Managers,
+    dispatcher: Dispatcher,
+) -> None:
+    gateway, delivery = await accepted_delivery(
+        broker, nc, subjects, endpoint, managers, dispatcher
+    )
+    clock.advance(timedelta(seconds=29))
+    # Extended behind this gateway's back (another instance's responder, mid hand-over).
+    await broker.extend_lease(delivery.task_id, delivery.lease_id, timedelta(seconds=30))
+    clock.advance(timedelta(seconds=2))
+
+    assert await gateway.sweep_lapsed() == 0
+    assert gateway.parked == 1
+    assert gateway.parked_until(delivery.lease_id) == clock.now() + timedelta(seconds=28)
+    assert await state_of(broker, delivery.task_id) == TaskState.ACTIVE
 
 
 @memory_only
@@ -661,3 +815,85 @@ async def test_the_breaker_announces_zero_capacity_then_probes_then_closes(
         await wait_state(broker, task_id, TaskState.COMPLETED)
     assert gateway.gateway.concurrency == 4
     assert announced_capacity(4)
+
+
+@memory_only
+async def test_parked_deliveries_do_not_block_the_breakers_probe(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    endpoint: Endpoint,
+    managers: Managers,
+    dispatcher: Dispatcher,
+) -> None:
+    endpoint.answer = rpc("accepted")
+    gateway = await start_gateway(
+        broker,
+        endpoint,
+        managers,
+        dispatcher,
+        manager_options={"breaker_threshold": 1, "breaker_cooldown": 0.5},
+        concurrency=4,
+    )
+    await submit(broker, nc, subjects, QUEUE)
+    await eventually(lambda: gateway.parked == 1)
+
+    # A transport failure opens the breaker: no synchronous slot, the parked one kept.
+    endpoint.answer = status(503)
+    failed = await submit(broker, nc, subjects, QUEUE)
+    await wait_state(broker, failed, TaskState.RETRY)
+    assert gateway.gateway.free(QUEUE) == 0
+    assert gateway.parked == 1
+
+    # After the cooldown the probe goes out although the parked delivery holds a slot.
+    endpoint.answer = rpc("success")
+    probe = await submit(broker, nc, subjects, QUEUE)
+    await wait_state(broker, probe, TaskState.COMPLETED)
+    await eventually(lambda: gateway.gateway.concurrency == 4)  # closed again
+    assert gateway.parked == 1
+
+
+@memory_only
+async def test_no_connection_pool_limit_holds_deliveries_back(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    endpoint: Endpoint,
+    managers: Managers,
+    dispatcher: Dispatcher,
+) -> None:
+    # More open deliveries than aiohttp's default pool (100) allows at once.
+    many = 110
+    endpoint.hold(rpc("success"))
+    gateway = await start_gateway(broker, endpoint, managers, dispatcher, concurrency=many)
+    ids = [await submit(broker, nc, subjects, QUEUE) for _ in range(many)]
+
+    await eventually(lambda: len(endpoint.deliveries) == many)
+    assert gateway.open_deliveries == many
+    endpoint.release.set()
+    for task_id in ids:
+        await wait_state(broker, task_id, TaskState.COMPLETED)
+
+
+@memory_only
+async def test_a_gateway_that_fails_to_start_closes_what_it_opened(
+    broker: Broker, nats_url: str, subjects: Subjects, clock: FakeClock, endpoint: Endpoint
+) -> None:
+    worker = await register(broker, endpoint.url, NAME)
+    gone = await connect_nats(nats_url, name="closed-already")
+    await close_nats(gone)
+    config = WebhookConfig(
+        gateway=GatewayConfig(
+            lease_ttl=timedelta(seconds=30), register_tick=5.0, max_result=1024, clock=clock
+        )
+    )
+    acks, wakes = AckBatcher(broker), WakePublisher(gone, subjects)
+    gateway = WebhookGateway(
+        worker, broker=broker, nc=gone, subjects=subjects, config=config, acks=acks, wakes=wakes
+    )
+
+    with pytest.raises(ConnectionClosedError):
+        await gateway.start()
+    assert gateway.http_closed
+    assert gateway.gateway.closed
+    assert not gateway.serving

@@ -31,8 +31,9 @@ class _Coalescer(abc.ABC):
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        # Yielding once lets every caller of this loop turn join the same drain.
-        await asyncio.sleep(0)
+        # A new task first runs on the loop's next turn, so every caller of the turn that
+        # scheduled it has joined by then; publishing at once keeps the wake ahead of the
+        # work that resumes with the commit (answering the producer, say).
         while self._has_pending():
             try:
                 await self._drain()

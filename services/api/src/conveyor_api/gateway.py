@@ -18,8 +18,16 @@ per webhook registration, with an HTTP transport as ``send``):
   announces 0, then a single probe slot) and re-announces capacity at once.
 - A held delivery can be *parked* (:meth:`Gateway.park`): its slot stays held, but the
   bulk heartbeat no longer extends its lease; :meth:`Gateway.extend_held` extends one
-  lease, :meth:`Gateway.drop_parked` forgets a parked delivery whose lease lapsed, and
-  :meth:`Gateway.resolve` applies a Result that arrived out of band and waits for it.
+  lease, :meth:`Gateway.drop_parked` ends a parked delivery whose lease lapsed (failing
+  the attempt), :meth:`Gateway.adopt_parked` takes on a parked delivery another gateway
+  made, :meth:`Gateway.forget_parked` lets every parked delivery go with no broker call
+  (before a close that must not release them), and :meth:`Gateway.resolve` applies a
+  Result that arrived out of band and waits for it.
+- :meth:`Gateway.track_lease_expiry` makes the gateway remember, per held lease, the
+  expiry its own extensions gave it (:meth:`Gateway.known_expiry`).
+- A Gateway that is never started holds nothing and announces nothing: its
+  :meth:`Gateway.resolve` makes only the lease-scoped broker call, so it can answer
+  out-of-band results for leases no running gateway holds.
 """
 
 from __future__ import annotations
@@ -32,7 +40,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from conveyor_broker import AckItem, Backoff, Broker, LeaseLost, LeaseRef, TaskNotFound, TaskState
+from conveyor_broker import (
+    AckItem,
+    Backoff,
+    Broker,
+    LeaseLost,
+    LeaseRef,
+    Task,
+    TaskNotFound,
+    TaskState,
+)
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import codec
@@ -146,6 +163,8 @@ class Gateway:
         self._lease_of: dict[str, str] = {}  # task id -> lease id
         self._per_queue: Counter[str] = Counter()
         self._parked: set[str] = set()  # lease ids the bulk heartbeat skips
+        # Lease id -> the expiry this gateway's own extensions gave it (None: not tracked).
+        self._expiry: dict[str, datetime] | None = None
         self._timers = AttemptTimers(
             grace=config.timeout_grace, clock=config.clock, on_overrun=self._on_overrun
         )
@@ -215,6 +234,8 @@ class Gateway:
         self._held.clear()
         self._timers.clear()
         self._parked.clear()
+        if self._expiry:
+            self._expiry.clear()
         self._lease_of.clear()
         self._per_queue.clear()
         outcomes = await asyncio.gather(
@@ -278,6 +299,8 @@ class Gateway:
             self._timers.disarm(lease_id)
         if self._parked:
             self._parked.discard(lease_id)
+        if self._expiry:
+            self._expiry.pop(lease_id, None)
         if self._lease_of.get(held.task_id) == lease_id:
             del self._lease_of[held.task_id]
         self._per_queue[held.queue] -= 1
@@ -587,6 +610,8 @@ class Gateway:
         self._spawn(self._extend())
 
     async def _extend(self) -> None:
+        # Only for tracking gateways: the broker's expiry is at least this plus the TTL.
+        started = self._config.clock.now() if self._expiry is not None else None
         try:
             if self._parked:
                 parked = self._parked
@@ -605,6 +630,8 @@ class Gateway:
             return
         finally:
             self._extending = False
+        if started is not None:
+            self._note_extended(refs, lost, started + self._config.lease_ttl)
         for ref in lost:
             held = self._take(ref.lease_id)
             if held is None:
@@ -670,25 +697,36 @@ class Gateway:
         """The concurrency in force: the worker's, or less under :meth:`cap_concurrency`."""
         return self._limit
 
-    def cap_concurrency(self, cap: int | None) -> None:
+    def cap_concurrency(self, cap: int | None, *, over_parked: bool = False) -> None:
         """Hold at most ``cap`` tasks (None: the worker's full concurrency) from now on.
 
         0 announces capacity 0 on every queue; a cap below the worker's concurrency
-        announces that many slots split across the queues as usual. Tasks already held
-        are kept. When the announced capacity changes, it is re-announced at once.
+        announces that many slots split across the queues as usual. With
+        ``over_parked``, ``cap`` counts only the deliveries that are not parked: the
+        parked ones held now keep their slots on top (each queue gets its parked
+        deliveries plus its share of ``cap``); call it again when they change. Tasks
+        already held are kept. When the announced capacity changes, it is re-announced
+        at once.
         """
         if cap is not None and cap < 0:
             raise ValueError(f"cap must be >= 0, got {cap}")
-        limit = self.spec.concurrency if cap is None else min(cap, self.spec.concurrency)
-        if limit == self._limit:
+        full = self.spec.concurrency
+        slots: dict[str, int]
+        if cap is None or min(cap + (len(self._parked) if over_parked else 0), full) == full:
+            limit, slots = full, self.capacity
+        elif over_parked and self._parked:
+            parked = Counter(self._held[lease_id].queue for lease_id in self._parked)
+            limit = cap + len(self._parked)
+            share = split_capacity(cap, self.spec.queues) if cap else {}
+            slots = {q: min(self.capacity[q], parked[q] + share.get(q, 0)) for q in self.capacity}
+        elif cap == 0:
+            limit, slots = 0, dict.fromkeys(self.capacity, 0)
+        else:
+            limit, slots = cap, split_capacity(cap, self.spec.queues)
+        if limit == self._limit and slots == self._slots:
             return
         self._limit = limit
-        if limit == self.spec.concurrency:
-            self._slots = self.capacity
-        elif limit == 0:
-            self._slots = dict.fromkeys(self.capacity, 0)
-        else:
-            self._slots = split_capacity(limit, self.spec.queues)
+        self._slots = slots
         logger.info("gateway.concurrency_capped gateway=%s concurrency=%d", self.id, limit)
         if self._started and not self._closed:
             self._spawn(self._register_all())
@@ -716,6 +754,26 @@ class Gateway:
         held = self._held.get(lease_id)
         return held is not None and held.task_id == task_id
 
+    def track_lease_expiry(self) -> None:
+        """From now on remember, per held lease, the expiry this gateway's own extensions
+        (the bulk heartbeat, :meth:`extend_held`) gave it; see :meth:`known_expiry`."""
+        if self._expiry is None:
+            self._expiry = {}
+
+    def known_expiry(self, lease_id: str) -> datetime | None:
+        """The latest expiry this gateway's own extensions gave ``lease_id`` (a lower
+        bound of the broker's); None when it never extended it or does not track."""
+        return self._expiry.get(lease_id) if self._expiry is not None else None
+
+    def _note_extended(self, refs: list[LeaseRef], lost: list[LeaseRef], until: datetime) -> None:
+        expiry = self._expiry
+        if expiry is None:
+            return
+        gone = {ref.lease_id for ref in lost}
+        for ref in refs:
+            if ref.lease_id not in gone and ref.lease_id in self._held:
+                expiry[ref.lease_id] = max(until, expiry.get(ref.lease_id, until))
+
     async def extend_held(self, task_id: str, lease_id: str) -> datetime | None:
         """Extend one held lease by the lease TTL; the new expiry. None when this gateway
         does not hold it. When the broker says the lease is lost, the delivery is dropped
@@ -724,32 +782,97 @@ class Gateway:
         if held is None or held.task_id != task_id:
             return None
         try:
-            return await self._broker.extend_lease(task_id, lease_id, self._config.lease_ttl)
+            expires = await self._broker.extend_lease(task_id, lease_id, self._config.lease_ttl)
         except LeaseLost:
             if self._take(lease_id) is not None:
                 self._cancel_on_worker(held, LEASE_LOST_REASON)
                 self._done.done(held.queue)
             raise
+        if self._expiry is not None and self._held.get(lease_id) is held:
+            self._expiry[lease_id] = max(expires, self._expiry.get(lease_id, expires))
+        return expires
 
-    def drop_parked(self, lease_id: str) -> bool:
-        """Forget a parked delivery whose lease has lapsed: free its slot and publish done.
+    def adopt_parked(self, task: Task) -> bool:
+        """Hold ``task`` (ACTIVE, leased by another gateway: an earlier incarnation, say)
+        as a parked delivery, so it counts against the concurrency from now on, even past
+        it. Its attempt bound (timeout from its start, deadline) is armed as for a
+        dispatch. False, changing nothing, when this gateway is closed, does not serve
+        the task's queue, the task is not ACTIVE, or it already holds the lease."""
+        lease_id = task.lease_id
+        if (
+            self._closed
+            or lease_id is None
+            or task.state != TaskState.ACTIVE
+            or task.queue not in self.capacity
+            or lease_id in self._held
+        ):
+            return False
+        stale = self._lease_of.get(task.id)
+        if stale is not None:
+            # Leased again since: the old run is over.
+            old = self._take(stale)
+            if old is not None:
+                self._cancel_on_worker(old, REDELIVERED_REASON)
+                self._done.done(old.queue)
+        held = _Held(task.id, lease_id, task.queue, task.retried, task.deadline)
+        self._held[lease_id] = held
+        self._lease_of[task.id] = lease_id
+        self._per_queue[task.queue] += 1
+        self._parked.add(lease_id)
+        timeout = task.timeout
+        if timeout is not None and task.started_at is not None:
+            # What is left of the attempt's timeout (a bound at once when none is).
+            elapsed = self._config.clock.now() - task.started_at
+            timeout = max(timeout - elapsed, timedelta(microseconds=1))
+        if timeout is not None or task.deadline is not None:
+            self._timers.arm(lease_id, timeout, task.deadline)
+        logger.info(
+            "gateway.adopted gateway=%s task=%s lease=%s queue=%s",
+            self.id,
+            task.id,
+            lease_id,
+            task.queue,
+        )
+        return True
 
-        No broker call: the reaper takes the task back. False when ``lease_id`` is not
-        parked here.
-        """
+    async def drop_parked(self, lease_id: str, error: str) -> bool:
+        """End a parked delivery whose lease lapsed: free its slot, publish done, and fail
+        the attempt in the broker with ``error`` and the usual backoff (archived when
+        retries are exhausted or the retry would miss the deadline), so a late callback
+        finds the lease lost. A lost lease is fine (the reaper or a result came first).
+        False when ``lease_id`` is not parked here."""
         if lease_id not in self._parked:
             return False
         held = self._take(lease_id)
         if held is None:
             return False
-        self._done.done(held.queue)
         logger.info(
             "gateway.parked_lease_lapsed gateway=%s task=%s lease=%s",
             self.id,
             held.task_id,
             lease_id,
         )
+        try:
+            await self._fail(held, error, self._config.backoff.delay(held.retried))
+        except LeaseLost:
+            pass
+        except Exception:
+            # The lease is no longer extended: the reaper takes the task back.
+            logger.exception("gateway.drop_failed gateway=%s task=%s", self.id, held.task_id)
+        finally:
+            self._done.done(held.queue)
         return True
+
+    def forget_parked(self) -> int:
+        """Let every parked delivery go with no broker call: no longer held, counted or
+        bounded here, its lease left as it is (whoever does the work keeps driving it).
+        For a gateway about to close that must not release them; how many."""
+        forgotten = 0
+        for lease_id in list(self._parked):
+            if self._take(lease_id) is not None:
+                forgotten += 1
+        self._parked.clear()
+        return forgotten
 
     async def resolve(self, result: service_pb2.Result, *, queue: str = "") -> bool:
         """Apply a Result that arrived out of band (a webhook callback) and wait for it.
@@ -758,8 +881,10 @@ class Gateway:
         outcome mapping; the slot is freed and done published). For one it does not hold
         (say, one made before a restart) only the lease-scoped broker call is made, which
         the broker refuses unless the lease is still current. True when the outcome was
-        applied; False when the lease is lost. Raises ValueError for a malformed result;
-        a broker failure propagates (the task then stays leased until it expires).
+        applied; False when the lease is lost (or the task is not on ``queue``, when
+        given). Raises ValueError for a malformed result or a task on a queue this
+        gateway does not serve; a broker failure propagates (the task then stays leased
+        until it expires).
         """
         if not result.task_id or not result.lease_id or result.outcome not in _OUTCOMES:
             raise ValueError("a result needs a task id, a lease id and a final outcome")
@@ -781,6 +906,8 @@ class Gateway:
             return False
         if queue and queue != task.queue:
             return False
+        if task.queue not in self.capacity:
+            raise ValueError(f"task {task.id} is on queue {task.queue!r}, which is not served here")
         stranger = _Held(task.id, result.lease_id, task.queue, task.retried, task.deadline)
         try:
             await self._apply_outcome(stranger, result)

@@ -11,7 +11,7 @@ which checks the lease). The gateway's reply becomes the call's status.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -41,6 +41,12 @@ if TYPE_CHECKING:
 CALLBACK_TIMEOUT = 5.0
 #: The one message for every token problem: it says nothing about which check failed.
 INVALID_TOKEN = "invalid lease token"
+#: The message of a STATUS_INVALID reply with which the webhook gateway says its broker
+#: call failed (nothing changed): the call ends UNAVAILABLE, for the endpoint to retry.
+BROKER_UNAVAILABLE = "broker unavailable: retry"
+#: Longest retry_after a ReportResult may ask for.
+MAX_RETRY_AFTER = timedelta(days=30)
+_NANOS = 1_000_000_000
 #: Outcomes a ReportResult may carry.
 _OUTCOMES = frozenset(
     {
@@ -58,7 +64,9 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
 
     ``max_result`` bounds a reported result and a heartbeat's progress (bytes); a larger
     one is INVALID_ARGUMENT and nothing changes, so the endpoint can report a failure
-    instead.
+    instead. So is a ``retry_after`` that is negative, not a valid Duration, or longer
+    than :data:`MAX_RETRY_AFTER`. A gateway whose broker call failed answers
+    :data:`BROKER_UNAVAILABLE`: the call ends UNAVAILABLE (retry).
     """
 
     def __init__(
@@ -109,8 +117,9 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         outcome.outcome = request.outcome
         outcome.result = request.result
         outcome.error = request.error
+        retry_after = request.retry_after
         outcome.retry_after = (
-            request.retry_after.ToTimedelta().total_seconds()
+            retry_after.seconds + retry_after.nanos / _NANOS
             if request.HasField("retry_after")
             else -1.0
         )
@@ -164,6 +173,11 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
             return reply
         if reply.status == _Reply.STATUS_LEASE_LOST:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "lease lost")
+        if reply.status == _Reply.STATUS_INVALID and reply.message == BROKER_UNAVAILABLE:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"webhook worker {claims.worker} could not reach its broker; retry",
+            )
         if reply.status == _Reply.STATUS_INVALID:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, reply.message or "invalid callback"
@@ -196,6 +210,11 @@ def _check_result(request: service_pb2.WebhookReportResultRequest, max_result: i
         retry_after = request.retry_after
         if retry_after.seconds < 0 or retry_after.nanos < 0:
             return "retry_after must be >= 0"
+        if retry_after.nanos >= _NANOS:
+            return "retry_after is not a valid Duration (nanos must be below 1e9)"
+        longest = int(MAX_RETRY_AFTER.total_seconds())
+        if retry_after.seconds > longest or (retry_after.seconds == longest and retry_after.nanos):
+            return f"retry_after must be at most {MAX_RETRY_AFTER.days} days"
     if len(request.result) > max_result:
         return f"result is {len(request.result)} bytes; the limit is {max_result}"
     return None

@@ -5,13 +5,19 @@
   answer resets the count.
 - OPEN: capacity 0 for ``cooldown`` seconds; answers of deliveries still in flight are
   ignored. After the cooldown it is HALF_OPEN.
-- HALF_OPEN: a single probe slot. The next answer decides: a success closes it, a
-  transport failure opens it again for another cooldown.
+- HALF_OPEN: a single probe slot. Only the probe's answer decides: a transport failure
+  opens it again for another cooldown, any other answer closes it (the breaker guards
+  the transport: an HTTP 404 or an invalid body proves the endpoint reachable).
+
+Every delivery takes a :class:`Ticket` when it is sent (:meth:`CircuitBreaker.ticket`)
+and hands it back with its answer: answers of deliveries sent in an earlier state (a
+request still in flight from before the breaker opened, say) change nothing.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class BreakerState(enum.Enum):
@@ -20,6 +26,15 @@ class BreakerState(enum.Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """When a delivery was sent: the breaker's epoch (one per CLOSED/OPEN period) and
+    whether it was the probe (sent while HALF_OPEN)."""
+
+    epoch: int
+    probe: bool
 
 
 class CircuitBreaker:
@@ -35,6 +50,7 @@ class CircuitBreaker:
         self._state = BreakerState.CLOSED
         self._failures = 0
         self._opened_at = 0.0
+        self._epoch = 0
 
     @property
     def failures(self) -> int:
@@ -48,7 +64,8 @@ class CircuitBreaker:
         return self._state
 
     def cap(self, now: float) -> int | None:
-        """The concurrency the breaker allows at ``now``: None (no limit), 0 or 1 (probe)."""
+        """How many synchronous deliveries the breaker allows at ``now``: None (no
+        limit), 0 (open) or 1 (the probe)."""
         state = self.state(now)
         if state is BreakerState.CLOSED:
             return None
@@ -60,18 +77,34 @@ class CircuitBreaker:
             return self._opened_at + self.cooldown
         return None
 
-    def record_success(self, now: float) -> None:
-        """The endpoint answered (whatever the outcome)."""
+    def ticket(self, now: float) -> Ticket:
+        """The ticket of a delivery sent at ``now``."""
         state = self.state(now)
-        if state is BreakerState.OPEN:
+        return Ticket(self._epoch, state is BreakerState.HALF_OPEN)
+
+    def _counts(self, state: BreakerState, sent: Ticket | None) -> bool:
+        if sent is None:
+            return True  # an answer to a delivery sent just now
+        if sent.epoch != self._epoch:
+            return False
+        return sent.probe if state is BreakerState.HALF_OPEN else True
+
+    def record_success(self, now: float, sent: Ticket | None = None) -> None:
+        """The endpoint answered (whatever the outcome) a delivery sent with ``sent``
+        (None: sent just now)."""
+        state = self.state(now)
+        if state is BreakerState.OPEN or not self._counts(state, sent):
             return
-        self._state = BreakerState.CLOSED
+        if state is BreakerState.HALF_OPEN:
+            self._state = BreakerState.CLOSED
+            self._epoch += 1
         self._failures = 0
 
-    def record_failure(self, now: float) -> None:
-        """A transport failure: a connection error, a timeout or a 5xx."""
+    def record_failure(self, now: float, sent: Ticket | None = None) -> None:
+        """A transport failure (a connection error, a timeout or a 5xx) of a delivery
+        sent with ``sent`` (None: sent just now)."""
         state = self.state(now)
-        if state is BreakerState.OPEN:
+        if state is BreakerState.OPEN or not self._counts(state, sent):
             return
         if state is BreakerState.HALF_OPEN:
             self._open(now)
@@ -84,3 +117,4 @@ class CircuitBreaker:
         self._state = BreakerState.OPEN
         self._opened_at = now
         self._failures = 0
+        self._epoch += 1

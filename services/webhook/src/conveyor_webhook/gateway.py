@@ -4,27 +4,34 @@ One per active webhook registration. The Gateway does everything it does for a s
 worker (capacity registration, credits, holding, outcome transitions, lease extension);
 this class is its ``send`` callable and its callback surface:
 
-- A Dispatch/Dispatches frame becomes one signed HTTP delivery per task, all concurrent.
-  The answer (:mod:`conveyor_webhook.response`) becomes a Result fed to the Gateway like a
-  stream Result; ``accepted`` parks the delivery instead (asynchronous mode).
+- A Dispatch/Dispatches frame becomes one signed HTTP delivery per task, all concurrent
+  (its own aiohttp session: :mod:`conveyor_webhook.http`). The answer
+  (:mod:`conveyor_webhook.response`) becomes a Result fed to the Gateway like a stream
+  Result; ``accepted`` parks the delivery instead (asynchronous mode), or fails the
+  attempt when no callback address is configured (the endpoint could never report).
 - A Cancel frame (lease lost, attempt overran, admin cancel) cancels that task's HTTP
   request if it is still in flight.
 - While any synchronous delivery is open, the Gateway's heartbeat runs every
   ``lease_ttl / 3``; it skips parked deliveries, whose leases only the endpoint's
   Heartbeat callbacks extend. A parked delivery whose last known lease expiry passes is
-  dropped (its slot freed); the reaper takes the task back.
-- Callbacks arrive over NATS (``Subjects.webhook_callback(name)``, queue group
-  ``webhook``) from the api's WebhookService and are answered with a
-  WebhookCallbackReply.
-- The endpoint's circuit breaker (:mod:`conveyor_webhook.breaker`) caps the Gateway's
-  concurrency: 0 while open, 1 while probing.
+  dropped: its slot freed and its attempt failed ("webhook delivery stopped
+  heartbeating"), so a late callback finds the lease lost.
+- Callbacks (:mod:`conveyor_webhook.callbacks`) reach :meth:`WebhookGateway.handle_callback`
+  through the manager. A heartbeat for a lease this gateway does not hold (one made by an
+  earlier incarnation) adopts the delivery as parked, so it counts against the
+  concurrency again.
+- The endpoint's circuit breaker (:mod:`conveyor_webhook.breaker`) caps the synchronous
+  deliveries: none while open, one probe while half-open; parked deliveries keep their
+  slots on top.
+- Draining (pause, restart, leadership loss, shutdown) lets parked deliveries go without
+  a broker call (their endpoint is still working on them; their callbacks go on being
+  answered), waits for open synchronous ones, then releases whatever is still held.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -33,22 +40,30 @@ from typing import Any
 
 import aiohttp
 from conveyor_api.coalesce import WakePublisher
-from conveyor_api.gateway import Gateway, GatewayConfig, WorkerSpec
+from conveyor_api.gateway import Gateway, WorkerSpec
 from conveyor_api.group_commit import AckBatcher
-from conveyor_broker import Broker, InvalidTask, LeaseLost, TaskNotFound, WebhookWorker
+from conveyor_broker import Broker, LeaseLost, WebhookWorker
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import codec
 from conveyor_runtime.subjects import Subjects
-from google.protobuf.message import DecodeError
+from conveyor_runtime.webhook_auth import sign_delivery
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
-from conveyor_webhook.breaker import CircuitBreaker
+from conveyor_webhook.breaker import CircuitBreaker, Ticket
+from conveyor_webhook.callbacks import (
+    Status,
+    answer,
+    live_task,
+    outcome_result,
+    reply,
+    result_problem,
+    set_retry_after,
+)
+from conveyor_webhook.config import WebhookConfig
 from conveyor_webhook.delivery import delivery_body, delivery_headers
+from conveyor_webhook.http import open_session, signed_by
 from conveyor_webhook.response import (
-    OUTCOMES,
     Accepted,
     Broken,
     Finished,
@@ -60,36 +75,22 @@ from conveyor_webhook.version import __version__
 
 logger = logging.getLogger(__name__)
 
-#: The NATS queue group every webhook gateway's callback subscription joins.
-CALLBACK_GROUP = "webhook"
+__all__ = ["WebhookConfig", "WebhookGateway", "as_result"]
+
 #: Room in a response body beyond the base64 of the largest result.
 RESPONSE_HEADROOM = 64 * 1024
-#: Longest retry_after a callback may ask for (larger ones use the server's backoff).
+#: Longest retry_after a synchronous answer may ask for (longer: the server's backoff).
 MAX_RETRY_AFTER = timedelta(days=3650)
 #: How long past a registration's timeout a drain waits for open deliveries' answers.
 DRAIN_GRACE = 1.0
-
-_Status = cluster_pb2.WebhookCallbackReply
-_FINAL_OUTCOMES = frozenset(OUTCOMES.values())
+#: The last error of an attempt whose endpoint answered "accepted" with nowhere to report.
+NO_CALLBACK_ERROR = "endpoint answered accepted but no callback address is configured"
+#: The last error of a parked delivery whose lease lapsed with no heartbeat.
+STOPPED_HEARTBEATING = "webhook delivery stopped heartbeating"
 
 
 class ResponseTooLarge(Exception):
     """The endpoint's response body is over the limit."""
-
-
-@dataclass(frozen=True, slots=True)
-class WebhookConfig:
-    """What every webhook gateway of a manager shares."""
-
-    gateway: GatewayConfig
-    #: The api's public gRPC address, sent in every delivery (empty: none).
-    callback_address: str = ""
-    breaker_threshold: int = 5
-    breaker_cooldown: float = 30.0
-
-
-def _reply(status: _Status.Status, message: str = "", expires: float = 0.0) -> _Status:
-    return _Status(status=status, message=message, lease_expires_at=expires)
 
 
 def as_result(reply: Finished | Broken, task_id: str, lease_id: str) -> service_pb2.Result:
@@ -108,16 +109,15 @@ def as_result(reply: Finished | Broken, task_id: str, lease_id: str) -> service_
         result=reply.result,
         error=reply.error,
     )
-    _set_retry_after(result, reply.retry_after)
+    set_retry_after(result, reply.retry_after, MAX_RETRY_AFTER)
     return result
 
 
-def _set_retry_after(result: service_pb2.Result, seconds: float | None) -> None:
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        return
-    delay = timedelta(seconds=seconds) if seconds < MAX_RETRY_AFTER.total_seconds() else None
-    if delay is not None:
-        result.retry_after.CopyFrom(codec.duration(delay))
+@dataclass(frozen=True, slots=True)
+class _Parked:
+    task_id: str
+    #: The latest lease expiry this gateway knows of.
+    expires: datetime
 
 
 class WebhookGateway:
@@ -133,18 +133,15 @@ class WebhookGateway:
         config: WebhookConfig,
         acks: AckBatcher,
         wakes: WakePublisher,
-        http: aiohttp.ClientSession,
     ) -> None:
         if not worker.secrets:
             raise ValueError(f"webhook worker {worker.name!r} has no secret to sign with")
         self.worker = worker
         self.name = worker.name
         self._broker = broker
-        self._nc = nc
-        self._subjects = subjects
         self._config = config
         self._clock = config.gateway.clock
-        self._http = http
+        self._http: aiohttp.ClientSession | None = None
         self._max_body = config.gateway.max_result * 4 // 3 + RESPONSE_HEADROOM
         now = self._clock.now()
         spec = WorkerSpec(
@@ -167,14 +164,16 @@ class WebhookGateway:
             send=self._send,
             connected_at=now,
         )
+        self.gateway.track_lease_expiry()
         self.breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown)
         self._deliveries: dict[str, asyncio.Task[None]] = {}  # lease id -> open delivery
-        self._parked: dict[str, datetime] = {}  # lease id -> last known lease expiry
+        self._parked: dict[str, _Parked] = {}  # lease id -> the parked delivery
         self._parked_timers: dict[str, asyncio.TimerHandle] = {}
         self._breaker_timer: asyncio.TimerHandle | None = None
         self._beat: asyncio.Task[None] | None = None
-        self._sub: Subscription | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._started = False
+        self._retired = False
         self._draining = False
         self._drained = asyncio.Event()
 
@@ -193,16 +192,37 @@ class WebhookGateway:
         """Deliveries the endpoint accepted and has not finished yet."""
         return len(self._parked)
 
+    def parked_until(self, lease_id: str) -> datetime | None:
+        """The lease expiry this gateway knows of for parked ``lease_id`` (None: not
+        parked here)."""
+        parked = self._parked.get(lease_id)
+        return parked.expires if parked is not None else None
+
+    @property
+    def serving(self) -> bool:
+        """True from a successful :meth:`start` until it is retired."""
+        return self._started and not self._retired
+
+    @property
+    def http_closed(self) -> bool:
+        """True when no HTTP session of this gateway is open."""
+        return self._http is None or self._http.closed
+
     # ------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Answer callbacks, then start the Gateway (announce capacity, take dispatches)."""
-        self._sub = await self._nc.subscribe(
-            self._subjects.webhook_callback(self.name),
-            queue=CALLBACK_GROUP,
-            cb=self._on_callback,
-        )
-        await self.gateway.start()
+        """Open the HTTP session, then start the Gateway (announce capacity, take
+        dispatches). On any failure (or cancellation) everything started is drained
+        again before the error propagates."""
+        if self._started or self._draining:
+            raise RuntimeError(f"webhook gateway {self.id} was started already")
+        self._http = open_session()
+        try:
+            await self.gateway.start()
+        except BaseException:
+            await asyncio.shield(self.drain())
+            raise
+        self._started = True
         logger.info(
             "webhook.gateway_started worker=%s gateway=%s url=%s",
             self.name,
@@ -219,9 +239,22 @@ class WebhookGateway:
             raise ValueError(f"webhook worker {worker.name!r} has no secret to sign with")
         self.worker = worker
 
+    def retire(self) -> None:
+        """Stop taking work at once: announce no capacity, stop the breaker, and let the
+        parked deliveries go (no broker call: their endpoints are still working on them,
+        and their callbacks are answered elsewhere from now on). :meth:`drain` does the
+        rest. Safe to call more than once."""
+        if self._retired:
+            return
+        self._retired = True
+        self._cancel_breaker_timer()
+        self._let_parked_go()
+        self.gateway.cap_concurrency(0)
+
     async def drain(self) -> None:
-        """Stop taking work, wait for open synchronous deliveries (up to the registration's
-        timeout), then release everything still held and stop answering callbacks.
+        """Retire (:meth:`retire`), wait for open synchronous deliveries (up to the
+        registration's timeout), release every task still held, and close the HTTP
+        session. Parked deliveries are never released.
 
         Safe to call more than once; every caller returns once the one drain is done.
         """
@@ -235,32 +268,26 @@ class WebhookGateway:
             self._drained.set()
 
     async def _drain(self) -> None:
-        self._cancel_breaker_timer()
-        open_ = list(self._deliveries.values())
-        if open_:
-            # Take no more work while the open deliveries finish.
-            self.gateway.cap_concurrency(0)
-            await asyncio.wait(open_, timeout=self.worker.timeout.total_seconds() + DRAIN_GRACE)
-        for task in list(self._deliveries.values()):
-            task.cancel()
-        await self.gateway.close()
-        for handle in self._parked_timers.values():
-            handle.cancel()
-        self._parked_timers.clear()
-        self._parked.clear()
-        if self._beat is not None:
-            self._beat.cancel()
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception as exc:  # the connection may be gone already
-                logger.debug("webhook.unsubscribe_failed worker=%s error=%r", self.name, exc)
-            self._sub = None
-        pending = [*self._deliveries.values(), *self._tasks]
-        if self._beat is not None:
-            pending.append(self._beat)
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        self.retire()
+        try:
+            open_ = list(self._deliveries.values())
+            if open_:
+                await asyncio.wait(open_, timeout=self.worker.timeout.total_seconds() + DRAIN_GRACE)
+            # Deliveries accepted meanwhile stay with their endpoint too.
+            self._let_parked_go()
+            for task in list(self._deliveries.values()):
+                task.cancel()
+            await self.gateway.close()
+            if self._beat is not None:
+                self._beat.cancel()
+            pending = [*self._deliveries.values(), *self._tasks]
+            if self._beat is not None:
+                pending.append(self._beat)
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            if self._http is not None:
+                await self._http.close()
         logger.info("webhook.gateway_drained worker=%s gateway=%s", self.name, self.id)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -308,7 +335,8 @@ class WebhookGateway:
             self._beat = asyncio.get_running_loop().create_task(self._beat_loop())
 
     def _on_cancel(self, cancel: service_pb2.Cancel) -> None:
-        self._forget_parked(cancel.lease_id)
+        if self._forget_parked(cancel.lease_id):
+            self._apply_cap()
         task = self._deliveries.pop(cancel.lease_id, None)
         if task is not None:
             task.cancel()
@@ -330,36 +358,44 @@ class WebhookGateway:
                 self.gateway.on_frame(heartbeat)
 
     async def _deliver(self, env: task_pb2.TaskEnvelope) -> None:
-        reply = await self._post(env, self.worker)
-        self._record(reply)
-        if isinstance(reply, Accepted):
-            await self._park(env)
-            return
-        if isinstance(reply, Broken):
+        ticket = self.breaker.ticket(asyncio.get_running_loop().time())
+        reply_ = await self._post(env, self.worker)
+        self._record(reply_, ticket)
+        if isinstance(reply_, Accepted):
+            if self._config.callback_address:
+                await self._park(env)
+                return
+            reply_ = Broken(NO_CALLBACK_ERROR)
+        if isinstance(reply_, Broken):
             logger.info(
                 "webhook.delivery_failed worker=%s task=%s error=%s",
                 self.name,
                 env.id,
-                reply.error,
+                reply_.error,
             )
-        result = as_result(reply, env.id, env.lease_id)
+        result = as_result(reply_, env.id, env.lease_id)
         self.gateway.on_frame(service_pb2.WorkerFrame(result=result))
 
     async def _post(self, env: task_pb2.TaskEnvelope, worker: WebhookWorker) -> Reply:
+        http = self._http
+        if http is None or http.closed:
+            return Broken("the webhook gateway is not running")
         secret = worker.secrets[0]
         body, _ = delivery_body(
             env, worker=worker.name, secret=secret, callback=self._config.callback_address
         )
         # Signature timestamps are wall time: the endpoint checks them against its clock.
+        # The header is signed again once a connection is ready (signed_by).
         headers = delivery_headers(body, task_id=env.id, secret=secret, timestamp=int(time.time()))
         timeout = worker.timeout.total_seconds()
         try:
-            async with asyncio.timeout(timeout):
-                async with self._http.post(
-                    worker.url, data=body, headers=headers, allow_redirects=False
-                ) as response:
-                    status = response.status
-                    raw = await self._read(response)
+            with signed_by(lambda: sign_delivery(secret, body, int(time.time()))):
+                async with asyncio.timeout(timeout):
+                    async with http.post(
+                        worker.url, data=body, headers=headers, allow_redirects=False
+                    ) as response:
+                        status = response.status
+                        raw = await self._read(response)
         except TimeoutError:
             return transport_failure(f"endpoint did not answer within {timeout:g} s")
         except ResponseTooLarge:
@@ -382,22 +418,29 @@ class WebhookGateway:
 
     # -------------------------------------------------------- circuit breaker
 
-    def _record(self, reply: Reply) -> None:
+    def _record(self, reply_: Reply, ticket: Ticket) -> None:
         now = asyncio.get_running_loop().time()
-        if isinstance(reply, Broken) and reply.transport:
-            self.breaker.record_failure(now)
+        if isinstance(reply_, Broken) and reply_.transport:
+            self.breaker.record_failure(now, ticket)
         else:
-            self.breaker.record_success(now)
+            self.breaker.record_success(now, ticket)
         self._apply_breaker()
 
-    def _apply_breaker(self) -> None:
-        if self._draining:
+    def _apply_cap(self) -> None:
+        # The breaker caps the synchronous deliveries; parked ones keep their slots.
+        if self._retired:
             return
-        loop = asyncio.get_running_loop()
-        self.gateway.cap_concurrency(self.breaker.cap(loop.time()))
+        cap = self.breaker.cap(asyncio.get_running_loop().time())
+        self.gateway.cap_concurrency(cap, over_parked=True)
+
+    def _apply_breaker(self) -> None:
+        if self._retired:
+            return
+        self._apply_cap()
         self._cancel_breaker_timer()
         reopens_at = self.breaker.reopens_at()
         if reopens_at is not None:
+            loop = asyncio.get_running_loop()
             self._breaker_timer = loop.call_at(reopens_at, self._apply_breaker)
 
     def _cancel_breaker_timer(self) -> None:
@@ -410,6 +453,7 @@ class WebhookGateway:
     async def _park(self, env: task_pb2.TaskEnvelope) -> None:
         if not self.gateway.park(env.lease_id):
             return  # finished (by a callback) or canceled meanwhile
+        self._apply_cap()
         # The endpoint gets a full lease from the moment it accepted.
         try:
             expires = await self.gateway.extend_held(env.id, env.lease_id)
@@ -417,137 +461,159 @@ class WebhookGateway:
             return  # the Gateway dropped it
         except Exception:
             logger.exception("webhook.park_extend_failed worker=%s task=%s", self.name, env.id)
-            expires = (
+            # The latest expiry known: the dispatch's, or a heartbeat's since.
+            known = [
                 codec.from_timestamp(env.lease_expires_at)
                 if env.HasField("lease_expires_at")
                 else self._clock.now()
-            )
-        if expires is not None and self.gateway.is_parked(env.lease_id):
-            self._watch_parked(env.lease_id, expires)
-            logger.info("webhook.delivery_accepted worker=%s task=%s", self.name, env.id)
+            ]
+            extended = self.gateway.known_expiry(env.lease_id)
+            if extended is not None:
+                known.append(extended)
+            expires = max(known)
+        if expires is None:
+            return  # finished (by a callback) meanwhile
+        self._watch_parked(env.lease_id, env.id, expires)
+        logger.info("webhook.delivery_accepted worker=%s task=%s", self.name, env.id)
 
-    def _watch_parked(self, lease_id: str, expires: datetime) -> None:
-        self._parked[lease_id] = expires
+    def _watch_parked(self, lease_id: str, task_id: str, expires: datetime) -> bool:
+        """Keep an eye on parked ``lease_id`` until ``expires``; False when it is no
+        longer parked here (or this gateway is retired)."""
+        if self._retired or not self.gateway.is_parked(lease_id):
+            self._forget_parked(lease_id)
+            return False
+        self._parked[lease_id] = _Parked(task_id, expires)
         old = self._parked_timers.pop(lease_id, None)
         if old is not None:
             old.cancel()
         delay = max(0.0, (expires - self._clock.now()).total_seconds())
         self._parked_timers[lease_id] = asyncio.get_running_loop().call_later(
-            delay, self._check_parked, lease_id
+            delay, self._on_parked_timer, lease_id
         )
+        return True
 
-    def _forget_parked(self, lease_id: str) -> None:
-        self._parked.pop(lease_id, None)
+    def _forget_parked(self, lease_id: str) -> bool:
         handle = self._parked_timers.pop(lease_id, None)
         if handle is not None:
             handle.cancel()
+        return self._parked.pop(lease_id, None) is not None
 
-    def _check_parked(self, lease_id: str) -> bool:
-        expires = self._parked.get(lease_id)
-        if expires is None:
+    def _let_parked_go(self) -> None:
+        for handle in self._parked_timers.values():
+            handle.cancel()
+        self._parked_timers.clear()
+        self._parked.clear()
+        left = self.gateway.forget_parked()
+        if left:
+            logger.info(
+                "webhook.parked_left_running worker=%s gateway=%s count=%d",
+                self.name,
+                self.id,
+                left,
+            )
+
+    def _on_parked_timer(self, lease_id: str) -> None:
+        self._parked_timers.pop(lease_id, None)
+        self._spawn(self._lapse(lease_id))
+
+    async def _lapse(self, lease_id: str) -> None:
+        await self._check_parked(lease_id)
+
+    async def _check_parked(self, lease_id: str) -> bool:
+        parked = self._parked.get(lease_id)
+        if parked is None:
             return False
         if not self.gateway.is_parked(lease_id):
             self._forget_parked(lease_id)
             return False
-        if self._clock.now() < expires:
-            self._watch_parked(lease_id, expires)
+        if self._clock.now() < parked.expires:
+            self._watch_parked(lease_id, parked.task_id, parked.expires)
+            return False
+        # The lease it knew of has passed. Unless someone else extended it meanwhile (a
+        # gateway of another process answering during a hand-over), end it.
+        try:
+            task = await self._broker.get_task(parked.task_id)
+        except Exception as exc:
+            logger.info("webhook.parked_check_failed task=%s error=%r", parked.task_id, exc)
+            task = None
+        if self._parked.get(lease_id) is not parked:
+            return False  # a heartbeat (or a result) came meanwhile
+        if (
+            task is not None
+            and task.lease_id == lease_id
+            and task.lease_expires_at is not None
+            and task.lease_expires_at > self._clock.now()
+        ):
+            self._watch_parked(lease_id, parked.task_id, task.lease_expires_at)
             return False
         self._forget_parked(lease_id)
-        return self.gateway.drop_parked(lease_id)
+        dropped = await self.gateway.drop_parked(lease_id, STOPPED_HEARTBEATING)
+        self._apply_cap()
+        return dropped
 
-    def sweep_lapsed(self) -> int:
-        """Drop every parked delivery whose last known lease expiry has passed (timers do
-        this on their own); how many were dropped."""
-        return sum(self._check_parked(lease_id) for lease_id in list(self._parked))
+    async def sweep_lapsed(self) -> int:
+        """End every parked delivery whose last known lease expiry has passed (timers do
+        this on their own); how many were ended."""
+        dropped = 0
+        for lease_id in list(self._parked):
+            dropped += await self._check_parked(lease_id)
+        return dropped
 
     # -------------------------------------------------------------- callbacks
 
-    async def _on_callback(self, msg: Msg) -> None:
-        # One task per callback: a slow broker call must not hold up the others.
-        self._spawn(self._answer(msg))
+    async def handle_callback(self, callback: cluster_pb2.WebhookCallback) -> Status:
+        """Apply one endpoint callback (Heartbeat or ReportResult) and say how it went
+        (never raises)."""
+        return await answer(self.name, callback, self._apply_callback)
 
-    async def _answer(self, msg: Msg) -> None:
-        try:
-            callback = cluster_pb2.WebhookCallback.FromString(msg.data)
-        except DecodeError:
-            reply = _reply(_Status.STATUS_INVALID, "malformed callback")
-        else:
-            try:
-                reply = await self.handle_callback(callback)
-            except Exception:
-                # No answer: the api tells the endpoint to retry.
-                logger.exception("webhook.callback_failed worker=%s", self.name)
-                return
-        if msg.reply:
-            try:
-                await msg.respond(reply.SerializeToString())
-            except Exception as exc:
-                logger.warning("webhook.callback_reply_failed worker=%s error=%r", self.name, exc)
+    async def _apply_callback(self, callback: cluster_pb2.WebhookCallback) -> Status:
+        if callback.WhichOneof("kind") == "heartbeat":
+            return await self._on_beat(callback)
+        return await self._on_outcome(callback)
 
-    async def handle_callback(
-        self, callback: cluster_pb2.WebhookCallback
-    ) -> cluster_pb2.WebhookCallbackReply:
-        """Apply one endpoint callback (Heartbeat or ReportResult) and say how it went."""
-        if callback.worker and callback.worker != self.name:
-            return _reply(
-                _Status.STATUS_INVALID,
-                f"callback for webhook worker {callback.worker!r} reached {self.name!r}",
-            )
-        if not callback.task_id or not callback.lease_id:
-            return _reply(_Status.STATUS_INVALID, "callback needs a task id and a lease id")
-        kind = callback.WhichOneof("kind")
-        try:
-            if kind == "heartbeat":
-                return await self._on_beat(callback)
-            if kind == "result":
-                return await self._on_outcome(callback)
-        except (LeaseLost, TaskNotFound):
-            return _reply(_Status.STATUS_LEASE_LOST, "lease lost")
-        except InvalidTask as exc:
-            return _reply(_Status.STATUS_INVALID, str(exc))
-        return _reply(_Status.STATUS_INVALID, "callback carries neither a heartbeat nor a result")
-
-    async def _on_beat(self, callback: cluster_pb2.WebhookCallback) -> _Status:
+    async def _on_beat(self, callback: cluster_pb2.WebhookCallback) -> Status:
         task_id, lease_id = callback.task_id, callback.lease_id
         expires = await self.gateway.extend_held(task_id, lease_id)
         if expires is None:
-            # Not ours (made before a restart, say): the lease-scoped call is still safe.
-            expires = await self._broker.extend_lease(
-                task_id, lease_id, self._config.gateway.lease_ttl
-            )
-        elif self.gateway.is_parked(lease_id):
-            self._watch_parked(lease_id, expires)
+            # Not ours (made before a restart, say): take it on as parked when it is a
+            # live task of a queue we serve.
+            task = await live_task(self._broker, callback, self.gateway.capacity)
+            if self.serving and self.gateway.adopt_parked(task):
+                self._apply_cap()
+                expires = await self.gateway.extend_held(task_id, lease_id)
+            if expires is None:
+                expires = await self._broker.extend_lease(
+                    task_id, lease_id, self._config.gateway.lease_ttl
+                )
+        if self.gateway.is_parked(lease_id):
+            self._watch_parked(lease_id, task_id, expires)
         if callback.heartbeat.progress:
             await self._broker.set_progress(task_id, lease_id, callback.heartbeat.progress)
-        return _reply(_Status.STATUS_OK, expires=expires.timestamp())
+        return reply(Status.STATUS_OK, expires=expires.timestamp())
 
-    async def _on_outcome(self, callback: cluster_pb2.WebhookCallback) -> _Status:
-        outcome = callback.result
-        if outcome.outcome not in _FINAL_OUTCOMES:
-            return _reply(_Status.STATUS_INVALID, f"outcome {outcome.outcome} is not final")
-        result = service_pb2.Result(
-            task_id=callback.task_id,
-            lease_id=callback.lease_id,
-            outcome=outcome.outcome,
-            result=outcome.result,
-            error=outcome.error,
-        )
-        _set_retry_after(result, outcome.retry_after)
-        self._forget_parked(callback.lease_id)
+    async def _on_outcome(self, callback: cluster_pb2.WebhookCallback) -> Status:
+        problem = result_problem(callback, self._config.gateway.max_result)
+        if problem is not None:
+            return problem
         try:
-            applied = await self.gateway.resolve(result, queue=callback.queue)
-        except ValueError as exc:
-            return _reply(_Status.STATUS_INVALID, str(exc))
+            applied = await self.gateway.resolve(outcome_result(callback), queue=callback.queue)
+        except ValueError as exc:  # a task on a queue it does not serve
+            return reply(Status.STATUS_INVALID, str(exc))
+        finally:
+            # Resolved (or failed in the broker): the Gateway holds it no more.
+            lease_id = callback.lease_id
+            if not self.gateway.is_parked(lease_id) and self._forget_parked(lease_id):
+                self._apply_cap()
         # A synchronous request still open for this delivery has nothing left to say.
         open_ = self._deliveries.pop(callback.lease_id, None)
         if open_ is not None:
             open_.cancel()
         if not applied:
-            return _reply(_Status.STATUS_LEASE_LOST, "lease lost")
+            return reply(Status.STATUS_LEASE_LOST, "lease lost")
         logger.info(
             "webhook.callback_result worker=%s task=%s outcome=%s",
             self.name,
             callback.task_id,
-            service_pb2.Outcome.Name(outcome.outcome),
+            service_pb2.Outcome.Name(callback.result.outcome),
         )
-        return _reply(_Status.STATUS_OK)
+        return reply(Status.STATUS_OK)

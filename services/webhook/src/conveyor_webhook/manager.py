@@ -11,11 +11,20 @@ registrations and converges onto them.
   (a new gateway id).
 - A registration paused, deleted or left without a secret has its gateway drained.
 
-Draining waits for open synchronous deliveries (up to the registration's timeout) and
-releases everything else. Drains run in the background, so a slow endpoint never holds
-up the reconcile of the others; a registration whose old gateway is still draining gets
-its new one from the reconcile that follows the drain. Losing leadership, or
-:meth:`WebhookManager.stop`, drains every gateway.
+Draining lets the parked (accepted, asynchronous) deliveries go with no broker call,
+since their endpoints are still working on them; waits for open synchronous deliveries
+(up to the registration's timeout); and releases everything else. Drains run in the
+background, so a slow endpoint never holds up the reconcile of the others; a
+registration whose old gateway is still draining gets its new one from the reconcile
+that follows the drain. Losing leadership, or :meth:`WebhookManager.stop`, drains every
+gateway.
+
+Callbacks: the leader answers the callbacks (``Subjects.webhook_callback``, queue group
+``webhook``) of every stored registration, paused ones included: through the running
+gateway when there is one (a heartbeat for a delivery it does not hold adopts it), else
+through a :class:`~conveyor_webhook.callbacks.CallbackResponder` (lease-scoped broker
+calls). A deleted registration's callbacks get no answer (the api refuses its tokens
+anyway).
 
 An operator's cancel of a running task (the ``CancelBroadcast`` every gateway hears)
 reaches the gateway holding it, which aborts that task's HTTP request if still in flight.
@@ -26,10 +35,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from conveyor_api.coalesce import WakePublisher
 from conveyor_api.gateway import GatewayConfig
 from conveyor_api.group_commit import AckBatcher
@@ -44,12 +53,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from conveyor_webhook.gateway import WebhookConfig, WebhookGateway
+from conveyor_webhook.callbacks import CallbackResponder, Status, respond
+from conveyor_webhook.config import WebhookConfig
+from conveyor_webhook.gateway import WebhookGateway
 
 logger = logging.getLogger(__name__)
 
 #: The manager's key in the leaders bucket.
 ROLE = "webhook-manager"
+#: The NATS queue group every callback subscription joins.
+CALLBACK_GROUP = "webhook"
 
 
 def is_active(worker: WebhookWorker) -> bool:
@@ -60,6 +73,15 @@ def is_active(worker: WebhookWorker) -> bool:
 def needs_restart(running: WebhookWorker, stored: WebhookWorker) -> bool:
     """True when a running gateway cannot take ``stored`` in place (queues, concurrency)."""
     return dict(running.queues) != dict(stored.queues) or running.concurrency != stored.concurrency
+
+
+@dataclass(slots=True)
+class _Callbacks:
+    """The callback subscription of one registration, and who answers when no gateway
+    of it runs."""
+
+    sub: Subscription
+    responder: CallbackResponder
 
 
 class WebhookManager:
@@ -95,11 +117,12 @@ class WebhookManager:
         self._keeper: LeaseKeeper | None = None
         self._loop: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
-        self._http: aiohttp.ClientSession | None = None
         self._acks: AckBatcher | None = None
         self._wakes: WakePublisher | None = None
         self._retiring: dict[str, tuple[WebhookGateway, asyncio.Task[None]]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._callbacks: dict[str, _Callbacks] = {}
+        self._answering: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._cancel_sub: Subscription | None = None
 
@@ -114,6 +137,11 @@ class WebhookManager:
     def draining(self) -> frozenset[str]:
         """Registrations whose (old) gateway is draining right now."""
         return frozenset(self._retiring)
+
+    @property
+    def answering(self) -> frozenset[str]:
+        """Registrations whose callbacks this instance answers right now."""
+        return frozenset(self._callbacks)
 
     async def settled(self) -> None:
         """Wait until no gateway is draining and the reconciles that follow drains ran.
@@ -131,27 +159,32 @@ class WebhookManager:
             )
 
     async def start(self) -> None:
-        """Open the leaders bucket and start the leadership/reconcile loop."""
+        """Open the leaders bucket and start the leadership/reconcile loop. On failure
+        (or cancellation) what was set up is taken down again before the error
+        propagates."""
         if self._keeper is not None:
             return
-        self._http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None), raise_for_status=False
-        )
         self._acks = AckBatcher(self._broker)
         self._wakes = WakePublisher(self._nc, self.subjects)
-        kv = await open_lease_bucket(
-            self._nc, self.subjects.leaders_bucket, self.settings.leader_ttl
-        )
-        self._cancel_sub = await self._nc.subscribe(
-            self.subjects.cancel(), cb=self._on_cancel_broadcast
-        )
-        self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
-        await self._keeper.start()
+        try:
+            kv = await open_lease_bucket(
+                self._nc, self.subjects.leaders_bucket, self.settings.leader_ttl
+            )
+            self._cancel_sub = await self._nc.subscribe(
+                self.subjects.cancel(), cb=self._on_cancel_broadcast
+            )
+            keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
+            await keeper.start()
+        except BaseException:
+            await self._close_shared()
+            raise
+        self._keeper = keeper
         self._loop = asyncio.create_task(self._lead(), name="webhook-manager")
         logger.info("webhook.manager_started instance=%s", self.instance_id)
 
     async def stop(self) -> None:
-        """Drain every gateway, then give the role up so another instance takes over."""
+        """Drain every gateway, stop answering callbacks, then give the role up so
+        another instance takes over."""
         self._stopping = True
         if self._loop is not None:
             self._loop.cancel()
@@ -160,6 +193,13 @@ class WebhookManager:
             self._loop = None
         await self._stop_all()
         await self.settled()
+        await self._close_shared()
+        logger.info("webhook.manager_stopped instance=%s", self.instance_id)
+
+    async def _close_shared(self) -> None:
+        await self._drop_callbacks()
+        if self._answering:
+            await asyncio.gather(*self._answering, return_exceptions=True)
         if self._cancel_sub is not None:
             try:
                 await self._cancel_sub.unsubscribe()
@@ -173,10 +213,6 @@ class WebhookManager:
             await self._acks.aclose()
         if self._wakes is not None:
             await self._wakes.aclose()
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
-        logger.info("webhook.manager_stopped instance=%s", self.instance_id)
 
     async def _on_cancel_broadcast(self, msg: Msg) -> None:
         try:
@@ -202,7 +238,7 @@ class WebhookManager:
             if keeper is None:
                 return
             if not keeper.holds(ROLE):
-                if self.gateways:
+                if self.gateways or self._callbacks:
                     await self._stop_all()
                 try:
                     elected = await keeper.claim(ROLE)
@@ -222,16 +258,19 @@ class WebhookManager:
     # -------------------------------------------------------------- reconcile
 
     async def reconcile(self) -> None:
-        """Converge the running gateways onto the stored registrations (see the module
-        docstring); drains it starts go on in the background (:meth:`settled` waits for
-        them). Not leading: drain every gateway instead. A broker failure propagates and
-        changes nothing."""
+        """Converge the running gateways and the callback subscriptions onto the stored
+        registrations (see the module docstring); drains it starts go on in the
+        background (:meth:`settled` waits for them). Not leading: drain every gateway
+        instead, and stop answering callbacks. A broker failure propagates and changes
+        nothing."""
         async with self._lock:
             if not self.leading or self._stopping:
                 self._retire_all()
+                await self._drop_callbacks()
                 return
             stored = await self._broker.list_webhook_workers()
             self.reconciles += 1
+            await self._answer_for(stored)
             desired = {w.name: w for w in stored if is_active(w)}
             for name, gateway in list(self.gateways.items()):
                 worker = desired.get(name)
@@ -245,7 +284,7 @@ class WebhookManager:
                     await self._start(worker)
 
     async def _start(self, worker: WebhookWorker) -> None:
-        if self._http is None or self._acks is None or self._wakes is None:
+        if self._acks is None or self._wakes is None:
             raise RuntimeError("the webhook manager is not started")
         gateway = WebhookGateway(
             worker,
@@ -255,22 +294,22 @@ class WebhookManager:
             config=self.config,
             acks=self._acks,
             wakes=self._wakes,
-            http=self._http,
         )
         try:
+            # A failed (or canceled) start drains what it started before raising.
             await gateway.start()
         except Exception:
             logger.exception("webhook.gateway_start_failed worker=%s", worker.name)
-            await gateway.drain()
             return
         self.gateways[worker.name] = gateway
 
     def _retire(self, gateway: WebhookGateway) -> None:
-        """Drain ``gateway`` in the background; a reconcile follows the drain."""
+        """Retire ``gateway`` now and drain it in the background; a reconcile follows."""
         name = gateway.name
         if self.gateways.get(name) is gateway:
             del self.gateways[name]
         logger.info("webhook.draining worker=%s gateway=%s", name, gateway.id)
+        gateway.retire()
         task = asyncio.get_running_loop().create_task(gateway.drain())
         self._retiring[name] = (gateway, task)
 
@@ -300,7 +339,75 @@ class WebhookManager:
             logger.exception("webhook.reconcile_failed")
 
     async def _stop_all(self) -> None:
-        """Drain every gateway and wait for every drain."""
+        """Drain every gateway, wait for every drain, then stop answering callbacks
+        (until then the parked deliveries the drains let go are still answered)."""
         async with self._lock:
             self._retire_all()
         await self._drains_done()
+        async with self._lock:
+            if self._stopping or not self.leading:
+                await self._drop_callbacks()
+
+    # -------------------------------------------------------------- callbacks
+
+    async def _answer_for(self, stored: list[WebhookWorker]) -> None:
+        """Answer the callbacks of exactly the ``stored`` registrations."""
+        if self._acks is None or self._wakes is None:
+            raise RuntimeError("the webhook manager is not started")
+        by_name = {w.name: w for w in stored}
+        for name in [n for n in self._callbacks if n not in by_name]:
+            await self._drop_callback(name)
+        for name, worker in by_name.items():
+            route = self._callbacks.get(name)
+            if route is not None:
+                route.responder.refresh(worker)
+                continue
+            responder = CallbackResponder(
+                worker,
+                broker=self._broker,
+                nc=self._nc,
+                subjects=self.subjects,
+                config=self.config,
+                acks=self._acks,
+                wakes=self._wakes,
+            )
+            sub = await self._nc.subscribe(
+                self.subjects.webhook_callback(name),
+                queue=CALLBACK_GROUP,
+                cb=self._callback_handler(name),
+            )
+            self._callbacks[name] = _Callbacks(sub, responder)
+
+    def _callback_handler(self, name: str) -> Callable[[Msg], Awaitable[None]]:
+        async def on_callback(msg: Msg) -> None:
+            # One task per callback: a slow broker call must not hold up the others.
+            task = asyncio.get_running_loop().create_task(self._answer(name, msg))
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
+
+        return on_callback
+
+    async def _answer(self, name: str, msg: Msg) -> None:
+        async def handle(callback: cluster_pb2.WebhookCallback) -> Status:
+            gateway = self.gateways.get(name)
+            if gateway is not None and gateway.serving:
+                return await gateway.handle_callback(callback)
+            route = self._callbacks.get(name)
+            if route is None:  # deleted meanwhile
+                return Status(status=Status.STATUS_LEASE_LOST, message="lease lost")
+            return await route.responder.handle_callback(callback)
+
+        await respond(name, msg, handle)
+
+    async def _drop_callback(self, name: str) -> None:
+        route = self._callbacks.pop(name, None)
+        if route is None:
+            return
+        try:
+            await route.sub.unsubscribe()
+        except Exception as exc:  # the connection may be gone already
+            logger.debug("webhook.unsubscribe_failed worker=%s error=%r", name, exc)
+
+    async def _drop_callbacks(self) -> None:
+        for name in list(self._callbacks):
+            await self._drop_callback(name)

@@ -77,11 +77,19 @@ def _invalid(reason: str) -> Broken:
 
 def parse_response(status: int, body: bytes, request_id: str) -> Reply:
     """The outcome of a delivery whose call had id ``request_id``, from the endpoint's
-    HTTP ``status`` and ``body``."""
+    HTTP ``status`` and ``body``. Never raises: a body nested too deeply to parse is
+    invalid like any other bad body."""
     if status >= 500:
         return Broken(f"endpoint answered HTTP {status}", transport=True)
     if not 200 <= status < 300:
         return Broken(f"endpoint answered HTTP {status}")
+    try:
+        return _parse(body, request_id)
+    except RecursionError:
+        return _invalid("the body is nested too deeply")
+
+
+def _parse(body: bytes, request_id: str) -> Reply:
     try:
         doc: Any = json.loads(body)
     except (ValueError, UnicodeDecodeError):

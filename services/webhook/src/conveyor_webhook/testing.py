@@ -185,6 +185,30 @@ async def submit(broker: Broker, nc: NATS, subjects: Subjects, queue: str, **fie
     return result.task.id
 
 
+async def send_callback(
+    nc: NATS,
+    subjects: Subjects,
+    worker: str,
+    *,
+    task_id: str,
+    lease_id: str,
+    queue: str,
+    beat: bytes | None = None,
+    outcome: cluster_pb2.WebhookOutcome | None = None,
+) -> cluster_pb2.WebhookCallbackReply:
+    """Send a WebhookCallback (a heartbeat with ``beat`` progress, or the ``outcome``) to
+    webhook worker ``worker`` the way the api's WebhookService does; the reply."""
+    request = cluster_pb2.WebhookCallback(
+        worker=worker, task_id=task_id, lease_id=lease_id, queue=queue
+    )
+    if outcome is not None:
+        request.result.CopyFrom(outcome)
+    else:
+        request.heartbeat.CopyFrom(cluster_pb2.WebhookBeat(progress=beat or b""))
+    msg = await nc.request(subjects.webhook_callback(worker), request.SerializeToString(), 5.0)
+    return cluster_pb2.WebhookCallbackReply.FromString(msg.data)
+
+
 class Managers:
     """Starts WebhookManagers on one broker, NATS connection and subject prefix, with
     settings overrides as keywords; stops every one on the way out of ``async with``."""

@@ -1,0 +1,271 @@
+"""Answering webhook callbacks: the endpoint's Heartbeat and ReportResult calls, which the
+api's WebhookService verifies and routes here over NATS (``Subjects.webhook_callback``,
+queue group ``webhook``) as a ``WebhookCallback``.
+
+The leading manager answers for every stored registration: through its running
+:class:`~conveyor_webhook.gateway.WebhookGateway` when there is one, else through a
+:class:`CallbackResponder`, which makes only lease-scoped broker calls (a registration
+that is paused or restarting still has asynchronous deliveries in flight). Every
+callback gets a reply, a broker failure included, so the api never waits for a timeout:
+
+- ``STATUS_OK`` (a heartbeat: with the new lease expiry);
+- ``STATUS_LEASE_LOST``: the task is gone, not ACTIVE, or under another lease;
+- ``STATUS_INVALID`` with the reason: a malformed callback, an outcome that is not final,
+  a result over this service's ``max_result``, a task on a queue the registration does
+  not serve; and :data:`BROKER_UNAVAILABLE` when the broker failed (the api turns that one
+  into UNAVAILABLE: retry).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable, Container
+from datetime import timedelta
+
+from conveyor_api.coalesce import WakePublisher
+from conveyor_api.gateway import Gateway, WorkerSpec
+from conveyor_api.group_commit import AckBatcher
+from conveyor_api.webhook_service import BROKER_UNAVAILABLE
+from conveyor_broker import (
+    Broker,
+    InvalidTask,
+    LeaseLost,
+    Task,
+    TaskNotFound,
+    TaskState,
+    WebhookWorker,
+)
+from conveyor_broker.ids import new_id
+from conveyor_protos.v1 import cluster_pb2, service_pb2
+from conveyor_runtime import codec
+from conveyor_runtime.subjects import Subjects
+from google.protobuf.message import DecodeError
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from conveyor_webhook.config import WebhookConfig
+from conveyor_webhook.response import OUTCOMES
+from conveyor_webhook.version import __version__
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BROKER_UNAVAILABLE",
+    "CallbackResponder",
+    "NotServed",
+    "Status",
+    "answer",
+    "live_task",
+    "outcome_result",
+    "reply",
+    "respond",
+    "set_retry_after",
+]
+
+Status = cluster_pb2.WebhookCallbackReply
+#: Longest retry_after a callback may ask for (the api refuses longer ones already).
+MAX_RETRY_AFTER = timedelta(days=30)
+_FINAL_OUTCOMES = frozenset(OUTCOMES.values())
+
+
+class NotServed(Exception):
+    """The callback's task is on a queue the registration does not serve."""
+
+
+def reply(status: Status.Status, message: str = "", expires: float = 0.0) -> Status:
+    """A WebhookCallbackReply."""
+    return Status(status=status, message=message, lease_expires_at=expires)
+
+
+def set_retry_after(
+    result: service_pb2.Result, seconds: float | None, limit: timedelta = MAX_RETRY_AFTER
+) -> None:
+    """Put ``seconds`` (None or negative: none) on ``result`` as its retry_after; more
+    than ``limit`` is left to the server's backoff."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return
+    if seconds <= limit.total_seconds():
+        result.retry_after.CopyFrom(codec.duration(timedelta(seconds=seconds)))
+
+
+def outcome_result(callback: cluster_pb2.WebhookCallback) -> service_pb2.Result:
+    """The stream Result a ReportResult callback stands for."""
+    outcome = callback.result
+    result = service_pb2.Result(
+        task_id=callback.task_id,
+        lease_id=callback.lease_id,
+        outcome=outcome.outcome,
+        result=outcome.result,
+        error=outcome.error,
+    )
+    set_retry_after(result, outcome.retry_after)
+    return result
+
+
+def result_problem(callback: cluster_pb2.WebhookCallback, max_result: int) -> Status | None:
+    """Why a ReportResult callback cannot be applied as it is (None: it can)."""
+    outcome = callback.result
+    if outcome.outcome not in _FINAL_OUTCOMES:
+        return reply(Status.STATUS_INVALID, f"outcome {outcome.outcome} is not final")
+    if outcome.outcome == service_pb2.OUTCOME_SUCCESS and len(outcome.result) > max_result:
+        return reply(
+            Status.STATUS_INVALID,
+            f"result is {len(outcome.result)} bytes; the limit is {max_result}",
+        )
+    return None
+
+
+async def live_task(
+    broker: Broker, callback: cluster_pb2.WebhookCallback, queues: Container[str]
+) -> Task:
+    """The callback's task, ACTIVE under the callback's lease. Raises LeaseLost when it
+    is not (TaskNotFound when it does not exist), NotServed when its queue is not in
+    ``queues``."""
+    task = await broker.get_task(callback.task_id)
+    if task.state != TaskState.ACTIVE or task.lease_id != callback.lease_id:
+        raise LeaseLost(callback.task_id, callback.lease_id)
+    if task.queue not in queues:
+        raise NotServed(f"task {task.id} is on queue {task.queue!r}, which is not served here")
+    return task
+
+
+Handler = Callable[[cluster_pb2.WebhookCallback], Awaitable[Status]]
+
+
+async def answer(name: str, callback: cluster_pb2.WebhookCallback, handle: Handler) -> Status:
+    """Check ``callback`` for registration ``name``, apply it with ``handle``, and say
+    how it went. Never raises (but CancelledError)."""
+    if callback.worker and callback.worker != name:
+        return reply(
+            Status.STATUS_INVALID,
+            f"callback for webhook worker {callback.worker!r} reached {name!r}",
+        )
+    if not callback.task_id or not callback.lease_id:
+        return reply(Status.STATUS_INVALID, "callback needs a task id and a lease id")
+    if callback.WhichOneof("kind") is None:
+        return reply(Status.STATUS_INVALID, "callback carries neither a heartbeat nor a result")
+    try:
+        return await handle(callback)
+    except (LeaseLost, TaskNotFound):
+        return reply(Status.STATUS_LEASE_LOST, "lease lost")
+    except (InvalidTask, NotServed) as exc:
+        return reply(Status.STATUS_INVALID, str(exc))
+    except Exception:
+        logger.exception(
+            "webhook.callback_failed worker=%s task=%s lease=%s",
+            name,
+            callback.task_id,
+            callback.lease_id,
+        )
+        return reply(Status.STATUS_INVALID, BROKER_UNAVAILABLE)
+
+
+async def respond(name: str, msg: Msg, handle: Handler) -> None:
+    """Decode the callback in ``msg``, have ``handle`` (a ``handle_callback``, which
+    never raises) answer it, and reply."""
+    try:
+        callback = cluster_pb2.WebhookCallback.FromString(msg.data)
+    except DecodeError:
+        status = reply(Status.STATUS_INVALID, "malformed callback")
+    else:
+        status = await handle(callback)
+    if msg.reply:
+        try:
+            await msg.respond(status.SerializeToString())
+        except Exception as exc:
+            logger.warning("webhook.callback_reply_failed worker=%s error=%r", name, exc)
+
+
+def _ignore(frame: service_pb2.ServerFrame) -> None:
+    """A responder has no worker to send frames to."""
+
+
+class CallbackResponder:
+    """Answers the callbacks of one registration while no gateway of it runs (paused,
+    restarting, not started yet, left without a secret): a heartbeat extends the lease in
+    the broker, a result gets the outcome mapping of a running gateway, both scoped to
+    the callback's lease. It holds nothing and counts nothing.
+    """
+
+    def __init__(
+        self,
+        worker: WebhookWorker,
+        *,
+        broker: Broker,
+        nc: NATS,
+        subjects: Subjects,
+        config: WebhookConfig,
+        acks: AckBatcher,
+        wakes: WakePublisher,
+    ) -> None:
+        self.name = worker.name
+        self._broker = broker
+        self._nc = nc
+        self._subjects = subjects
+        self._config = config
+        self._acks = acks
+        self._wakes = wakes
+        self.worker = worker
+        self._resolver = self._make_resolver(worker)
+
+    def _make_resolver(self, worker: WebhookWorker) -> Gateway:
+        # Never started: its resolve() makes only the lease-scoped broker call.
+        now = self._config.gateway.clock.now()
+        spec = WorkerSpec(
+            queues=dict(worker.queues),
+            concurrency=worker.concurrency,
+            labels={"webhook": worker.name},
+            worker_id=f"webhook:{worker.name}",
+            sdk_version=f"conveyor-webhook/{__version__}",
+        )
+        return Gateway(
+            f"whcb-{worker.name}-{new_id(now)}",
+            spec,
+            broker=self._broker,
+            nc=self._nc,
+            subjects=self._subjects,
+            config=self._config.gateway,
+            acks=self._acks,
+            wakes=self._wakes,
+            send=_ignore,
+            connected_at=now,
+        )
+
+    def refresh(self, worker: WebhookWorker) -> None:
+        """Take the stored registration (its queues decide which tasks it answers for)."""
+        if dict(worker.queues) != dict(self.worker.queues):
+            self._resolver = self._make_resolver(worker)
+        self.worker = worker
+
+    async def handle_callback(self, callback: cluster_pb2.WebhookCallback) -> Status:
+        """Apply one callback and say how it went (never raises)."""
+        return await answer(self.name, callback, self._apply)
+
+    async def _apply(self, callback: cluster_pb2.WebhookCallback) -> Status:
+        if callback.WhichOneof("kind") == "heartbeat":
+            await live_task(self._broker, callback, dict(self.worker.queues))
+            expires = await self._broker.extend_lease(
+                callback.task_id, callback.lease_id, self._config.gateway.lease_ttl
+            )
+            if callback.heartbeat.progress:
+                await self._broker.set_progress(
+                    callback.task_id, callback.lease_id, callback.heartbeat.progress
+                )
+            return reply(Status.STATUS_OK, expires=expires.timestamp())
+        problem = result_problem(callback, self._config.gateway.max_result)
+        if problem is not None:
+            return problem
+        try:
+            applied = await self._resolver.resolve(outcome_result(callback), queue=callback.queue)
+        except ValueError as exc:  # a task on a queue it does not serve
+            return reply(Status.STATUS_INVALID, str(exc))
+        if not applied:
+            return reply(Status.STATUS_LEASE_LOST, "lease lost")
+        logger.info(
+            "webhook.callback_result worker=%s task=%s outcome=%s via=responder",
+            self.name,
+            callback.task_id,
+            service_pb2.Outcome.Name(callback.result.outcome),
+        )
+        return reply(Status.STATUS_OK)
