@@ -68,7 +68,8 @@ async def test_retries_results_and_events(cluster: Cluster, tmp_path: Path) -> N
         later = await client.enqueue("e2e.retry_after", {"fails": 1, "delay": 1.5}, queue=Q)
         answer = await client.enqueue("e2e.result", {"result": {"answer": 42}}, queue=Q)
         huge = await client.enqueue("e2e.result", {"size": 5000}, queue=Q, max_retry=0)
-        # Past gRPC's frame limit: refused by the SDK before it could break the stream.
+        # Past gRPC's frame limit: refused by the SDK (which learned the server's limit from
+        # Welcome) before it could break the stream.
         giant = await client.enqueue("e2e.result", {"size": 3_000_000}, queue=Q, max_retry=0)
         assert defaulted.max_retry == 1  # the server-wide default
 
@@ -107,7 +108,7 @@ async def test_retries_results_and_events(cluster: Cluster, tmp_path: Path) -> N
         assert too_big.result is None
         assert too_big.last_error == "result is 5002 bytes; the limit is 2000"
         refused = await wait_state(admin, giant.id, X)
-        assert refused.last_error == "result is 3000002 bytes; the limit is 1048576"
+        assert refused.last_error == "result is 3000002 bytes; the limit is 2000"
         assert len(stack.lines("start", giant.id)) == 1
 
         await wait_for(lambda: len(history(events, flaky.id)) == 7, message="flaky's 7 events")

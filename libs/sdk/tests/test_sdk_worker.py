@@ -136,8 +136,9 @@ class WorkerServiceDouble:
     """A scripted conveyor.v1.WorkerService: Welcome after Hello, then whatever the test
     pushes; ends the stream with OK when the worker half-closes."""
 
-    def __init__(self, *, heartbeat: float = 30.0) -> None:
+    def __init__(self, *, heartbeat: float = 30.0, max_result: int = 0) -> None:
         self.heartbeat = heartbeat
+        self.max_result = max_result
         self.reject: Abort | None = None
         self.sessions: asyncio.Queue[ScriptedSession] = asyncio.Queue()
 
@@ -166,6 +167,7 @@ class WorkerServiceDouble:
             heartbeat_interval=seconds(self.heartbeat),
             server_version="0.1.0",
             min_sdk_version="0.0.0",
+            max_result=self.max_result,
         )
         await context.write(svc.ServerFrame(welcome=welcome))
 
@@ -713,3 +715,26 @@ async def test_a_result_over_max_result_size_fails_the_attempt(harness: Harness)
     assert result.error == "result is 48 bytes; the limit is 20"
     with pytest.raises(InvalidArgument, match="max_result_size must be >= 0"):
         Worker(max_result_size=-1)
+
+
+async def test_the_result_limit_comes_from_welcome_unless_the_worker_sets_one(
+    harness: Harness,
+) -> None:
+    harness.double.max_result = 30
+    first = echo_worker(harness)  # no max_result_size: the server's applies
+    running = harness.start(first)
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("T1")))
+    (result,) = await session.results(1)
+    assert (result.outcome, result.error) == (
+        svc.OUTCOME_FAILURE,
+        "result is 48 bytes; the limit is 30",
+    )
+    first.stop(force=True)
+    await asyncio.wait_for(running, WAIT)
+
+    harness.start(echo_worker(harness, max_result_size=100))  # the worker's own wins
+    session = await harness.double.next_session()
+    session.send(dispatch(envelope("T2")))
+    (result,) = await session.results(1)
+    assert result.outcome == svc.OUTCOME_SUCCESS

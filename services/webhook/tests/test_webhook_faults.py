@@ -2,38 +2,30 @@
 failed lease extension at park time keeps the latest expiry the gateway knows.
 
 The broker is a MemoryBroker that raises on the calls a test names (a real broker
-otherwise), with a real dispatcher, endpoint and nats-server.
+otherwise), with a real dispatcher, endpoint and nats-server (the ``rig`` of
+:mod:`conveyor_webhook.fixtures`, on that broker).
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from conveyor_broker import Broker, FakeClock, Task, TaskState
+from conveyor_broker import FakeClock, Task, TaskState
 from conveyor_broker.memory import MemoryBroker
-from conveyor_dispatcher import Dispatcher
 from conveyor_protos.v1 import cluster_pb2, service_pb2
-from conveyor_runtime.nats_connect import NatsClient
-from conveyor_runtime.settings import DispatcherSettings
-from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.testing import eventually
-from conveyor_webhook.testing import (
-    Endpoint,
-    Managers,
-    register,
-    rpc,
-    running_gateway,
-    send_callback,
-    submit,
+from conveyor_webhook.fixtures import (  # noqa: F401  (pytest fixtures)
+    dispatcher_fixture,
+    endpoint_fixture,
+    managers_fixture,
+    rig_fixture,
 )
+from conveyor_webhook.testing import Rig, rpc
 
-QUEUE = "hooks"
-NAME = "billing"
 Reply = cluster_pb2.WebhookCallbackReply
 
 
@@ -75,68 +67,20 @@ async def broker(clock: FakeClock) -> AsyncIterator[FlakyBroker]:
         await b.close()
 
 
-@pytest.fixture
-async def endpoint() -> AsyncIterator[Endpoint]:
-    """A real HTTP endpoint on a free local port."""
-    async with Endpoint() as ep:
-        yield ep
-
-
-@pytest.fixture
-async def dispatcher(
-    broker: Broker, nc: NatsClient, clock: FakeClock, subjects: Subjects, nats_url: str
-) -> AsyncIterator[Dispatcher]:
-    """A real dispatcher, in this process."""
-    settings = DispatcherSettings(
-        nats_url=nats_url,
-        subject_prefix=subjects.prefix,
-        broker="memory",
-        instance_id=f"disp-{uuid.uuid4().hex[:6]}",
-        owner_ttl=2.0,
-        register_tick=5.0,
-    )
-    d = Dispatcher(settings, broker, nc, clock)
-    await d.start()
-    try:
-        yield d
-    finally:
-        await d.stop()
-
-
-@pytest.fixture
-async def managers(
-    broker: Broker, nc: NatsClient, clock: FakeClock, subjects: Subjects, nats_url: str
-) -> AsyncIterator[Managers]:
-    """Start WebhookManagers (settings overrides as keywords); each is stopped after."""
-    async with Managers(broker, nc, clock, nats_url, subjects) as make:
-        yield make
-
-
 def outcome(kind: service_pb2.Outcome) -> cluster_pb2.WebhookOutcome:
     return cluster_pb2.WebhookOutcome(outcome=kind, retry_after=-1)
 
 
 async def test_a_broker_failure_during_a_callback_is_answered_at_once(
-    broker: FlakyBroker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
+    broker: FlakyBroker, rig: Rig
 ) -> None:
-    endpoint.answer = rpc("accepted")
-    await register(broker, endpoint.url, NAME)
-    gateway = await running_gateway(await managers(), dispatcher, NAME, QUEUE)
-    task_id = await submit(broker, nc, subjects, QUEUE)
-    await eventually(lambda: gateway.parked == 1)
-    (delivery,) = endpoint.deliveries
+    _, delivery = await rig.accepted_delivery()
+    task_id = delivery.task_id
 
     async def call(lease_id: str, **kind: Any) -> cluster_pb2.WebhookCallbackReply:
         # Well within the api's 5 s: a reply, not silence.
         async with asyncio.timeout(1.0):
-            return await send_callback(
-                nc, subjects, NAME, task_id=task_id, lease_id=lease_id, queue=QUEUE, **kind
-            )
+            return await rig.callback(delivery, lease_id=lease_id, **kind)
 
     broker.failing |= {"extend_lease", "get_task", "ack_batch"}
     beat = await call(delivery.lease_id)
@@ -160,20 +104,13 @@ async def test_a_broker_failure_during_a_callback_is_answered_at_once(
 
 
 async def test_a_failed_extension_at_park_time_keeps_the_latest_known_expiry(
-    broker: FlakyBroker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
+    broker: FlakyBroker, clock: FakeClock, rig: Rig
 ) -> None:
-    endpoint.hold(rpc("accepted"))
-    await register(broker, endpoint.url, NAME)
-    gateway = await running_gateway(await managers(), dispatcher, NAME, QUEUE)
-    task_id = await submit(broker, nc, subjects, QUEUE)
+    rig.endpoint.hold(rpc("accepted"))
+    gateway = await rig.start_gateway()
+    task_id = await rig.submit()
     await eventually(lambda: gateway.open_deliveries == 1)
-    (delivery,) = endpoint.deliveries
+    (delivery,) = rig.endpoint.deliveries
     dispatched = (await broker.get_task(task_id)).lease_expires_at
     assert dispatched is not None
 
@@ -181,14 +118,10 @@ async def test_a_failed_extension_at_park_time_keeps_the_latest_known_expiry(
     clock.advance(timedelta(seconds=10))
     gateway.gateway.on_frame(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
     beaten = dispatched + timedelta(seconds=10)
-
-    async def extended() -> bool:
-        return (await broker.get_task(task_id)).lease_expires_at == beaten
-
-    await eventually(extended)
+    await rig.wait_lease(task_id, beaten)
     # ...then the endpoint accepts while the single-lease extension fails.
     broker.failing.add("extend_lease")
-    endpoint.release.set()
+    rig.endpoint.release.set()
     await eventually(lambda: gateway.parked == 1)
 
     assert gateway.parked_until(delivery.lease_id) == beaten

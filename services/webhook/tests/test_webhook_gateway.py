@@ -4,6 +4,7 @@ its callbacks, sent here over NATS as the api would) finish them in the broker.
 
 The broker runs on a FakeClock: leases never lapse by themselves, and retry delays are
 exact. Tests marked with ``memory_only`` skip the Postgres run where it adds nothing.
+The fixtures (``rig`` and the parts it bundles) are in :mod:`conveyor_webhook.fixtures`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import base64
 import socket
 import time
-import uuid
-from collections.abc import AsyncIterator
 from datetime import timedelta
 
 import pytest
@@ -20,27 +19,28 @@ from aiohttp import web
 from conveyor_api.coalesce import WakePublisher
 from conveyor_api.gateway import GatewayConfig
 from conveyor_api.group_commit import AckBatcher
-from conveyor_broker import Broker, FakeClock, NewTask, TaskState
+from conveyor_broker import Broker, FakeClock, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
-from conveyor_dispatcher import Dispatcher
 from conveyor_protos.v1 import cluster_pb2, service_pb2
-from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
-from conveyor_runtime.settings import DispatcherSettings
+from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.testing import eventually
 from conveyor_runtime.webhook_auth import verify_delivery, verify_lease_token
-from conveyor_webhook import WebhookConfig, WebhookGateway
+from conveyor_webhook import WebhookConfig, WebhookGateway, Wiring
+from conveyor_webhook.fixtures import (  # noqa: F401  (pytest fixtures)
+    dispatcher_fixture,
+    endpoint_fixture,
+    managers_fixture,
+    rig_fixture,
+)
 from conveyor_webhook.testing import (
     Delivery,
     Endpoint,
-    Managers,
+    Rig,
     register,
     rpc,
     rpc_error,
-    running_gateway,
-    send_callback,
     status,
-    submit,
 )
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError
@@ -52,114 +52,18 @@ memory_only = pytest.mark.parametrize("broker_dsn", ["memory"], indirect=True)
 Reply = cluster_pb2.WebhookCallbackReply
 
 
-# ----------------------------------------------------------------- fixtures
-
-
-@pytest.fixture
-async def endpoint() -> AsyncIterator[Endpoint]:
-    """A real HTTP endpoint on a free local port."""
-    async with Endpoint() as ep:
-        yield ep
-
-
-@pytest.fixture
-async def dispatcher(
-    broker: Broker, nc: NatsClient, clock: FakeClock, subjects: Subjects, nats_url: str
-) -> AsyncIterator[Dispatcher]:
-    """A real dispatcher, in this process."""
-    settings = DispatcherSettings(
-        nats_url=nats_url,
-        subject_prefix=subjects.prefix,
-        broker="memory",
-        instance_id=f"disp-{uuid.uuid4().hex[:6]}",
-        owner_ttl=2.0,
-        register_tick=5.0,
-    )
-    d = Dispatcher(settings, broker, nc, clock)
-    await d.start()
-    try:
-        yield d
-    finally:
-        await d.stop()
-
-
-@pytest.fixture
-async def managers(
-    broker: Broker, nc: NatsClient, clock: FakeClock, subjects: Subjects, nats_url: str
-) -> AsyncIterator[Managers]:
-    """Start WebhookManagers (settings overrides as keywords); each is stopped after."""
-    async with Managers(broker, nc, clock, nats_url, subjects) as make:
-        yield make
-
-
-async def start_gateway(
-    broker: Broker,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-    *,
-    manager_options: dict[str, object] | None = None,
-    **registration: object,
-) -> WebhookGateway:
-    await register(broker, endpoint.url, NAME, **registration)
-    manager = await managers(**(manager_options or {}))
-    return await running_gateway(manager, dispatcher, NAME, QUEUE)
-
-
-async def state_of(broker: Broker, task_id: str) -> TaskState:
-    return (await broker.get_task(task_id)).state
-
-
-async def wait_state(broker: Broker, task_id: str, state: TaskState) -> None:
-    async def reached() -> bool:
-        return await state_of(broker, task_id) == state
-
-    await eventually(reached)
-
-
-async def callback(
-    nc: NatsClient,
-    subjects: Subjects,
-    delivery: Delivery,
-    *,
-    beat: bytes | None = None,
-    outcome: cluster_pb2.WebhookOutcome | None = None,
-    lease_id: str | None = None,
-    task_id: str | None = None,
-    queue: str = QUEUE,
-) -> cluster_pb2.WebhookCallbackReply:
-    """Send a WebhookCallback the way the api's WebhookService does."""
-    return await send_callback(
-        nc,
-        subjects,
-        NAME,
-        task_id=task_id or delivery.task_id,
-        lease_id=lease_id or delivery.lease_id,
-        queue=queue,
-        beat=beat,
-        outcome=outcome,
-    )
-
-
 # ------------------------------------------------------------- sync outcomes
 
 
-async def test_a_task_is_posted_signed_and_acked_on_success(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.answer = rpc("success", result=b'{"charged": true}')
-    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = await submit(broker, nc, subjects, QUEUE, headers={"trace": "t1"})
+async def test_a_task_is_posted_signed_and_acked_on_success(rig: Rig) -> None:
+    rig.endpoint.answer = rpc("success", result=b'{"charged": true}')
+    gateway = await rig.start_gateway()
+    task_id = await rig.submit(headers={"trace": "t1"})
 
-    await wait_state(broker, task_id, TaskState.COMPLETED)
-    task = await broker.get_task(task_id)
+    await rig.wait_state(task_id, TaskState.COMPLETED)
+    task = await rig.broker.get_task(task_id)
     assert task.result == b'{"charged": true}'
-    (delivery,) = endpoint.deliveries
+    (delivery,) = rig.endpoint.deliveries
     # Signed with the newest secret over the exact body, recently.
     signature = delivery.headers["Conveyor-Signature"]
     assert verify_delivery(signature, delivery.body, [NEWEST], now=time.time())
@@ -182,125 +86,80 @@ async def test_a_task_is_posted_signed_and_acked_on_success(
     await eventually(lambda: gateway.gateway.in_flight == 0)
 
 
-async def test_failure_retries_after_the_endpoints_retry_after(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.answer = rpc("failure", error="card declined", retry_after=120)
-    await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = await submit(broker, nc, subjects, QUEUE)
+async def test_failure_retries_after_the_endpoints_retry_after(rig: Rig) -> None:
+    rig.endpoint.answer = rpc("failure", error="card declined", retry_after=120)
+    await rig.start_gateway()
+    task_id = await rig.submit()
 
-    await wait_state(broker, task_id, TaskState.RETRY)
-    task = await broker.get_task(task_id)
+    await rig.wait_state(task_id, TaskState.RETRY)
+    task = await rig.broker.get_task(task_id)
     assert task.last_error == "card declined"
     assert task.retried == 1
-    assert task.available_at == clock.now() + timedelta(seconds=120)
+    assert task.available_at == rig.clock.now() + timedelta(seconds=120)
 
 
 @memory_only
-async def test_skip_retry_archives(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.answer = rpc("skip_retry", error="no such customer")
-    await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = await submit(broker, nc, subjects, QUEUE, max_retry=5)
+async def test_skip_retry_archives(rig: Rig) -> None:
+    rig.endpoint.answer = rpc("skip_retry", error="no such customer")
+    await rig.start_gateway()
+    task_id = await rig.submit(max_retry=5)
 
-    await wait_state(broker, task_id, TaskState.ARCHIVED)
-    task = await broker.get_task(task_id)
+    await rig.wait_state(task_id, TaskState.ARCHIVED)
+    task = await rig.broker.get_task(task_id)
     assert (task.last_error, task.retried) == ("no such customer", 0)
 
 
 @memory_only
-async def test_release_gives_the_task_back_untouched(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
+async def test_release_gives_the_task_back_untouched(rig: Rig) -> None:
     answers = [rpc("release"), rpc("success")]
 
     async def answer(delivery: Delivery) -> web.StreamResponse:
         return await answers.pop(0)(delivery)
 
-    endpoint.answer = answer
-    await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = await submit(broker, nc, subjects, QUEUE)
+    rig.endpoint.answer = answer
+    await rig.start_gateway()
+    task_id = await rig.submit()
 
-    await wait_state(broker, task_id, TaskState.COMPLETED)
-    assert [d.task_id for d in endpoint.deliveries] == [task_id, task_id]
-    assert endpoint.deliveries[0].lease_id != endpoint.deliveries[1].lease_id
-    assert (await broker.get_task(task_id)).retried == 0
+    await rig.wait_state(task_id, TaskState.COMPLETED)
+    deliveries = rig.endpoint.deliveries
+    assert [d.task_id for d in deliveries] == [task_id, task_id]
+    assert deliveries[0].lease_id != deliveries[1].lease_id
+    assert (await rig.broker.get_task(task_id)).retried == 0
+
+
+async def failed_attempt(rig: Rig, task_id: str) -> Task:
+    """The task once its attempt failed (back in RETRY)."""
+    await rig.wait_state(task_id, TaskState.RETRY)
+    return await rig.broker.get_task(task_id)
 
 
 @memory_only
-async def test_a_json_rpc_error_fails_with_its_message_and_backoff(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.answer = rpc_error("handler exploded")
-    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = await submit(broker, nc, subjects, QUEUE)
+async def test_a_json_rpc_error_fails_with_its_message_and_backoff(rig: Rig) -> None:
+    rig.endpoint.answer = rpc_error("handler exploded")
+    gateway = await rig.start_gateway()
 
-    await wait_state(broker, task_id, TaskState.RETRY)
-    task = await broker.get_task(task_id)
+    task = await failed_attempt(rig, await rig.submit())
     assert task.last_error == "handler exploded"
-    assert task.available_at > clock.now()  # the server's backoff
+    assert task.available_at > rig.clock.now()  # the server's backoff
     assert gateway.breaker.failures == 0  # the endpoint answered
 
 
 @memory_only
-async def test_a_result_over_max_result_fails(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.answer = rpc("success", result=b"x" * 100)
-    await start_gateway(broker, endpoint, managers, dispatcher, manager_options={"max_result": 10})
-    task_id = await submit(broker, nc, subjects, QUEUE)
+async def test_a_result_over_max_result_fails(rig: Rig) -> None:
+    rig.endpoint.answer = rpc("success", result=b"x" * 100)
+    await rig.start_gateway(manager_options={"max_result": 10})
 
-    await wait_state(broker, task_id, TaskState.RETRY)
-    task = await broker.get_task(task_id)
+    task = await failed_attempt(rig, await rig.submit())
     assert task.last_error == "result is 100 bytes; the limit is 10"
     assert task.result is None
 
 
 @memory_only
-async def test_the_registrations_timeout_fails_the_attempt(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.hold(rpc("success"))  # never answers in time
-    gateway = await start_gateway(
-        broker, endpoint, managers, dispatcher, timeout=timedelta(seconds=0.3)
-    )
-    task_id = await submit(broker, nc, subjects, QUEUE)
+async def test_the_registrations_timeout_fails_the_attempt(rig: Rig) -> None:
+    rig.endpoint.hold(rpc("success"))  # never answers in time
+    gateway = await rig.start_gateway(timeout=timedelta(seconds=0.3))
 
-    await wait_state(broker, task_id, TaskState.RETRY)
-    task = await broker.get_task(task_id)
+    task = await failed_attempt(rig, await rig.submit())
     assert task.last_error == "endpoint did not answer within 0.3 s"
     assert gateway.breaker.failures == 1  # a transport failure
     assert gateway.open_deliveries == 0
@@ -315,20 +174,11 @@ def unused_url() -> str:
 
 
 @memory_only
-async def test_an_unreachable_endpoint_fails_the_attempt(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.url = unused_url()  # nothing listens there
-    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = await submit(broker, nc, subjects, QUEUE)
+async def test_an_unreachable_endpoint_fails_the_attempt(rig: Rig) -> None:
+    rig.endpoint.url = unused_url()  # nothing listens there
+    gateway = await rig.start_gateway()
 
-    await wait_state(broker, task_id, TaskState.RETRY)
-    error = (await broker.get_task(task_id)).last_error or ""
+    error = (await failed_attempt(rig, await rig.submit())).last_error or ""
     assert error.startswith("could not reach the endpoint"), error
     assert gateway.breaker.failures == 1
 
@@ -344,224 +194,145 @@ def outcome(
     )
 
 
-async def accepted_delivery(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> tuple[WebhookGateway, Delivery]:
-    endpoint.answer = rpc("accepted")
-    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = await submit(broker, nc, subjects, QUEUE)
-    await eventually(lambda: gateway.parked == 1)
-    (delivery,) = endpoint.deliveries
-    assert delivery.task_id == task_id
-    return gateway, delivery
+SUCCESS = outcome(service_pb2.OUTCOME_SUCCESS)
 
 
-async def test_accepted_holds_the_slot_until_a_result_callback_completes_it(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    gateway, delivery = await accepted_delivery(
-        broker, nc, subjects, endpoint, managers, dispatcher
-    )
-    assert await state_of(broker, delivery.task_id) == TaskState.ACTIVE
+async def test_accepted_holds_the_slot_until_a_result_callback_completes_it(rig: Rig) -> None:
+    gateway, delivery = await rig.accepted_delivery()
+    assert await rig.state_of(delivery.task_id) == TaskState.ACTIVE
     assert gateway.gateway.in_flight == 1  # the slot stays held
     assert gateway.open_deliveries == 0  # no HTTP request is open
 
-    reply = await callback(
-        nc, subjects, delivery, outcome=outcome(service_pb2.OUTCOME_SUCCESS, result=b"late")
+    reply = await rig.callback(
+        delivery, outcome=outcome(service_pb2.OUTCOME_SUCCESS, result=b"late")
     )
     assert reply.status == Reply.STATUS_OK, reply.message
-    task = await broker.get_task(delivery.task_id)
+    task = await rig.broker.get_task(delivery.task_id)
     assert (task.state, task.result) == (TaskState.COMPLETED, b"late")
     assert gateway.gateway.in_flight == 0
     assert gateway.parked == 0
 
 
 @memory_only
-async def test_a_failure_callback_retries_after_its_retry_after(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    _, delivery = await accepted_delivery(broker, nc, subjects, endpoint, managers, dispatcher)
-    reply = await callback(
-        nc,
-        subjects,
-        delivery,
-        outcome=outcome(service_pb2.OUTCOME_FAILURE, error="later", retry_after=30),
+async def test_a_failure_callback_retries_after_its_retry_after(rig: Rig) -> None:
+    _, delivery = await rig.accepted_delivery()
+    reply = await rig.callback(
+        delivery, outcome=outcome(service_pb2.OUTCOME_FAILURE, error="later", retry_after=30)
     )
     assert reply.status == Reply.STATUS_OK
-    task = await broker.get_task(delivery.task_id)
+    task = await rig.broker.get_task(delivery.task_id)
     assert (task.state, task.last_error) == (TaskState.RETRY, "later")
-    assert task.available_at == clock.now() + timedelta(seconds=30)
+    assert task.available_at == rig.clock.now() + timedelta(seconds=30)
 
 
-async def test_a_heartbeat_callback_extends_the_lease_and_stores_progress(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    _, delivery = await accepted_delivery(broker, nc, subjects, endpoint, managers, dispatcher)
-    clock.advance(timedelta(seconds=20))
+async def test_a_heartbeat_callback_extends_the_lease_and_stores_progress(rig: Rig) -> None:
+    _, delivery = await rig.accepted_delivery()
+    rig.clock.advance(timedelta(seconds=20))
 
-    reply = await callback(nc, subjects, delivery, beat=b'{"step": 2}')
+    reply = await rig.callback(delivery, beat=b'{"step": 2}')
     assert reply.status == Reply.STATUS_OK, reply.message
-    expected = clock.now() + timedelta(seconds=30)  # the default lease_ttl
+    expected = rig.clock.now() + timedelta(seconds=30)  # the default lease_ttl
     assert reply.lease_expires_at == expected.timestamp()
-    task = await broker.get_task(delivery.task_id)
+    task = await rig.broker.get_task(delivery.task_id)
     assert task.lease_expires_at == expected
     assert task.progress == b'{"step": 2}'
 
 
 @memory_only
-async def test_callbacks_for_an_unknown_lease_get_lease_lost(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    gateway, delivery = await accepted_delivery(
-        broker, nc, subjects, endpoint, managers, dispatcher
-    )
-    stranger = new_id(clock.now())
-    beat = await callback(nc, subjects, delivery, lease_id=stranger)
+async def test_callbacks_for_an_unknown_lease_get_lease_lost(rig: Rig) -> None:
+    gateway, delivery = await rig.accepted_delivery()
+    stranger = new_id(rig.clock.now())
+    beat = await rig.callback(delivery, lease_id=stranger)
     assert beat.status == Reply.STATUS_LEASE_LOST
-    result = await callback(
-        nc, subjects, delivery, lease_id=stranger, outcome=outcome(service_pb2.OUTCOME_SUCCESS)
-    )
+    result = await rig.callback(delivery, lease_id=stranger, outcome=SUCCESS)
     assert result.status == Reply.STATUS_LEASE_LOST
-    unknown_task = await callback(
-        nc, subjects, delivery, task_id=new_id(clock.now()), lease_id=stranger
-    )
+    unknown_task = await rig.callback(delivery, task_id=new_id(rig.clock.now()), lease_id=stranger)
     assert unknown_task.status == Reply.STATUS_LEASE_LOST
     # The real delivery is untouched.
-    assert await state_of(broker, delivery.task_id) == TaskState.ACTIVE
+    assert await rig.state_of(delivery.task_id) == TaskState.ACTIVE
     assert gateway.gateway.in_flight == 1
 
     # Once finished, its own lease is lost too.
-    done = await callback(nc, subjects, delivery, outcome=outcome(service_pb2.OUTCOME_SUCCESS))
+    done = await rig.callback(delivery, outcome=SUCCESS)
     assert done.status == Reply.STATUS_OK
-    again = await callback(nc, subjects, delivery, outcome=outcome(service_pb2.OUTCOME_FAILURE))
+    again = await rig.callback(delivery, outcome=outcome(service_pb2.OUTCOME_FAILURE))
     assert again.status == Reply.STATUS_LEASE_LOST
-    late_beat = await callback(nc, subjects, delivery)
+    late_beat = await rig.callback(delivery)
     assert late_beat.status == Reply.STATUS_LEASE_LOST
 
 
 @memory_only
-async def test_a_callback_that_is_not_final_is_invalid(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    _, delivery = await accepted_delivery(broker, nc, subjects, endpoint, managers, dispatcher)
-    reply = await callback(nc, subjects, delivery, outcome=outcome(service_pb2.OUTCOME_UNSPECIFIED))
+async def test_a_callback_that_is_not_final_is_invalid(rig: Rig) -> None:
+    _, delivery = await rig.accepted_delivery()
+    reply = await rig.callback(delivery, outcome=outcome(service_pb2.OUTCOME_UNSPECIFIED))
     assert reply.status == Reply.STATUS_INVALID
-    assert await state_of(broker, delivery.task_id) == TaskState.ACTIVE
+    assert await rig.state_of(delivery.task_id) == TaskState.ACTIVE
+
+
+async def lease_elsewhere(rig: Rig, queue: str = QUEUE, type_: str = "invoice.charge") -> Task:
+    """A task on ``queue`` leased past every gateway (as by an earlier incarnation gone
+    without releasing it); the leased task."""
+    task_id = (await rig.broker.enqueue(NewTask(queue=queue, type=type_))).task.id
+    (leased,) = await rig.broker.lease(queue, 1, timedelta(seconds=30))
+    assert (leased.id, leased.state) == (task_id, TaskState.ACTIVE)
+    assert leased.lease_id is not None
+    return leased
+
+
+def delivery_of(leased: Task) -> Delivery:
+    """What a delivery of ``leased`` would have carried (for :meth:`Rig.callback`)."""
+    return Delivery({}, b"", {"id": leased.lease_id, "params": {"task_id": leased.id}})
 
 
 @memory_only
-async def test_a_heartbeat_for_a_lease_the_gateway_does_not_hold_adopts_it(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
+async def test_a_heartbeat_for_a_lease_the_gateway_does_not_hold_adopts_it(rig: Rig) -> None:
     # A delivery made by an earlier incarnation (gone without releasing it).
-    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = (await broker.enqueue(NewTask(queue=QUEUE, type="invoice.charge"))).task.id
-    (leased,) = await broker.lease(QUEUE, 1, timedelta(seconds=30))
-    assert leased.lease_id is not None
-    orphan = Delivery({}, b"", {"id": leased.lease_id, "params": {"task_id": task_id}})
+    gateway = await rig.start_gateway()
+    orphan = delivery_of(await lease_elsewhere(rig))
     assert gateway.gateway.in_flight == 0
 
-    clock.advance(timedelta(seconds=5))
-    beat = await callback(nc, subjects, orphan, beat=b"")
+    rig.clock.advance(timedelta(seconds=5))
+    beat = await rig.callback(orphan, beat=b"")
     assert beat.status == Reply.STATUS_OK
-    assert beat.lease_expires_at == (clock.now() + timedelta(seconds=30)).timestamp()
+    assert beat.lease_expires_at == (rig.clock.now() + timedelta(seconds=30)).timestamp()
     # It counts against the concurrency again, as a parked delivery.
     assert (gateway.gateway.in_flight, gateway.parked) == (1, 1)
     assert gateway.gateway.free(QUEUE) == 3
 
-    reply = await callback(nc, subjects, orphan, outcome=outcome(service_pb2.OUTCOME_SKIP_RETRY))
+    reply = await rig.callback(orphan, outcome=outcome(service_pb2.OUTCOME_SKIP_RETRY))
     assert reply.status == Reply.STATUS_OK
-    task = await broker.get_task(task_id)
+    task = await rig.broker.get_task(orphan.task_id)
     assert task.state == TaskState.ARCHIVED
     assert task.last_error == "handler asked to skip retries"
     assert (gateway.gateway.in_flight, gateway.parked) == (0, 0)
 
 
 @memory_only
-async def test_a_result_for_a_lease_the_gateway_does_not_hold_is_still_applied(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = (await broker.enqueue(NewTask(queue=QUEUE, type="invoice.charge"))).task.id
-    (leased,) = await broker.lease(QUEUE, 1, timedelta(seconds=30))
-    assert leased.lease_id is not None
-    orphan = Delivery({}, b"", {"id": leased.lease_id, "params": {"task_id": task_id}})
+async def test_a_result_for_a_lease_the_gateway_does_not_hold_is_still_applied(rig: Rig) -> None:
+    gateway = await rig.start_gateway()
+    orphan = delivery_of(await lease_elsewhere(rig))
 
-    reply = await callback(nc, subjects, orphan, outcome=outcome(service_pb2.OUTCOME_SUCCESS))
+    reply = await rig.callback(orphan, outcome=SUCCESS)
     assert reply.status == Reply.STATUS_OK
-    assert await state_of(broker, task_id) == TaskState.COMPLETED
+    assert await rig.state_of(orphan.task_id) == TaskState.COMPLETED
     assert gateway.gateway.in_flight == 0
 
 
 @memory_only
 async def test_callbacks_for_a_task_of_a_queue_the_worker_does_not_serve_are_invalid(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
+    rig: Rig,
 ) -> None:
-    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = (await broker.enqueue(NewTask(queue="elsewhere", type="x"))).task.id
-    (leased,) = await broker.lease("elsewhere", 1, timedelta(seconds=30))
-    assert leased.lease_id is not None
-    foreign = Delivery({}, b"", {"id": leased.lease_id, "params": {"task_id": task_id}})
-    clock.advance(timedelta(seconds=5))
+    gateway = await rig.start_gateway()
+    leased = await lease_elsewhere(rig, "elsewhere", "x")
+    foreign = delivery_of(leased)
+    rig.clock.advance(timedelta(seconds=5))
 
-    beat = await callback(nc, subjects, foreign, queue="elsewhere", beat=b"progress")
-    result = await callback(
-        nc, subjects, foreign, queue="elsewhere", outcome=outcome(service_pb2.OUTCOME_SUCCESS)
-    )
+    beat = await rig.callback(foreign, queue="elsewhere", beat=b"progress")
+    result = await rig.callback(foreign, queue="elsewhere", outcome=SUCCESS)
     for reply in (beat, result):
         assert reply.status == Reply.STATUS_INVALID
         assert "'elsewhere'" in reply.message
-    task = await broker.get_task(task_id)
+    task = await rig.broker.get_task(leased.id)
     assert (task.state, task.lease_id, task.progress) == (TaskState.ACTIVE, leased.lease_id, None)
     assert task.lease_expires_at == leased.lease_expires_at
     assert gateway.gateway.in_flight == 0
@@ -569,226 +340,140 @@ async def test_callbacks_for_a_task_of_a_queue_the_worker_does_not_serve_are_inv
 
 @memory_only
 async def test_a_result_over_this_services_max_result_is_invalid_and_changes_nothing(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
+    rig: Rig,
 ) -> None:
-    endpoint.answer = rpc("accepted")
-    gateway = await start_gateway(
-        broker, endpoint, managers, dispatcher, manager_options={"max_result": 10}
-    )
-    task_id = await submit(broker, nc, subjects, QUEUE)
-    await eventually(lambda: gateway.parked == 1)
-    (delivery,) = endpoint.deliveries
+    gateway, delivery = await rig.accepted_delivery(manager_options={"max_result": 10})
 
     big = outcome(service_pb2.OUTCOME_SUCCESS, result=b"x" * 11)
-    reply = await callback(nc, subjects, delivery, outcome=big)
+    reply = await rig.callback(delivery, outcome=big)
     assert reply.status == Reply.STATUS_INVALID
     assert reply.message == "result is 11 bytes; the limit is 10"
-    assert await state_of(broker, task_id) == TaskState.ACTIVE
+    assert await rig.state_of(delivery.task_id) == TaskState.ACTIVE
     assert (gateway.gateway.in_flight, gateway.parked) == (1, 1)
     # The endpoint reports a failure instead.
-    failed = await callback(
-        nc, subjects, delivery, outcome=outcome(service_pb2.OUTCOME_FAILURE, error="too big")
+    failed = await rig.callback(
+        delivery, outcome=outcome(service_pb2.OUTCOME_FAILURE, error="too big")
     )
     assert failed.status == Reply.STATUS_OK
-    assert await state_of(broker, task_id) == TaskState.RETRY
+    assert await rig.state_of(delivery.task_id) == TaskState.RETRY
 
 
 @memory_only
-async def test_accepted_without_a_callback_address_fails_the_attempt(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.answer = rpc("accepted")
-    gateway = await start_gateway(
-        broker, endpoint, managers, dispatcher, manager_options={"callback_address": ""}
-    )
-    task_id = await submit(broker, nc, subjects, QUEUE)
+async def test_accepted_without_a_callback_address_fails_the_attempt(rig: Rig) -> None:
+    rig.endpoint.answer = rpc("accepted")
+    gateway = await rig.start_gateway(manager_options={"callback_address": ""})
 
-    await wait_state(broker, task_id, TaskState.RETRY)
-    task = await broker.get_task(task_id)
+    task = await failed_attempt(rig, await rig.submit())
     assert task.last_error == "endpoint answered accepted but no callback address is configured"
     assert (gateway.gateway.in_flight, gateway.parked) == (0, 0)
     assert gateway.breaker.failures == 0  # the endpoint answered
 
 
 @memory_only
-async def test_the_bulk_heartbeat_extends_open_deliveries_but_not_parked_ones(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    gateway, parked = await accepted_delivery(broker, nc, subjects, endpoint, managers, dispatcher)
-    endpoint.hold(rpc("success"))
-    open_id = await submit(broker, nc, subjects, QUEUE)
+async def test_the_bulk_heartbeat_extends_open_deliveries_but_not_parked_ones(rig: Rig) -> None:
+    gateway, parked = await rig.accepted_delivery()
+    rig.endpoint.hold(rpc("success"))
+    open_id = await rig.submit()
     await eventually(lambda: gateway.open_deliveries == 1)
-    parked_before = (await broker.get_task(parked.task_id)).lease_expires_at
-    clock.advance(timedelta(seconds=10))
+    parked_before = (await rig.broker.get_task(parked.task_id)).lease_expires_at
+    rig.clock.advance(timedelta(seconds=10))
 
     gateway.gateway.on_frame(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
 
-    expected = clock.now() + timedelta(seconds=30)
-
-    async def extended() -> bool:
-        return (await broker.get_task(open_id)).lease_expires_at == expected
-
-    await eventually(extended)
-    assert (await broker.get_task(parked.task_id)).lease_expires_at == parked_before
-    endpoint.release.set()
-    await wait_state(broker, open_id, TaskState.COMPLETED)
+    await rig.wait_lease(open_id, rig.clock.now() + timedelta(seconds=30))
+    assert (await rig.broker.get_task(parked.task_id)).lease_expires_at == parked_before
+    rig.endpoint.release.set()
+    await rig.wait_state(open_id, TaskState.COMPLETED)
 
 
 @memory_only
 async def test_a_parked_delivery_whose_lease_lapsed_frees_its_slot_and_fails_the_attempt(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
+    rig: Rig,
 ) -> None:
-    gateway, delivery = await accepted_delivery(
-        broker, nc, subjects, endpoint, managers, dispatcher
-    )
+    gateway, delivery = await rig.accepted_delivery()
     assert await gateway.sweep_lapsed() == 0  # still leased
     assert gateway.gateway.in_flight == 1
-    clock.advance(timedelta(seconds=31))
+    rig.clock.advance(timedelta(seconds=31))
 
     assert await gateway.sweep_lapsed() == 1
     assert gateway.gateway.in_flight == 0
     assert gateway.parked == 0
     # The lease is ended in the broker (no reaper runs here), with the usual backoff...
-    task = await broker.get_task(delivery.task_id)
+    task = await rig.broker.get_task(delivery.task_id)
     assert (task.state, task.retried) == (TaskState.RETRY, 1)
     assert task.last_error == "webhook delivery stopped heartbeating"
-    assert task.available_at > clock.now()
+    assert task.available_at > rig.clock.now()
     # ...so a late callback cannot revive an attempt nobody counts any more.
-    late_beat = await callback(nc, subjects, delivery)
+    late_beat = await rig.callback(delivery)
     assert late_beat.status == Reply.STATUS_LEASE_LOST
-    late = await callback(nc, subjects, delivery, outcome=outcome(service_pb2.OUTCOME_SUCCESS))
+    late = await rig.callback(delivery, outcome=SUCCESS)
     assert late.status == Reply.STATUS_LEASE_LOST
-    assert (await broker.get_task(delivery.task_id)).state == TaskState.RETRY
+    assert (await rig.broker.get_task(delivery.task_id)).state == TaskState.RETRY
 
 
 @memory_only
-async def test_a_lapsed_parked_delivery_someone_else_extended_is_kept(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    gateway, delivery = await accepted_delivery(
-        broker, nc, subjects, endpoint, managers, dispatcher
-    )
-    clock.advance(timedelta(seconds=29))
+async def test_a_lapsed_parked_delivery_someone_else_extended_is_kept(rig: Rig) -> None:
+    gateway, delivery = await rig.accepted_delivery()
+    rig.clock.advance(timedelta(seconds=29))
     # Extended behind this gateway's back (another instance's responder, mid hand-over).
-    await broker.extend_lease(delivery.task_id, delivery.lease_id, timedelta(seconds=30))
-    clock.advance(timedelta(seconds=2))
+    await rig.broker.extend_lease(delivery.task_id, delivery.lease_id, timedelta(seconds=30))
+    rig.clock.advance(timedelta(seconds=2))
 
     assert await gateway.sweep_lapsed() == 0
     assert gateway.parked == 1
-    assert gateway.parked_until(delivery.lease_id) == clock.now() + timedelta(seconds=28)
-    assert await state_of(broker, delivery.task_id) == TaskState.ACTIVE
+    assert gateway.parked_until(delivery.lease_id) == rig.clock.now() + timedelta(seconds=28)
+    assert await rig.state_of(delivery.task_id) == TaskState.ACTIVE
 
 
 @memory_only
-async def test_open_deliveries_are_heartbeaten_every_third_of_the_lease_ttl(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    clock: FakeClock,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.hold(rpc("success"))
-    gateway = await start_gateway(
-        broker, endpoint, managers, dispatcher, manager_options={"lease_ttl": 0.3}
-    )
-    task_id = await submit(broker, nc, subjects, QUEUE)
+async def test_open_deliveries_are_heartbeaten_every_third_of_the_lease_ttl(rig: Rig) -> None:
+    rig.endpoint.hold(rpc("success"))
+    gateway = await rig.start_gateway(manager_options={"lease_ttl": 0.3})
+    task_id = await rig.submit()
     await eventually(lambda: gateway.open_deliveries == 1)
-    clock.advance(timedelta(seconds=60))  # the broker's time; the heartbeat runs on its own
-    expected = clock.now() + timedelta(seconds=0.3)
+    rig.clock.advance(timedelta(seconds=60))  # the broker's time; the heartbeat runs on its own
 
-    async def extended() -> bool:
-        return (await broker.get_task(task_id)).lease_expires_at == expected
-
-    await eventually(extended)
-    endpoint.release.set()
-    await wait_state(broker, task_id, TaskState.COMPLETED)
+    await rig.wait_lease(task_id, rig.clock.now() + timedelta(seconds=0.3))
+    rig.endpoint.release.set()
+    await rig.wait_state(task_id, TaskState.COMPLETED)
 
 
 # ------------------------------------------------------------ cancellation
 
 
 @memory_only
-async def test_an_operator_cancel_aborts_the_open_request(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.hold(rpc("success"))
-    gateway = await start_gateway(broker, endpoint, managers, dispatcher)
-    task_id = await submit(broker, nc, subjects, QUEUE)
+async def test_an_operator_cancel_aborts_the_open_request(rig: Rig) -> None:
+    rig.endpoint.hold(rpc("success"))
+    gateway = await rig.start_gateway()
+    task_id = await rig.submit()
     await eventually(lambda: gateway.open_deliveries == 1)
 
-    task = await broker.cancel_task(task_id)  # what AdminService does, then it broadcasts
+    task = await rig.broker.cancel_task(task_id)  # what AdminService does, then it broadcasts
     assert task.state == TaskState.ARCHIVED
     broadcast = cluster_pb2.CancelBroadcast(task_id=task_id, reason="canceled")
-    await nc.publish(subjects.cancel(), broadcast.SerializeToString())
+    await rig.nc.publish(rig.subjects.cancel(), broadcast.SerializeToString())
 
     await eventually(lambda: gateway.open_deliveries == 0)
     assert gateway.gateway.in_flight == 0
-    assert len(endpoint.deliveries) == 1
+    assert len(rig.endpoint.deliveries) == 1
 
 
 # ---------------------------------------------------------- circuit breaker
 
 
 @memory_only
-async def test_the_breaker_announces_zero_capacity_then_probes_then_closes(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
+async def test_the_breaker_announces_zero_capacity_then_probes_then_closes(rig: Rig) -> None:
     announced: list[cluster_pb2.Register] = []
 
     async def on_register(msg: Msg) -> None:
         announced.append(cluster_pb2.Register.FromString(msg.data))
 
-    await nc.subscribe(subjects.register(QUEUE), cb=on_register)
-    endpoint.answer = status(503)
-    gateway = await start_gateway(
-        broker,
-        endpoint,
-        managers,
-        dispatcher,
-        manager_options={"breaker_threshold": 2, "breaker_cooldown": 1.0},
-        concurrency=4,
+    await rig.nc.subscribe(rig.subjects.register(QUEUE), cb=on_register)
+    rig.endpoint.answer = status(503)
+    gateway = await rig.start_gateway(
+        manager_options={"breaker_threshold": 2, "breaker_cooldown": 1.0}, concurrency=4
     )
-    failing = [await submit(broker, nc, subjects, QUEUE) for _ in range(4)]
+    failing = [await rig.submit() for _ in range(4)]
 
     def announced_capacity(capacity: int) -> bool:
         return any(r.gateway == gateway.id and r.capacity == capacity for r in announced)
@@ -798,81 +483,62 @@ async def test_the_breaker_announces_zero_capacity_then_probes_then_closes(
     assert gateway.gateway.concurrency == 0
     assert gateway.gateway.free(QUEUE) == 0
     for task_id in failing:
-        await wait_state(broker, task_id, TaskState.RETRY)  # backoff: not due again
-    assert {d.task_id for d in endpoint.deliveries} == set(failing)
+        await rig.wait_state(task_id, TaskState.RETRY)  # backoff: not due again
+    assert {d.task_id for d in rig.endpoint.deliveries} == set(failing)
 
     # After the cooldown: a single probe slot, whatever the registration's concurrency.
-    endpoint.hold(rpc("success"))
-    later = [await submit(broker, nc, subjects, QUEUE) for _ in range(2)]
+    rig.endpoint.hold(rpc("success"))
+    later = [await rig.submit() for _ in range(2)]
     await eventually(lambda: announced_capacity(1) and gateway.open_deliveries == 1)
     assert gateway.gateway.concurrency == 1
-    states = sorted([await state_of(broker, t) for t in later], key=lambda s: s.value)
+    states = sorted([await rig.state_of(t) for t in later], key=lambda s: s.value)
     assert states == sorted([TaskState.ACTIVE, TaskState.PENDING], key=lambda s: s.value)
 
     # The probe succeeds: closed, full capacity again, the rest flows.
-    endpoint.release.set()
+    rig.endpoint.release.set()
     for task_id in later:
-        await wait_state(broker, task_id, TaskState.COMPLETED)
+        await rig.wait_state(task_id, TaskState.COMPLETED)
     assert gateway.gateway.concurrency == 4
     assert announced_capacity(4)
 
 
 @memory_only
-async def test_parked_deliveries_do_not_block_the_breakers_probe(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
-    endpoint.answer = rpc("accepted")
-    gateway = await start_gateway(
-        broker,
-        endpoint,
-        managers,
-        dispatcher,
-        manager_options={"breaker_threshold": 1, "breaker_cooldown": 0.5},
-        concurrency=4,
+async def test_parked_deliveries_do_not_block_the_breakers_probe(rig: Rig) -> None:
+    rig.endpoint.answer = rpc("accepted")
+    gateway = await rig.start_gateway(
+        manager_options={"breaker_threshold": 1, "breaker_cooldown": 0.5}, concurrency=4
     )
-    await submit(broker, nc, subjects, QUEUE)
+    await rig.submit()
     await eventually(lambda: gateway.parked == 1)
 
     # A transport failure opens the breaker: no synchronous slot, the parked one kept.
-    endpoint.answer = status(503)
-    failed = await submit(broker, nc, subjects, QUEUE)
-    await wait_state(broker, failed, TaskState.RETRY)
+    rig.endpoint.answer = status(503)
+    failed = await rig.submit()
+    await rig.wait_state(failed, TaskState.RETRY)
     assert gateway.gateway.free(QUEUE) == 0
     assert gateway.parked == 1
 
     # After the cooldown the probe goes out although the parked delivery holds a slot.
-    endpoint.answer = rpc("success")
-    probe = await submit(broker, nc, subjects, QUEUE)
-    await wait_state(broker, probe, TaskState.COMPLETED)
+    rig.endpoint.answer = rpc("success")
+    probe = await rig.submit()
+    await rig.wait_state(probe, TaskState.COMPLETED)
     await eventually(lambda: gateway.gateway.concurrency == 4)  # closed again
     assert gateway.parked == 1
 
 
 @memory_only
-async def test_no_connection_pool_limit_holds_deliveries_back(
-    broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
-    endpoint: Endpoint,
-    managers: Managers,
-    dispatcher: Dispatcher,
-) -> None:
+async def test_no_connection_pool_limit_holds_deliveries_back(rig: Rig) -> None:
     # More open deliveries than aiohttp's default pool (100) allows at once.
     many = 110
-    endpoint.hold(rpc("success"))
-    gateway = await start_gateway(broker, endpoint, managers, dispatcher, concurrency=many)
-    ids = [await submit(broker, nc, subjects, QUEUE) for _ in range(many)]
+    rig.endpoint.hold(rpc("success"))
+    gateway = await rig.start_gateway(concurrency=many)
+    ids = [await rig.submit() for _ in range(many)]
 
-    await eventually(lambda: len(endpoint.deliveries) == many)
+    await eventually(lambda: len(rig.endpoint.deliveries) == many)
     assert gateway.open_deliveries == many
-    endpoint.release.set()
+    rig.endpoint.release.set()
     for task_id in ids:
-        await wait_state(broker, task_id, TaskState.COMPLETED)
+        await rig.wait_state(task_id, TaskState.COMPLETED)
 
 
 @memory_only
@@ -888,9 +554,7 @@ async def test_a_gateway_that_fails_to_start_closes_what_it_opened(
         )
     )
     acks, wakes = AckBatcher(broker), WakePublisher(gone, subjects)
-    gateway = WebhookGateway(
-        worker, broker=broker, nc=gone, subjects=subjects, config=config, acks=acks, wakes=wakes
-    )
+    gateway = WebhookGateway(worker, Wiring(broker, gone, subjects, config, acks, wakes))
 
     with pytest.raises(ConnectionClosedError):
         await gateway.start()

@@ -249,7 +249,7 @@ class Execution:
         except Exception as exc:
             error = f"cannot encode result: {describe_exception(exc)}"
             return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=truncate(error))
-        limit = self.session.worker.max_result_size
+        limit = self.session.max_result
         if len(data) > limit:
             # A frame past the server's receive limit would end the whole session (and
             # the task would come back for ever): fail the attempt with the reason instead.

@@ -23,7 +23,7 @@ from conveyor_protos.v1 import task_pb2 as pb
 from conveyor._client import CHANNEL_OPTIONS, auth_metadata
 from conveyor._context import TaskContext
 from conveyor._convert import duration_from_wire, timestamp_from_wire
-from conveyor._execution import Execution, make_result
+from conveyor._execution import DEFAULT_MAX_RESULT, Execution, make_result
 from conveyor._outbox import Outbox
 from conveyor._version import __version__
 
@@ -94,6 +94,11 @@ class SessionRunner:
         self.outbox = Outbox()
         self.session_id: str | None = None
         self.live = False
+        #: The largest result this session sends: the worker's own limit, else the one
+        #: the server announced in Welcome.
+        self.max_result = (
+            DEFAULT_MAX_RESULT if worker.max_result_size is None else worker.max_result_size
+        )
         self.waiting: dict[tuple[str, str], pb.TaskEnvelope] = {}
         #: Deliveries of this session not answered yet (running here, or waiting).
         self.holding: set[tuple[str, str]] = set()
@@ -194,6 +199,8 @@ class SessionRunner:
     def _welcomed(self, welcome: svc.Welcome) -> None:
         self.session_id = welcome.session_id
         self.live = True
+        if self.worker.max_result_size is None and welcome.max_result > 0:
+            self.max_result = welcome.max_result
         logger.info(
             "worker.session_started session_id=%s server_version=%s concurrency=%d",
             welcome.session_id,

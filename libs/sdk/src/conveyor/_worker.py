@@ -25,7 +25,6 @@ from conveyor._client import DEFAULT_TARGET
 from conveyor._codec import Codec, JsonCodec
 from conveyor._errors import InvalidArgument, error_from_status
 from conveyor._execution import (
-    DEFAULT_MAX_RESULT,
     Execution,
     Handler,
     Registration,
@@ -69,8 +68,9 @@ class Worker:
     handlers finish before it cancels them and gives their tasks back. ``reconnect``
     paces reconnects after the stream breaks. ``min_server_version`` refuses servers
     older than that. ``max_result_size`` is the largest encoded result the worker sends
-    (match the server's ``CONVEYOR_MAX_RESULT``): a larger one fails the attempt with a
-    clear error, where sending it would break the stream.
+    (default: the limit the server announces in Welcome, its ``CONVEYOR_MAX_RESULT``): a
+    larger one fails the attempt with a clear error, where sending it would break the
+    stream.
 
     Register handlers with :meth:`task`, then run the worker::
 
@@ -102,15 +102,17 @@ class Worker:
         worker_id: str | None = None,
         reconnect: ReconnectBackoff | None = None,
         min_server_version: str = "",
-        max_result_size: int = DEFAULT_MAX_RESULT,
+        max_result_size: int | None = None,
     ) -> None:
         if not isinstance(target, str) or not target:
             raise InvalidArgument("target must be a non-empty 'host:port' string")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidArgument(f"concurrency must be an int >= 1, got {concurrency!r}")
-        if isinstance(max_result_size, bool) or not isinstance(max_result_size, int):
+        if max_result_size is not None and (
+            isinstance(max_result_size, bool) or not isinstance(max_result_size, int)
+        ):
             raise InvalidArgument(f"max_result_size must be an int, got {max_result_size!r}")
-        if max_result_size < 0:
+        if max_result_size is not None and max_result_size < 0:
             raise InvalidArgument(f"max_result_size must be >= 0, got {max_result_size}")
         grace = to_timedelta("grace_period", grace_period)
         if grace is None or grace < timedelta(0):

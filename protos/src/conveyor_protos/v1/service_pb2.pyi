@@ -174,18 +174,20 @@ class Hello(_message.Message):
     def __init__(self, queues: _Optional[_Mapping[str, int]] = ..., concurrency: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., sdk_version: _Optional[str] = ..., min_server_version: _Optional[str] = ..., batch_types: _Optional[_Iterable[str]] = ..., worker_id: _Optional[str] = ..., accepts_dispatches: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("session_id", "lease_ttl", "heartbeat_interval", "server_version", "min_sdk_version")
+    __slots__ = ("session_id", "lease_ttl", "heartbeat_interval", "server_version", "min_sdk_version", "max_result")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MIN_SDK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESULT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     lease_ttl: _duration_pb2.Duration
     heartbeat_interval: _duration_pb2.Duration
     server_version: str
     min_sdk_version: str
-    def __init__(self, session_id: _Optional[str] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server_version: _Optional[str] = ..., min_sdk_version: _Optional[str] = ...) -> None: ...
+    max_result: int
+    def __init__(self, session_id: _Optional[str] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., server_version: _Optional[str] = ..., min_sdk_version: _Optional[str] = ..., max_result: _Optional[int] = ...) -> None: ...
 
 class Dispatch(_message.Message):
     __slots__ = ("task",)

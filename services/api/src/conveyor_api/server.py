@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import grpc
 from conveyor_broker import Broker
 from conveyor_broker.clock import Clock, SystemClock
-from conveyor_protos.v1 import cluster_pb2, service_pb2_grpc
+from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.events import EventGate
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
@@ -25,6 +24,7 @@ from conveyor_api.admin_service import AdminService
 from conveyor_api.auth import BearerAuthInterceptor, ReadOnlyInterceptor
 from conveyor_api.coalesce import WakePublisher
 from conveyor_api.convert import TaskDefaults
+from conveyor_api.decoding import add_service
 from conveyor_api.gateway import Gateway, GatewayConfig, WorkerSpec
 from conveyor_api.group_commit import AckBatcher, EnqueueCommitter
 from conveyor_api.semver import parse_version
@@ -61,9 +61,8 @@ def server_options(settings: ApiSettings) -> list[tuple[str, Any]]:
     ]
 
 
-def _add(register: Callable[..., None], servicer: object, server: grpc.aio.Server) -> None:
-    # The generated ``add_*_to_server`` functions are untyped; this is their one call site.
-    register(servicer, server)
+#: The services this server registers, by name (registered with decoding.add_service).
+_SERVICES = service_pb2.DESCRIPTOR.services_by_name
 
 
 class ApiServer:
@@ -154,13 +153,16 @@ class ApiServer:
             retention=timedelta(seconds=settings.default_retention),
             max_payload=settings.max_payload,
         )
-        _add(
-            service_pb2_grpc.add_TaskServiceServicer_to_server,
-            TaskService(self.broker, self.clock, defaults, self.committer, self.wakes),
+        # Registered from the descriptors rather than with the generated add_*_to_server,
+        # so an undecodable request gets INVALID_ARGUMENT (see conveyor_api.decoding).
+        add_service(
             server,
+            _SERVICES["TaskService"],
+            TaskService(self.broker, self.clock, defaults, self.committer, self.wakes),
         )
-        _add(
-            service_pb2_grpc.add_WorkerServiceServicer_to_server,
+        add_service(
+            server,
+            _SERVICES["WorkerService"],
             WorkerService(
                 registry=self.registry,
                 clock=self.clock,
@@ -170,7 +172,6 @@ class ApiServer:
                 make_gateway=self._make_gateway,
                 hello_timeout=self._hello_timeout,
             ),
-            server,
         )
         self._admin = AdminService(
             broker=self.broker,
@@ -181,16 +182,16 @@ class ApiServer:
             server_version=__version__,
             event_gate=self._event_gate,
         )
-        _add(service_pb2_grpc.add_AdminServiceServicer_to_server, self._admin, server)
-        _add(
-            service_pb2_grpc.add_WebhookServiceServicer_to_server,
+        add_service(server, _SERVICES["AdminService"], self._admin)
+        add_service(
+            server,
+            _SERVICES["WebhookService"],
             WebhookService(
                 broker=self.broker,
                 nc=self.nc,
                 subjects=self.subjects,
                 max_result=settings.max_result,
             ),
-            server,
         )
         self.port = server.add_insecure_port(f"{settings.host}:{settings.port}")
         if self.port == 0:

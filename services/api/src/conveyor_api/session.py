@@ -9,6 +9,9 @@ The contract is /work/notes/protocol-contract.md (docs/protocol.md). Choices mad
   is logged and ignored; the stream stays up. Ending it would release every task the
   worker is running just because of one bad frame, and nothing a bad frame can say
   changes a task without a lease it holds.
+- A frame whose bytes are not a WorkerFrame at all (see :mod:`conveyor_api.decoding`) ends
+  the stream with INVALID_ARGUMENT, naming the frame type: the peer's encoding is broken,
+  so nothing more it sends can be trusted. Its tasks are released as on any other end.
 - Every server frame goes through one writer task, so frames never interleave.
 - However the stream ends (worker half-close, cancel, broken connection, server shutdown)
   the gateway releases everything it still holds at once.
@@ -20,7 +23,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from conveyor_broker import InvalidTask
@@ -30,6 +33,7 @@ from conveyor_broker.validation import check_queue
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc
 from conveyor_runtime.codec import duration
 
+from conveyor_api.decoding import Undecodable, malformed_message
 from conveyor_api.gateway import Gateway, GatewayConfig, WorkerSpec
 from conveyor_api.semver import at_least
 
@@ -43,6 +47,10 @@ HELLO_TIMEOUT = 10.0
 #: Most queues one session may serve (each costs the gateway NATS subscriptions).
 MAX_QUEUES = 1000
 FIRST_FRAME_MUST_BE_HELLO = "first frame must be Hello"
+#: The INVALID_ARGUMENT message for a frame that does not parse.
+MALFORMED_FRAME = malformed_message(service_pb2.WorkerFrame.DESCRIPTOR.full_name)
+#: How ``_serve`` says the session ended on a frame that does not parse.
+_ENDED_BY_MALFORMED = "malformed frame"
 
 
 class HelloRejected(Exception):
@@ -192,6 +200,8 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{FIRST_FRAME_MUST_BE_HELLO} (none within {self._hello_timeout:g} s)",
             )
+        if isinstance(first, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED_FRAME)
         if not isinstance(first, service_pb2.WorkerFrame) or first.WhichOneof("frame") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, FIRST_FRAME_MUST_BE_HELLO)
         return first.hello
@@ -205,6 +215,7 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
                 heartbeat_interval=duration(ttl / 3),
                 server_version=self._server_version,
                 min_sdk_version=self._min_sdk_version,
+                max_result=self._config.max_result,
             )
         )
 
@@ -246,6 +257,8 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server shutting down; reconnect")
         if ended_by == "error":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "session could not start; reconnect")
+        if ended_by == _ENDED_BY_MALFORMED:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED_FRAME)
 
     async def _serve(
         self, context: _Context, gateway: Gateway, writer: FrameWriter, stop: asyncio.Event
@@ -271,22 +284,29 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
             return "server"
         if writer.task in done:
             return "broken stream"
+        if reader in done and reader.exception() is None and reader.result():
+            return _ENDED_BY_MALFORMED
         return "worker"
 
-    async def _read_frames(self, context: _Context, gateway: Gateway) -> None:
+    async def _read_frames(self, context: _Context, gateway: Gateway) -> bool:
+        """Hand frames to ``gateway`` until the stream ends; True if it ended on a frame
+        that does not parse."""
         while True:
             frame: object = await context.read()
             if frame is grpc.aio.EOF:
-                return
+                return False
+            if isinstance(frame, Undecodable):
+                logger.warning("session.malformed_frame session=%s", gateway.id)
+                return True
             if not isinstance(frame, service_pb2.WorkerFrame):
-                return
+                return False
             if frame.WhichOneof("frame") == "hello":
                 logger.warning("session.second_hello_ignored session=%s", gateway.id)
                 continue
             gateway.on_frame(frame)
 
 
-def _consume_exception(task: asyncio.Task[None]) -> None:
+def _consume_exception(task: asyncio.Task[Any]) -> None:
     # A read or write fails when the stream breaks; that just ends the session.
     if not task.cancelled() and task.exception() is not None:
         logger.debug("session.stream_error error=%r", task.exception())

@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 BANNER = """\
 ================================================================
- Conveyor dev server
-   gRPC (producers and workers): {target}
+ Conveyor dev server: api, dispatcher, maintenance, webhook
+   gRPC (producers, workers,
+         admin, webhook callbacks): {target}
    NATS:                         {nats}
    broker:                       {broker}
  AUTH IS OFF: anyone who can reach {target} can enqueue and

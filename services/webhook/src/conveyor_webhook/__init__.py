@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conveyor_webhook.breaker import BreakerState, CircuitBreaker
 from conveyor_webhook.callbacks import CallbackResponder
-from conveyor_webhook.config import WebhookConfig
+from conveyor_webhook.config import WebhookConfig, Wiring
 from conveyor_webhook.gateway import WebhookGateway
 from conveyor_webhook.manager import ROLE, WebhookManager
 
@@ -16,4 +16,5 @@ __all__ = [
     "WebhookConfig",
     "WebhookGateway",
     "WebhookManager",
+    "Wiring",
 ]

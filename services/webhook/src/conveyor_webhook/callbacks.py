@@ -22,10 +22,9 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Container
 from datetime import timedelta
+from typing import Protocol
 
-from conveyor_api.coalesce import WakePublisher
-from conveyor_api.gateway import Gateway, WorkerSpec
-from conveyor_api.group_commit import AckBatcher
+from conveyor_api.gateway import Gateway
 from conveyor_api.webhook_service import BROKER_UNAVAILABLE
 from conveyor_broker import (
     Broker,
@@ -36,17 +35,13 @@ from conveyor_broker import (
     TaskState,
     WebhookWorker,
 )
-from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime import codec
-from conveyor_runtime.subjects import Subjects
 from google.protobuf.message import DecodeError
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from conveyor_webhook.config import WebhookConfig
+from conveyor_webhook.config import Wiring
 from conveyor_webhook.response import OUTCOMES
-from conveyor_webhook.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +49,10 @@ __all__ = [
     "BROKER_UNAVAILABLE",
     "CallbackResponder",
     "NotServed",
+    "Resolve",
     "Status",
     "answer",
+    "apply_result",
     "live_task",
     "outcome_result",
     "reply",
@@ -114,6 +111,44 @@ def result_problem(callback: cluster_pb2.WebhookCallback, max_result: int) -> St
             f"result is {len(outcome.result)} bytes; the limit is {max_result}",
         )
     return None
+
+
+class Resolve(Protocol):
+    """Applies a stream Result of a task on ``queue``: False when the lease is lost,
+    ValueError when the queue is not served (:meth:`conveyor_api.gateway.Gateway.resolve`)."""
+
+    def __call__(self, result: service_pb2.Result, *, queue: str) -> Awaitable[bool]: ...
+
+
+async def apply_result(
+    name: str,
+    callback: cluster_pb2.WebhookCallback,
+    resolve: Resolve,
+    max_result: int,
+    *,
+    via: str = "",
+) -> Status:
+    """Apply the ReportResult ``callback`` of registration ``name`` with ``resolve`` and
+    say how it went: INVALID for a result :func:`result_problem` refuses or a task on a
+    queue not served (``resolve`` raises ValueError), LEASE_LOST when it was not applied.
+    ``via`` names who applied it in the log line (none: the running gateway)."""
+    problem = result_problem(callback, max_result)
+    if problem is not None:
+        return problem
+    try:
+        applied = await resolve(outcome_result(callback), queue=callback.queue)
+    except ValueError as exc:  # a task on a queue it does not serve
+        return reply(Status.STATUS_INVALID, str(exc))
+    if not applied:
+        return reply(Status.STATUS_LEASE_LOST, "lease lost")
+    logger.info(
+        "webhook.callback_result worker=%s task=%s outcome=%s%s",
+        name,
+        callback.task_id,
+        service_pb2.Outcome.Name(callback.result.outcome),
+        f" via={via}" if via else "",
+    )
+    return reply(Status.STATUS_OK)
 
 
 async def live_task(
@@ -188,49 +223,17 @@ class CallbackResponder:
     the callback's lease. It holds nothing and counts nothing.
     """
 
-    def __init__(
-        self,
-        worker: WebhookWorker,
-        *,
-        broker: Broker,
-        nc: NATS,
-        subjects: Subjects,
-        config: WebhookConfig,
-        acks: AckBatcher,
-        wakes: WakePublisher,
-    ) -> None:
+    def __init__(self, worker: WebhookWorker, wiring: Wiring) -> None:
         self.name = worker.name
-        self._broker = broker
-        self._nc = nc
-        self._subjects = subjects
-        self._config = config
-        self._acks = acks
-        self._wakes = wakes
+        self._broker = wiring.broker
+        self._config = wiring.config
+        self._wiring = wiring
         self.worker = worker
         self._resolver = self._make_resolver(worker)
 
     def _make_resolver(self, worker: WebhookWorker) -> Gateway:
         # Never started: its resolve() makes only the lease-scoped broker call.
-        now = self._config.gateway.clock.now()
-        spec = WorkerSpec(
-            queues=dict(worker.queues),
-            concurrency=worker.concurrency,
-            labels={"webhook": worker.name},
-            worker_id=f"webhook:{worker.name}",
-            sdk_version=f"conveyor-webhook/{__version__}",
-        )
-        return Gateway(
-            f"whcb-{worker.name}-{new_id(now)}",
-            spec,
-            broker=self._broker,
-            nc=self._nc,
-            subjects=self._subjects,
-            config=self._config.gateway,
-            acks=self._acks,
-            wakes=self._wakes,
-            send=_ignore,
-            connected_at=now,
-        )
+        return self._wiring.gateway("whcb", worker, _ignore)
 
     def refresh(self, worker: WebhookWorker) -> None:
         """Take the stored registration (its queues decide which tasks it answers for)."""
@@ -253,19 +256,10 @@ class CallbackResponder:
                     callback.task_id, callback.lease_id, callback.heartbeat.progress
                 )
             return reply(Status.STATUS_OK, expires=expires.timestamp())
-        problem = result_problem(callback, self._config.gateway.max_result)
-        if problem is not None:
-            return problem
-        try:
-            applied = await self._resolver.resolve(outcome_result(callback), queue=callback.queue)
-        except ValueError as exc:  # a task on a queue it does not serve
-            return reply(Status.STATUS_INVALID, str(exc))
-        if not applied:
-            return reply(Status.STATUS_LEASE_LOST, "lease lost")
-        logger.info(
-            "webhook.callback_result worker=%s task=%s outcome=%s via=responder",
+        return await apply_result(
             self.name,
-            callback.task_id,
-            service_pb2.Outcome.Name(callback.result.outcome),
+            callback,
+            self._resolver.resolve,
+            self._config.gateway.max_result,
+            via="responder",
         )
-        return reply(Status.STATUS_OK)

@@ -39,28 +39,21 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import aiohttp
-from conveyor_api.coalesce import WakePublisher
-from conveyor_api.gateway import Gateway, WorkerSpec
-from conveyor_api.group_commit import AckBatcher
-from conveyor_broker import Broker, LeaseLost, WebhookWorker
-from conveyor_broker.ids import new_id
+from conveyor_broker import LeaseLost, WebhookWorker
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import codec
-from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import sign_delivery
-from nats.aio.client import Client as NATS
 
 from conveyor_webhook.breaker import CircuitBreaker, Ticket
 from conveyor_webhook.callbacks import (
     Status,
     answer,
+    apply_result,
     live_task,
-    outcome_result,
     reply,
-    result_problem,
     set_retry_after,
 )
-from conveyor_webhook.config import WebhookConfig
+from conveyor_webhook.config import WebhookConfig, Wiring
 from conveyor_webhook.delivery import delivery_body, delivery_headers
 from conveyor_webhook.http import open_session, signed_by
 from conveyor_webhook.response import (
@@ -71,7 +64,6 @@ from conveyor_webhook.response import (
     parse_response,
     transport_failure,
 )
-from conveyor_webhook.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -123,47 +115,17 @@ class _Parked:
 class WebhookGateway:
     """Serves one webhook registration: deliveries, callbacks, circuit breaker."""
 
-    def __init__(
-        self,
-        worker: WebhookWorker,
-        *,
-        broker: Broker,
-        nc: NATS,
-        subjects: Subjects,
-        config: WebhookConfig,
-        acks: AckBatcher,
-        wakes: WakePublisher,
-    ) -> None:
+    def __init__(self, worker: WebhookWorker, wiring: Wiring) -> None:
         if not worker.secrets:
             raise ValueError(f"webhook worker {worker.name!r} has no secret to sign with")
         self.worker = worker
         self.name = worker.name
-        self._broker = broker
-        self._config = config
+        self._broker = wiring.broker
+        self._config = config = wiring.config
         self._clock = config.gateway.clock
         self._http: aiohttp.ClientSession | None = None
         self._max_body = config.gateway.max_result * 4 // 3 + RESPONSE_HEADROOM
-        now = self._clock.now()
-        spec = WorkerSpec(
-            queues=dict(worker.queues),
-            concurrency=worker.concurrency,
-            labels={"webhook": worker.name},
-            worker_id=f"webhook:{worker.name}",
-            sdk_version=f"conveyor-webhook/{__version__}",
-            accepts_dispatches=True,
-        )
-        self.gateway = Gateway(
-            f"wh-{worker.name}-{new_id(now)}",
-            spec,
-            broker=broker,
-            nc=nc,
-            subjects=subjects,
-            config=config.gateway,
-            acks=acks,
-            wakes=wakes,
-            send=self._send,
-            connected_at=now,
-        )
+        self.gateway = wiring.gateway("wh", worker, self._send, accepts_dispatches=True)
         self.gateway.track_lease_expiry()
         self.breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown)
         self._deliveries: dict[str, asyncio.Task[None]] = {}  # lease id -> open delivery
@@ -592,28 +554,20 @@ class WebhookGateway:
         return reply(Status.STATUS_OK, expires=expires.timestamp())
 
     async def _on_outcome(self, callback: cluster_pb2.WebhookCallback) -> Status:
-        problem = result_problem(callback, self._config.gateway.max_result)
-        if problem is not None:
-            return problem
+        return await apply_result(
+            self.name, callback, self._resolve, self._config.gateway.max_result
+        )
+
+    async def _resolve(self, result: service_pb2.Result, *, queue: str) -> bool:
         try:
-            applied = await self.gateway.resolve(outcome_result(callback), queue=callback.queue)
-        except ValueError as exc:  # a task on a queue it does not serve
-            return reply(Status.STATUS_INVALID, str(exc))
+            applied = await self.gateway.resolve(result, queue=queue)
         finally:
             # Resolved (or failed in the broker): the Gateway holds it no more.
-            lease_id = callback.lease_id
+            lease_id = result.lease_id
             if not self.gateway.is_parked(lease_id) and self._forget_parked(lease_id):
                 self._apply_cap()
         # A synchronous request still open for this delivery has nothing left to say.
-        open_ = self._deliveries.pop(callback.lease_id, None)
+        open_ = self._deliveries.pop(result.lease_id, None)
         if open_ is not None:
             open_.cancel()
-        if not applied:
-            return reply(Status.STATUS_LEASE_LOST, "lease lost")
-        logger.info(
-            "webhook.callback_result worker=%s task=%s outcome=%s",
-            self.name,
-            callback.task_id,
-            service_pb2.Outcome.Name(callback.result.outcome),
-        )
-        return reply(Status.STATUS_OK)
+        return applied

@@ -54,7 +54,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from conveyor_webhook.callbacks import CallbackResponder, Status, respond
-from conveyor_webhook.config import WebhookConfig
+from conveyor_webhook.config import WebhookConfig, Wiring
 from conveyor_webhook.gateway import WebhookGateway
 
 logger = logging.getLogger(__name__)
@@ -117,8 +117,8 @@ class WebhookManager:
         self._keeper: LeaseKeeper | None = None
         self._loop: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
-        self._acks: AckBatcher | None = None
-        self._wakes: WakePublisher | None = None
+        #: What the gateways and callback responders share (from :meth:`start` on).
+        self._wiring: Wiring | None = None
         self._retiring: dict[str, tuple[WebhookGateway, asyncio.Task[None]]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._callbacks: dict[str, _Callbacks] = {}
@@ -164,8 +164,14 @@ class WebhookManager:
         propagates."""
         if self._keeper is not None:
             return
-        self._acks = AckBatcher(self._broker)
-        self._wakes = WakePublisher(self._nc, self.subjects)
+        self._wiring = Wiring(
+            broker=self._broker,
+            nc=self._nc,
+            subjects=self.subjects,
+            config=self.config,
+            acks=AckBatcher(self._broker),
+            wakes=WakePublisher(self._nc, self.subjects),
+        )
         try:
             kv = await open_lease_bucket(
                 self._nc, self.subjects.leaders_bucket, self.settings.leader_ttl
@@ -209,10 +215,9 @@ class WebhookManager:
         if self._keeper is not None:
             await self._keeper.stop(release=True)
             self._keeper = None
-        if self._acks is not None:
-            await self._acks.aclose()
-        if self._wakes is not None:
-            await self._wakes.aclose()
+        if self._wiring is not None:
+            await self._wiring.acks.aclose()
+            await self._wiring.wakes.aclose()
 
     async def _on_cancel_broadcast(self, msg: Msg) -> None:
         try:
@@ -283,18 +288,13 @@ class WebhookManager:
                 if name not in self.gateways and name not in self._retiring:
                     await self._start(worker)
 
-    async def _start(self, worker: WebhookWorker) -> None:
-        if self._acks is None or self._wakes is None:
+    def _wired(self) -> Wiring:
+        if self._wiring is None:
             raise RuntimeError("the webhook manager is not started")
-        gateway = WebhookGateway(
-            worker,
-            broker=self._broker,
-            nc=self._nc,
-            subjects=self.subjects,
-            config=self.config,
-            acks=self._acks,
-            wakes=self._wakes,
-        )
+        return self._wiring
+
+    async def _start(self, worker: WebhookWorker) -> None:
+        gateway = WebhookGateway(worker, self._wired())
         try:
             # A failed (or canceled) start drains what it started before raising.
             await gateway.start()
@@ -352,8 +352,7 @@ class WebhookManager:
 
     async def _answer_for(self, stored: list[WebhookWorker]) -> None:
         """Answer the callbacks of exactly the ``stored`` registrations."""
-        if self._acks is None or self._wakes is None:
-            raise RuntimeError("the webhook manager is not started")
+        wiring = self._wired()
         by_name = {w.name: w for w in stored}
         for name in [n for n in self._callbacks if n not in by_name]:
             await self._drop_callback(name)
@@ -362,15 +361,7 @@ class WebhookManager:
             if route is not None:
                 route.responder.refresh(worker)
                 continue
-            responder = CallbackResponder(
-                worker,
-                broker=self._broker,
-                nc=self._nc,
-                subjects=self.subjects,
-                config=self.config,
-                acks=self._acks,
-                wakes=self._wakes,
-            )
+            responder = CallbackResponder(worker, wiring)
             sub = await self._nc.subscribe(
                 self.subjects.webhook_callback(name),
                 queue=CALLBACK_GROUP,

@@ -1,6 +1,7 @@
 """Test helpers for the webhook service: a real HTTP endpoint that records deliveries and
-answers as told, plus shortcuts to register a worker and submit tasks. Used by this
-package's tests and by anyone testing an integration without a real endpoint.
+answers as told, plus shortcuts to register a worker and submit tasks, and a :class:`Rig`
+bundling one registration under test with everything around it. Used by this package's
+tests and by anyone testing an integration without a real endpoint.
 
 Nothing here sleeps for time: waits poll a condition until a timeout.
 """
@@ -14,11 +15,18 @@ import socket
 import uuid
 from collections.abc import Awaitable, Callable, Container
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from aiohttp import web
-from conveyor_broker import Broker, NewTask, WebhookWorker, WebhookWorkerSpec
+from conveyor_broker import (
+    Broker,
+    FakeClock,
+    NewTask,
+    TaskState,
+    WebhookWorker,
+    WebhookWorkerSpec,
+)
 from conveyor_broker.clock import Clock
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.settings import WebhookSettings
@@ -166,13 +174,13 @@ async def running_gateway(
     await manager.reconcile()
     await manager.settled()
     gateway = manager.gateways[name]
-
-    def known() -> bool:
-        qd = dispatcher.queue(queue)
-        return qd is not None and gateway.id in qd.book
-
-    await eventually(known)
+    await eventually(lambda: _knows(dispatcher, queue, gateway.id))
     return gateway
+
+
+def _knows(dispatcher: _Dispatcher, queue: str, gateway_id: str) -> bool:
+    qd = dispatcher.queue(queue)
+    return qd is not None and gateway_id in qd.book
 
 
 async def submit(broker: Broker, nc: NATS, subjects: Subjects, queue: str, **fields: Any) -> str:
@@ -243,3 +251,121 @@ class Managers:
     async def __aexit__(self, *exc: object) -> None:
         for manager in reversed(self.started):
             await manager.stop()
+
+
+@dataclass
+class Rig:
+    """One webhook registration under test (``name``, serving ``queue``) with everything
+    around it: a broker on a FakeClock, NATS, a real :class:`Endpoint` (the
+    registration's url), the dispatcher owning the queue, and :class:`Managers` to run
+    the gateways. The shortcuts below default to that registration and queue."""
+
+    broker: Broker
+    nc: NATS
+    subjects: Subjects
+    clock: FakeClock
+    endpoint: Endpoint
+    managers: Managers
+    dispatcher: _Dispatcher
+    name: str = "billing"
+    queue: str = "hooks"
+
+    async def register(self, **overrides: Any) -> WebhookWorker:
+        """Store the registration for the endpoint (see :func:`register`)."""
+        return await register(self.broker, self.endpoint.url, self.name, **overrides)
+
+    async def running(self, manager: WebhookManager, queue: str | None = None) -> WebhookGateway:
+        """The registration's gateway once ``manager`` runs it and the dispatcher of
+        ``queue`` (default: the rig's) knows it (see :func:`running_gateway`)."""
+        return await running_gateway(manager, self.dispatcher, self.name, queue or self.queue)
+
+    async def start(
+        self, *, manager_options: dict[str, Any] | None = None, **registration: Any
+    ) -> tuple[WebhookManager, WebhookGateway]:
+        """Store the registration (``registration``: overrides), start a manager
+        (``manager_options``: settings overrides); the manager and its running gateway."""
+        await self.register(**registration)
+        manager = await self.managers(**(manager_options or {}))
+        return manager, await self.running(manager)
+
+    async def start_gateway(
+        self, *, manager_options: dict[str, Any] | None = None, **registration: Any
+    ) -> WebhookGateway:
+        """:meth:`start`, for when the manager does not matter: the running gateway."""
+        _, gateway = await self.start(manager_options=manager_options, **registration)
+        return gateway
+
+    def knows(self, gateway: WebhookGateway, queue: str | None = None) -> bool:
+        """True while the dispatcher of ``queue`` (default: the rig's) has ``gateway`` in
+        its book."""
+        return _knows(self.dispatcher, queue or self.queue, gateway.id)
+
+    async def submit(self, queue: str | None = None, **fields: Any) -> str:
+        """Enqueue a task on ``queue`` (default: the rig's) and wake it (see
+        :func:`submit`); the task id."""
+        return await submit(self.broker, self.nc, self.subjects, queue or self.queue, **fields)
+
+    async def park(self, gateway: WebhookGateway) -> Delivery:
+        """Submit a task the endpoint accepts (whatever it answers otherwise); its
+        delivery once ``gateway`` parked it (the only one parked there)."""
+        answer = self.endpoint.answer
+        self.endpoint.answer = rpc("accepted")
+        task_id = await self.submit()
+        await eventually(lambda: gateway.parked == 1)
+        self.endpoint.answer = answer
+        [delivery] = [d for d in self.endpoint.deliveries if d.task_id == task_id]
+        return delivery
+
+    async def accepted_delivery(
+        self, *, manager_options: dict[str, Any] | None = None, **registration: Any
+    ) -> tuple[WebhookGateway, Delivery]:
+        """:meth:`start_gateway`, then :meth:`park` a delivery on it: the gateway and the
+        delivery (the only one the endpoint got)."""
+        gateway = await self.start_gateway(manager_options=manager_options, **registration)
+        delivery = await self.park(gateway)
+        assert self.endpoint.deliveries == [delivery]
+        return gateway, delivery
+
+    async def state_of(self, task_id: str) -> TaskState:
+        """The task's state in the broker."""
+        return (await self.broker.get_task(task_id)).state
+
+    async def wait_state(self, task_id: str, state: TaskState) -> None:
+        """Wait until the task is in ``state``."""
+
+        async def reached() -> bool:
+            return await self.state_of(task_id) == state
+
+        await eventually(reached)
+
+    async def wait_lease(self, task_id: str, expires: datetime) -> None:
+        """Wait until the task's lease expires at ``expires`` (extended by a heartbeat)."""
+
+        async def extended() -> bool:
+            return (await self.broker.get_task(task_id)).lease_expires_at == expires
+
+        await eventually(extended)
+
+    async def callback(
+        self,
+        delivery: Delivery,
+        *,
+        beat: bytes | None = None,
+        outcome: cluster_pb2.WebhookOutcome | None = None,
+        lease_id: str | None = None,
+        task_id: str | None = None,
+        queue: str | None = None,
+    ) -> cluster_pb2.WebhookCallbackReply:
+        """Send a callback for ``delivery`` (a heartbeat with ``beat`` progress unless
+        ``outcome``) the way the api's WebhookService does (see :func:`send_callback`);
+        ``lease_id``, ``task_id`` and ``queue`` stand in for the delivery's own."""
+        return await send_callback(
+            self.nc,
+            self.subjects,
+            self.name,
+            task_id=task_id or delivery.task_id,
+            lease_id=lease_id or delivery.lease_id,
+            queue=queue or self.queue,
+            beat=beat,
+            outcome=outcome,
+        )
