@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
+from conveyor_api.task_service import YIELD_EVERY
 from conveyor_api.testing import CountingBroker, MakeApi, Recorder, wait_until
 from conveyor_broker import FakeClock, TaskState
 from conveyor_broker.ids import new_id
@@ -304,3 +305,40 @@ async def test_wake_only_for_due_work(
     await wakes.wait_for(lambda m: m.queue == "marker")
     assert [m.queue for m in wakes.messages] == ["now", "marker"]
     await wakes.stop()
+
+
+async def test_a_big_batch_lets_worker_sessions_run_while_it_converts(
+    tasks: Any, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Converting a thousand items takes milliseconds; the api's worker sessions share its
+    event loop, so the conversion yields every YIELD_EVERY items instead of holding it."""
+    ticks = 0
+    seen: list[int] = []
+    running = True
+
+    async def other_work() -> None:
+        nonlocal ticks
+        while running:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    real_now = clock.now
+
+    def now() -> Any:
+        seen.append(ticks)  # conversion reads the clock once per item
+        return real_now()
+
+    monkeypatch.setattr(clock, "now", now)
+    ticker = asyncio.create_task(other_work())
+    try:
+        response = await tasks.EnqueueBatch(
+            service_pb2.EnqueueBatchRequest(tasks=[new() for _ in range(1000)])
+        )
+    finally:
+        running = False
+        await ticker
+    assert len(response.results) == 1000
+    assert all(item.HasField("task") for item in response.results)
+    # Without the yields every item would see the same tick count.
+    assert YIELD_EVERY <= 200
+    assert len(set(seen[:1000])) >= 5

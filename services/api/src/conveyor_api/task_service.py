@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,11 @@ from conveyor_api.convert import TaskDefaults, new_task_from_request
 from conveyor_api.group_commit import EnqueueCommitter
 
 logger = logging.getLogger(__name__)
+
+#: A big EnqueueBatch converts its items in runs of this many, yielding to the event loop
+#: between runs: worker sessions share this loop, and a thousand conversions in one go
+#: would hold their dispatches and acks up for tens of milliseconds.
+YIELD_EVERY = 100
 
 if TYPE_CHECKING:
     _Context = grpc.aio.ServicerContext[Any, Any]
@@ -91,13 +97,17 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
         items: list[service_pb2.EnqueueItemResult | None] = []
         work: list[tuple[int, NewTask]] = []
         for index, msg in enumerate(request.tasks):
+            if index and index % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # let worker sessions run: see YIELD_EVERY
             try:
                 work.append((index, new_task_from_request(msg, self._clock, self._defaults)))
                 items.append(None)
             except InvalidTask as exc:
                 items.append(_item_error(exc))
         outcomes = await self._committer.enqueue_many([task for _, task in work])
-        for (index, _), outcome in zip(work, outcomes, strict=True):
+        for done, ((index, _), outcome) in enumerate(zip(work, outcomes, strict=True)):
+            if done and done % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
             if isinstance(outcome, EnqueueResult):
                 items[index] = service_pb2.EnqueueItemResult(
                     task=task_to_proto(outcome.task), created=outcome.created
