@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +59,27 @@ def port_open(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
         return True
     return False
+
+
+@contextlib.contextmanager
+def dev_server(log: Path) -> Iterator[str]:
+    """``conveyor dev`` on a free port in its own process group, output in ``log``; yields
+    its address once it accepts connections, and stops it (SIGTERM) afterwards."""
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "conveyor_cli", "dev", "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(lambda: port_open(port) or proc.poll() is not None, timeout=60, message="dev")
+        assert proc.poll() is None, log.read_text()
+        yield f"127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 @dataclass

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,27 +15,13 @@ from conveyor_broker.postgres.migrations import load_migrations
 from conveyor_cli.main import cli
 from conveyor_runtime.embedded_nats import free_port
 
-from tests.e2e.harness import port_open, wait_until
+from tests.e2e.harness import dev_server
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("dev") / "dev.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "conveyor_cli", "dev", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        wait_until(lambda: port_open(port) or proc.poll() is not None, timeout=60, message="dev")
-        assert proc.poll() is None, log.read_text()
-        yield f"127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+    with dev_server(tmp_path_factory.mktemp("dev") / "dev.log") as address:
+        yield address
 
 
 def run(*args: str, target: str | None = None) -> click.testing.Result:
@@ -183,3 +167,24 @@ def test_migrate_applies_then_reports_up_to_date(fresh_pg_dsn: str) -> None:
     assert json.loads(first.output)["applied"] == every
     second = CliRunner().invoke(cli, ["migrate", "--dsn", fresh_pg_dsn])
     assert "up to date" in second.output
+
+
+@pytest.mark.parametrize(
+    ("service", "bad_flag"),
+    [
+        ("api", "--port=-1"),
+        ("dispatcher", "--batch-max=0"),
+        ("maintenance", "--reap-tick=0"),
+        ("webhook", "--reconcile-tick=-1"),
+    ],
+)
+def test_serve_with_invalid_settings_is_one_message_and_exit_2(service: str, bad_flag: str) -> None:
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("conveyor")), "serve", service, bad_flag],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"conveyor-{service}: invalid settings" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import click
@@ -15,7 +11,7 @@ from click.testing import CliRunner
 from conveyor_cli.main import cli
 from conveyor_runtime.embedded_nats import free_port
 
-from tests.e2e.harness import port_open, wait_until
+from tests.e2e.harness import dev_server
 
 SECRET_NEW = "cli-secret-new-1234"
 SECRET_OLD = "cli-secret-old-5678"
@@ -23,22 +19,8 @@ SECRET_OLD = "cli-secret-old-5678"
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("dev-webhooks") / "dev.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "conveyor_cli", "dev", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        wait_until(lambda: port_open(port) or proc.poll() is not None, timeout=60, message="dev")
-        assert proc.poll() is None, log.read_text()
-        yield f"127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+    with dev_server(tmp_path_factory.mktemp("dev-webhooks") / "dev.log") as address:
+        yield address
 
 
 def run(*args: str, target: str | None = None) -> click.testing.Result:

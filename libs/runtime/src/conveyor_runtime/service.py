@@ -20,7 +20,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Coroutine
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,6 +30,7 @@ import uvloop
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.interface import Broker
 from nats.aio.client import Client as NatsClient
+from pydantic import ValidationError
 
 from conveyor_runtime import health
 from conveyor_runtime.broker_factory import open_broker
@@ -156,3 +158,21 @@ def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:
         logger.exception("service.crashed name=%s", name)
         return 1
     return 0
+
+
+def service_main(
+    settings_type: type[S],
+    serve: ServiceMain[S],
+    argv: Sequence[str] | None,
+    *,
+    name: str,
+) -> int:
+    """A service's ``main``: settings from ``argv`` (None: ``sys.argv[1:]``) and the
+    environment, then :func:`run_service`. Invalid settings print one message and give
+    exit code 2."""
+    try:
+        settings = settings_type.from_args(sys.argv[1:] if argv is None else argv)
+    except ValidationError as exc:
+        print(f"conveyor-{name}: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    return run_service(serve, settings, name=name)

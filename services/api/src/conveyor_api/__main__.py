@@ -6,9 +6,8 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from conveyor_runtime.service import open_runtime, run_service
+from conveyor_runtime.service import open_runtime, service_main
 from conveyor_runtime.settings import ApiSettings
-from pydantic import ValidationError
 
 from conveyor_api.server import ApiServer
 
@@ -23,13 +22,8 @@ async def serve(settings: ApiSettings, stop: asyncio.Event) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse flags and environment, run the service; the process exit code."""
-    try:
-        settings = ApiSettings.from_args(sys.argv[1:] if argv is None else argv)
-    except ValidationError as exc:
-        print(f"conveyor-api: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
-    return run_service(serve, settings, name="api")
+    """Parse flags and environment, then serve until SIGTERM/SIGINT; the exit code."""
+    return service_main(ApiSettings, serve, argv, name="api")
 
 
 if __name__ == "__main__":

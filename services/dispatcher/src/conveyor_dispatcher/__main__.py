@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Sequence
 
-from conveyor_runtime.service import open_runtime, run_service
+from conveyor_runtime.service import open_runtime, service_main
 from conveyor_runtime.settings import DispatcherSettings
 
 from conveyor_dispatcher.dispatcher import Dispatcher
@@ -25,10 +26,9 @@ async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> None:
             await dispatcher.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse flags, then serve until SIGTERM/SIGINT; the exit code."""
-    settings = DispatcherSettings.from_args(sys.argv[1:] if argv is None else argv)
-    return run_service(serve, settings, name="dispatcher")
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags and environment, then serve until SIGTERM/SIGINT; the exit code."""
+    return service_main(DispatcherSettings, serve, argv, name="dispatcher")
 
 
 if __name__ == "__main__":

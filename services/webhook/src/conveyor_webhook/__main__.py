@@ -9,9 +9,8 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from conveyor_runtime.service import open_runtime, run_service
+from conveyor_runtime.service import open_runtime, service_main
 from conveyor_runtime.settings import WebhookSettings
-from pydantic import ValidationError
 
 from conveyor_webhook.manager import WebhookManager
 
@@ -29,12 +28,7 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags and environment, then serve until SIGTERM/SIGINT; the exit code."""
-    try:
-        settings = WebhookSettings.from_args(sys.argv[1:] if argv is None else argv)
-    except ValidationError as exc:
-        print(f"conveyor-webhook: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
-    return run_service(serve, settings, name="webhook")
+    return service_main(WebhookSettings, serve, argv, name="webhook")
 
 
 if __name__ == "__main__":
