@@ -37,8 +37,14 @@ def test_quickstart_runs_start_to_finish(tmp_path: Path) -> None:
             lambda: port_open(port) or dev.poll() is not None, timeout=120, message="dev server"
         )
         assert dev.poll() is None, (tmp_path / "dev.log").read_text()
+        # The banner comes once every service has started (the port opens with the api).
+        wait_until(
+            lambda: "AUTH IS OFF" in (tmp_path / "dev.log").read_text() or dev.poll() is not None,
+            timeout=60,
+            message="dev banner",
+        )
         banner = (tmp_path / "dev.log").read_text()
-        assert "AUTH IS OFF" in banner
+        assert "AUTH IS OFF" in banner, banner
         nats_port = int(re.search(r"nats://127\.0\.0\.1:(\d+)", banner).group(1))  # type: ignore[union-attr]
 
         with (tmp_path / "worker.log").open("wb") as worker_log:

@@ -5,8 +5,8 @@ PostgresBroker (in a fresh schema), each on its own FakeClock moved identically.
 come from a small fixed pool so operations collide (idempotent enqueue, unique keys,
 lease-scoped calls on the wrong task). After every operation the two must agree on the
 outcome (value or exception type), the events reported, and the observable state: every
-task (except its lease id, which is random), queue_stats, pending_count and the webhook
-worker registrations.
+task (except its lease id, which is random), queue_stats, pending_count, due_queues and
+the webhook worker registrations.
 """
 
 from __future__ import annotations
@@ -343,6 +343,7 @@ async def _snapshot(broker: Broker) -> tuple[Any, ...]:
         page.next_cursor,
         _normal(await broker.queue_stats()),
         await broker.pending_count(),
+        await broker.due_queues(),
         _normal(await broker.list_webhook_workers()),
     )
 
@@ -425,5 +426,9 @@ async def test_memory_and_postgres_agree(schema: Schema, ops: list[Op]) -> None:
         assert await _snapshot(pg.broker) == await _snapshot(memory.broker), (
             f"state after step {step}: {op}"
         )
+        for side in sides:
+            # due_queues is pending_count's keys, found without counting.
+            due = await side.broker.due_queues()
+            assert due == sorted(await side.broker.pending_count()), f"step {step}: {op}"
     for side in sides:
         await side.broker.close()

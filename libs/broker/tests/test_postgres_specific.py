@@ -225,6 +225,100 @@ def test_no_sql_reads_the_database_clock() -> None:
     assert not offenders
 
 
+async def test_migration_003_backfills_purge_at_of_completed_tasks(pg_dsn: str) -> None:
+    """Rows completed before 003 get their purge_at, so they still go after their own
+    retention, and the others after the sweep's retentions."""
+    clock = FakeClock()
+    start = clock.now()
+    specs = {
+        "01J0000000000000000000OWN1": (timedelta(hours=1), "completed"),
+        "01J0000000000000000000DEF1": (None, "completed"),
+        "01J0000000000000000000ARC1": (timedelta(0), "archived"),
+        "01J0000000000000000000PEN1": (timedelta(0), "pending"),
+    }
+    async with scratch_database(pg_dsn) as dsn:
+        assert await migrate(dsn, target=2) == [1, 2]
+        conn = await asyncpg.connect(dsn)
+        try:
+            tasks = [
+                new_task(
+                    NewTask("q", "t", retention=retention),
+                    task_id=task_id,
+                    state=TaskState.PENDING,
+                    now=start,
+                    max_retry=3,
+                )
+                for task_id, (retention, _) in specs.items()
+            ]
+            await conn.fetch(queries.ENQUEUE, *enqueue_params(tasks, start))
+            for task_id, (_, state) in specs.items():
+                if state != "pending":
+                    await conn.execute(
+                        "UPDATE conveyor_tasks SET state = $2, completed_at = $3 WHERE id = $1",
+                        task_id,
+                        state,
+                        start,
+                    )
+            assert await migrate(dsn) == [3]
+            rows = await conn.fetch("SELECT id, purge_at FROM conveyor_tasks")
+        finally:
+            await conn.close()
+        assert {row["id"]: row["purge_at"] for row in rows} == {
+            "01J0000000000000000000OWN1": start + timedelta(hours=1),
+            "01J0000000000000000000DEF1": None,
+            "01J0000000000000000000ARC1": None,
+            "01J0000000000000000000PEN1": None,
+        }
+        broker = await PostgresBroker.connect(dsn, clock)
+        try:
+
+            async def purge() -> int:
+                two_hours = timedelta(hours=2)
+                return await broker.purge_terminal(
+                    archive_retention=two_hours, default_retention=two_hours
+                )
+
+            clock.advance(timedelta(minutes=59))
+            assert await purge() == 0
+            clock.advance(timedelta(minutes=1))
+            assert await purge() == 1
+            clock.advance(timedelta(hours=1))
+            assert await purge() == 2
+            left = await broker.list_tasks()
+            assert [t.id for t in left.tasks] == ["01J0000000000000000000PEN1"]
+        finally:
+            await broker.close()
+
+
+async def test_completing_a_task_sets_purge_at_and_the_schema_holds_it_to_that(
+    pg_dsn: str,
+) -> None:
+    clock = FakeClock()
+    async with scratch_schema(pg_dsn) as dsn, brokers(dsn, clock, 1) as [broker]:
+        retentions = [timedelta(hours=1), timedelta(minutes=30), None]
+        await broker.enqueue_batch([NewTask("q", "t", retention=r) for r in retentions])
+        leased = await broker.lease("q", 3, TTL)
+        [by_ack] = [t for t in leased if t.retention == timedelta(hours=1)]
+        by_batch = [t for t in leased if t is not by_ack]
+        clock.advance(timedelta(seconds=5))
+        await broker.ack(by_ack.id, by_ack.lease_id or "")
+        await broker.ack_batch([AckItem(t.id, t.lease_id or "") for t in by_batch])
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows = await conn.fetch("SELECT id, purge_at FROM conveyor_tasks")
+            now = clock.now()
+            assert {row["id"]: row["purge_at"] for row in rows} == {
+                t.id: None if t.retention is None else now + t.retention for t in leased
+            }
+            assert sum(row["purge_at"] is not None for row in rows) == 2
+            with pytest.raises(asyncpg.CheckViolationError):
+                await conn.execute(
+                    "UPDATE conveyor_tasks SET purge_at = NULL WHERE id = $1", by_ack.id
+                )
+        finally:
+            await conn.close()
+
+
 # ------------------------------------------------------------------------ concurrency
 
 
@@ -528,6 +622,132 @@ async def test_batch_lease_statements_use_the_primary_key_on_a_never_analyzed_ta
         for node in nodes:
             assert node.get("Index Name") != "conveyor_tasks_lease_expiry_idx", (key, scans)
             assert node["Node Type"] not in ("Seq Scan", "Bitmap Heap Scan"), (key, scans)
+
+
+async def _explain_analyze(
+    conn: asyncpg.Connection[asyncpg.Record], execute: str
+) -> dict[str, list[dict[str, Any]]]:
+    """The plan nodes of ``execute`` (an EXECUTE of a prepared statement) as run, custom
+    and generic; whatever it changed is rolled back."""
+    plans = {}
+    for mode in ("force_custom_plan", "force_generic_plan"):
+        await conn.execute(f"SET plan_cache_mode = {mode}")
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            raw = await conn.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {execute}")
+        finally:
+            await tx.rollback()
+        plans[mode] = _plan_nodes(json.loads(raw)[0]["Plan"])
+    return plans
+
+
+def _assert_reads_little(mode: str, nodes: list[dict[str, Any]], most: int) -> None:
+    """Every read of conveyor_tasks is an index scan that returned at most ``most`` rows
+    per loop, and nothing sorts rows read from the table (only the short lists built from
+    such scans)."""
+    scans = [
+        n
+        for n in nodes
+        if n.get("Relation Name") == "conveyor_tasks" and n["Node Type"].endswith("Scan")
+    ]
+    assert scans, mode
+    for node in scans:
+        summary = (mode, node["Node Type"], node.get("Index Name"), node["Actual Rows"])
+        assert node["Node Type"] in ("Index Scan", "Index Only Scan"), summary
+        assert node["Actual Rows"] <= most, summary
+    for node in nodes:
+        if node["Node Type"] == "Sort":
+            sorted_from = _row_sources(node)
+            assert not any("Relation Name" in n for n in sorted_from), (mode, sorted_from)
+
+
+def _row_sources(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The nodes whose rows flow into ``plan``: its children and theirs, but not subplans
+    (which only test each row)."""
+    nodes = []
+    for child in plan.get("Plans", []):
+        if child.get("Parent Relationship") in ("Outer", "Inner", "Member", "Subquery"):
+            nodes += [child, *_row_sources(child)]
+    return nodes
+
+
+async def test_purge_and_due_queues_walk_their_indexes_on_a_never_analyzed_table(
+    pg_dsn: str,
+) -> None:
+    """With thousands of terminal rows retained (half of them past retention) and
+    thousands due, a purge of 10 reads 10 rows from each of its three indexes and
+    due_queues one row per probe: neither sorts or scans the table, custom plan or
+    generic, on a table whose statistics were never gathered."""
+    clock = FakeClock()
+    start = clock.now()
+    hour = timedelta(hours=1)
+    work_queues = [f"work-{n}" for n in range(4)]
+    async with scratch_schema(pg_dsn) as dsn, brokers(dsn, clock, 1) as [broker]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("ALTER TABLE conveyor_tasks SET (autovacuum_enabled = false)")
+            # A minute apart: 1000 completed with a retention of their own, 1000 taking
+            # the default one, 1000 archived (and a few canceled).
+            for _ in range(10):
+                for retention in (hour, None):
+                    await broker.enqueue_batch(
+                        [NewTask("done", "t", retention=retention) for _ in range(100)]
+                    )
+                    leased = await broker.lease("done", 100, TTL)
+                    acked = await broker.ack_batch(
+                        [AckItem(t.id, t.lease_id or "") for t in leased]
+                    )
+                    assert all(acked)
+                soon = clock.now() + timedelta(seconds=1)
+                await broker.enqueue_batch(
+                    [NewTask("gone", "t", expires_at=soon) for _ in range(100)]
+                )
+                clock.advance(timedelta(seconds=1))
+                assert len(await broker.archive_expired(limit=100)) == 100
+                for _ in range(2):
+                    await broker.cancel_task((await broker.enqueue(NewTask("gone", "t"))).task.id)
+                clock.advance(timedelta(seconds=59))
+            for queue in work_queues:
+                await broker.enqueue_batch([NewTask(queue, "t") for _ in range(500)])
+            # A queue with leasable rows but nothing due: a retry a day away.
+            await broker.enqueue(NewTask("later", "t"))
+            [retry] = await broker.lease("later", 1, TTL)
+            await broker.fail(retry.id, retry.lease_id or "", "boom", timedelta(days=1))
+            analyzed = await conn.fetchval(
+                "SELECT coalesce(last_analyze, last_autoanalyze) FROM pg_stat_user_tables "
+                "WHERE relname = 'conveyor_tasks' AND schemaname = current_schema()"
+            )
+            assert analyzed is None
+            # About half of each kind of terminal row is past its retention.
+            clock.set(start + hour + timedelta(minutes=5))
+            now = clock.now()
+            assert await broker.due_queues() == work_queues
+
+            await conn.execute(
+                "PREPARE purge_plan(timestamptz, interval, interval, integer) AS "
+                + queries.PURGE_TERMINAL
+            )
+            await conn.execute(
+                "PREPARE due_plan(timestamptz, text, integer) AS " + queries.DUE_QUEUES
+            )
+            purge = await _explain_analyze(
+                conn, f"EXECUTE purge_plan('{now.isoformat()}', '1 hour', '1 hour', 10)"
+            )
+            due = await _explain_analyze(conn, f"EXECUTE due_plan('{now.isoformat()}', '', 100)")
+        finally:
+            await conn.close()
+    streams = {f"conveyor_tasks_{name}_idx" for name in ("purge_at", "completed", "ended")}
+    for mode, nodes in purge.items():
+        # Each stream has hundreds of rows past retention and stops at the limit.
+        read = {n["Index Name"]: n["Actual Rows"] for n in nodes if n.get("Index Name") in streams}
+        assert read == dict.fromkeys(streams, 10), mode
+        _assert_reads_little(mode, nodes, most=10)
+    for mode, nodes in due.items():
+        assert {n.get("Index Name") for n in nodes if "Index Name" in n} == {
+            "conveyor_tasks_due_idx"
+        }, mode
+        _assert_reads_little(mode, nodes, most=1)
 
 
 # ----------------------------------------------------------------------- time handling

@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+import nats.js.errors
 import pytest
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
@@ -188,3 +189,41 @@ async def test_keeper_gives_keys_up_when_nats_stops_answering(nats_server: Embed
         await keeper.stop(release=False)
     finally:
         await close_nats(nc, drain=False)
+
+
+class _RacingKv:
+    """A stand-in KeyValue whose create fails the ways a race with expiry makes it fail."""
+
+    def __init__(self, *outcomes: BaseException | int) -> None:
+        self.outcomes = list(outcomes)
+        self.creates = 0
+
+    async def create(self, key: str, value: bytes) -> int:
+        self.creates += 1
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+def _bad_request(err_code: int) -> nats.js.errors.BadRequestError:
+    return nats.js.errors.BadRequestError(code=400, err_code=err_code, description="x")
+
+
+async def test_claim_survives_the_key_expiring_while_the_client_checks_it() -> None:
+    # Refused, then gone when the client looked why: the key is free, so claim again.
+    kv = _RacingKv(nats.js.errors.KeyNotFoundError(), 7)
+    lease = KeyLease(kv, "q", "me")  # type: ignore[arg-type]
+    assert await lease.claim()
+    assert (lease.revision, kv.creates) == (7, 2)
+
+    # Re-created by someone else in between: not ours, and no exception.
+    kv = _RacingKv(_bad_request(10071))
+    lease = KeyLease(kv, "q", "me")  # type: ignore[arg-type]
+    assert not await lease.claim()
+    assert not lease.held
+
+    # Any other bad request is a real error.
+    kv = _RacingKv(_bad_request(10058))
+    with pytest.raises(nats.js.errors.BadRequestError):
+        await KeyLease(kv, "q", "me").claim()  # type: ignore[arg-type]

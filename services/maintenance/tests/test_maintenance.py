@@ -154,6 +154,40 @@ async def test_the_pending_sweep_wakes_every_queue_with_due_work(
     await eventually(lambda: wakes.count("alpha") >= 1 and wakes.count("beta") >= 1)
 
 
+async def test_the_pending_sweep_pages_through_due_queues_without_counting_tasks(
+    broker: Broker,
+    clock: FakeClock,
+    make_settings: Callable[..., MaintenanceSettings],
+    nc: NatsClient,
+    wakes: WakeLog,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    due = [f"due-{n}" for n in range(5)]
+    for queue in due:
+        await broker.enqueue_batch([NewTask(queue=queue, type="t") for _ in range(3)])
+    await broker.enqueue(
+        NewTask(queue="expiring", type="t", expires_at=clock.now() + timedelta(seconds=1))
+    )
+    await broker.enqueue(
+        NewTask(queue="scheduled", type="t", process_at=clock.now() + timedelta(hours=1))
+    )
+    clock.advance(timedelta(seconds=1))
+
+    async def count(queue: str | None = None) -> dict[str, int]:
+        raise AssertionError("the reaper counted due tasks")
+
+    monkeypatch.setattr(broker, "pending_count", count)
+    # Two queue names per page: the sweep must page to find all five.
+    m = Maintenance(make_settings(sweep_limit=2), broker, nc, clock)
+    report = await m.reaper_pass()
+    assert report.failed_steps == ()
+    # archive_expired ran first, and the expired task's queue has nothing due anyway.
+    assert report.archived == 1
+    assert report.woken == frozenset(due)
+    await eventually(lambda: all(wakes.count(queue) == 1 for queue in due))
+    assert wakes.count("expiring") == wakes.count("scheduled") == 0
+
+
 async def test_reaper_pass_archives_expired_and_purges_old_rows(
     broker: Broker,
     clock: FakeClock,

@@ -32,7 +32,7 @@ Conventions of every method:
   ``lease_expires_at``;
 - a sweep with a ``limit`` takes the oldest rows first, then by id: by
   ``lease_expires_at`` (reap), ``available_at`` (promote), ``expires_at``
-  (archive_expired), ``completed_at`` (purge);
+  (archive_expired), ``completed_at`` plus the retention that applies (purge);
 - after ``close`` every method except ``close`` and ``set_event_sink`` raises BrokerClosed.
 """
 
@@ -203,8 +203,11 @@ class Broker(abc.ABC):
         COMPLETED rows go when ``completed_at + retention <= now``, where a task's own
         ``retention`` (zero included) wins over ``default_retention`` when it is set;
         ARCHIVED and CANCELED rows when ``completed_at + archive_retention <= now``. Rows
-        in other states are never purged. Purged rows report no events. An implementation
-        may also drop lapsed unique claims here (housekeeping; not observable).
+        in other states are never purged. With more rows past their retention than
+        ``limit``, the ones whose purge time (``completed_at`` plus the retention that
+        applies) is oldest go first, then by id, whatever their state. Purged rows report
+        no events. An implementation may also drop lapsed unique claims here
+        (housekeeping; not observable).
         """
 
     @abc.abstractmethod
@@ -219,6 +222,17 @@ class Broker(abc.ABC):
     async def pending_count(self, queue: str | None = None) -> dict[str, int]:
         """Due tasks (what ``lease`` would pick now) per queue; queues with none are left
         out. With ``queue``, only that queue."""
+
+    @abc.abstractmethod
+    async def due_queues(self, *, after: str | None = None, limit: int = 1000) -> list[str]:
+        """Queues that have a due task (what ``lease`` would pick now): the keys of
+        ``pending_count()``, without counting. Sorted by name; only names after ``after``
+        (a queue name, e.g. the last one of the previous page), at most ``limit``
+        (1..MAX_BATCH). InvalidTask for a bad ``after`` or ``limit``.
+
+        For sweeps that only need to know where there is work, so its cost follows the
+        number of queues rather than the number of due tasks.
+        """
 
     @abc.abstractmethod
     async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:

@@ -408,17 +408,17 @@ class MemoryBroker(Broker):
             _check_not_negative("default_retention", default_retention)
             check_limit(limit, upper=MAX_BATCH)
 
-            def purgeable_since(task: Task) -> datetime | None:
-                # Oldest completed_at goes first; None keeps rows still within retention.
+            def purge_at(task: Task) -> datetime | None:
+                # Oldest purge time goes first; rows not due yet are left out by oldest().
                 if task.completed_at is None:  # pragma: no cover - terminal rows have it
                     return None
                 if task.state == TaskState.COMPLETED:
                     keep = default_retention if task.retention is None else task.retention
                 else:
                     keep = archive_retention
-                return task.completed_at if task.completed_at + keep <= now else None
+                return task.completed_at + keep
 
-            doomed = self._table.oldest(TERMINAL_STATES, purgeable_since, now, limit)
+            doomed = self._table.oldest(TERMINAL_STATES, purge_at, now, limit)
             for task in doomed:
                 self._table.drop(task, now, report=False)
             self._table.free_lapsed_claims(now)
@@ -445,6 +445,20 @@ class MemoryBroker(Broker):
                 if due:
                     counts[name] = due
             return counts
+
+    async def due_queues(self, *, after: str | None = None, limit: int = 1000) -> list[str]:
+        """Queues with a due task, by name, named after ``after``, at most ``limit``."""
+        async with self._locked() as now:
+            if after is not None:
+                check_queue(after)
+            check_limit(limit, upper=MAX_BATCH)
+            due = [
+                name
+                for name in self._table.leasable_queues()
+                if (after is None or name > after)
+                and any(_is_due(task, now) for task in self._table.leasable(name))
+            ]
+            return sorted(due)[:limit]
 
     async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:
         """Per-state counts per queue, sorted by name."""

@@ -36,6 +36,7 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
 #: Anything a best-effort KV operation may raise.
 _KV_ERRORS: tuple[type[BaseException], ...] = (nats.js.errors.Error, *TRANSPORT_ERRORS)
 _STREAM_NAME_IN_USE = 10058
+_WRONG_LAST_SEQUENCE = 10071
 
 
 async def open_lease_bucket(nc: NatsClient, bucket: str, ttl: float) -> KeyValue:
@@ -81,12 +82,27 @@ class KeyLease:
 
         Raises a transport error (see TRANSPORT_ERRORS) when NATS does not answer.
         """
-        try:
-            self._revision = await self.kv.create(self.key, self.owner.encode())
-        except nats.js.errors.KeyWrongLastSequenceError:
-            self._revision = None
-            return False
-        return True
+        for _ in range(2):
+            try:
+                self._revision = await self.kv.create(self.key, self.owner.encode())
+            except nats.js.errors.KeyWrongLastSequenceError:
+                self._revision = None
+                return False
+            except nats.js.errors.KeyNotFoundError:
+                # The key existed when the create was refused and expired before the
+                # client looked at why: it is free now, so try once more.
+                self._revision = None
+                continue
+            except nats.js.errors.BadRequestError as exc:
+                # The client re-creates a key it found deleted on that key's last
+                # revision; when the key expires or is taken in between, the server
+                # answers "wrong last sequence" as a plain bad request: not ours.
+                if exc.err_code != _WRONG_LAST_SEQUENCE:
+                    raise
+                self._revision = None
+                return False
+            return True
+        return False
 
     async def refresh(self) -> bool:
         """Rewrite the key on the revision we hold, which restarts its TTL.

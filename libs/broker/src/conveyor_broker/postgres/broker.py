@@ -398,6 +398,16 @@ class PostgresBroker(Broker):
         count: int = await self._pool.fetchval(queries.PENDING_COUNT_QUEUE, now, queue)
         return {queue: count} if count else {}
 
+    async def due_queues(self, *, after: str | None = None, limit: int = 1000) -> list[str]:
+        """Queues with a due task, by name, named after ``after``, at most ``limit``: one
+        index probe or two per queue that has PENDING or RETRY rows."""
+        now = self._now()
+        if after is not None:
+            check_queue(after)
+        check_limit(limit, upper=MAX_BATCH)
+        rows = await self._pool.fetch(queries.DUE_QUEUES, now, after or "", limit)
+        return [row["queue"] for row in rows]
+
     async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:
         """Per-state counts of every queue with tasks or a stored flag, sorted by name."""
         self._now()

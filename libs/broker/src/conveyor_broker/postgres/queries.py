@@ -15,7 +15,6 @@ from conveyor_broker.types import (
     CANCELED_WHILE_RUNNING_ERROR,
     INCOMPLETE_STATES,
     LEASE_EXPIRED_ERROR,
-    TERMINAL_STATES,
     WAITING_STATES,
     TaskState,
 )
@@ -29,7 +28,6 @@ def _states(states: frozenset[TaskState] | set[TaskState]) -> str:
 
 WAITING = _states(WAITING_STATES)
 INCOMPLETE = _states(INCOMPLETE_STATES)
-TERMINAL = _states(TERMINAL_STATES)
 # Written out rather than derived: it must match conveyor_tasks_due_idx's predicate text.
 LEASABLE = "('pending', 'retry')"
 
@@ -261,10 +259,24 @@ UPDATE conveyor_tasks t SET progress = $3, updated_at = $4 {_LEASED} RETURNING t
 
 # ----------------------------------------------------------------------------- outcomes
 
+
+def _exact(interval: str) -> str:
+    """``interval`` as exact seconds. Added to a timestamptz, a day-valued interval would
+    follow the session's time zone across a DST change; this one is always 86400 s a day.
+    NULL when ``interval`` is NULL."""
+    return f"make_interval(secs => extract(epoch FROM {interval})::float8)"
+
+
+# Every statement that makes a task COMPLETED sets purge_at with it ($4 = now): when a
+# task with a retention of its own may go; NULL without one (conveyor_tasks_purge_at_check
+# holds them to it). PURGE_TERMINAL reads those rows in purge_at order.
+_SET_PURGE_AT = f"purge_at = $4::timestamptz + {_exact('t.retention')}"
+
 #: $3 = result, $4 = now.
 ACK = f"""
 UPDATE conveyor_tasks t
-SET state = 'completed', result = $3, completed_at = $4, updated_at = $4, {_CLEAR_LEASE}
+SET state = 'completed', result = $3, completed_at = $4, updated_at = $4, {_SET_PURGE_AT},
+    {_CLEAR_LEASE}
 {_LEASED}
 RETURNING {T_COLUMNS}
 """
@@ -272,7 +284,8 @@ RETURNING {T_COLUMNS}
 #: Ack many: $1 ids, $2 lease ids, $3 results; $4 = now. Returns the ones completed.
 ACK_BATCH = f"""
 UPDATE conveyor_tasks t
-SET state = 'completed', result = u.result, completed_at = $4, updated_at = $4, {_CLEAR_LEASE}
+SET state = 'completed', result = u.result, completed_at = $4, updated_at = $4,
+    {_SET_PURGE_AT}, {_CLEAR_LEASE}
 FROM unnest($1::text[], $2::text[], $3::bytea[]) AS u(id, lease_id, result)
 WHERE {_HOLDS_BATCH_LEASE}
 RETURNING t.id, t.queue, t.type
@@ -347,24 +360,49 @@ WHERE t.id = due.id
 RETURNING t.id, t.queue, t.type, t.available_at
 """
 
-# When a terminal row may go. Retentions are added as exact seconds: adding a day-valued
-# interval would follow the session's time zone across a DST change.
-_PURGE_AT = """
-CASE WHEN t.state = 'completed'
-     THEN t.completed_at + make_interval(
-              secs => extract(epoch FROM coalesce(t.retention, $2::interval))::float8)
-     ELSE t.completed_at + make_interval(secs => extract(epoch FROM $3::interval)::float8)
-END"""
+# Terminal rows go in purge order: oldest purge time (completed_at + the retention that
+# applies) first, then id. Each kind of row is read from its own index, in that order,
+# only as far as the limit and never past the rows that are due: COMPLETED rows with a
+# retention of their own by purge_at (conveyor_tasks_purge_at_idx); COMPLETED rows that
+# take the default retention $2 (conveyor_tasks_completed_idx) and ARCHIVED and CANCELED
+# rows (conveyor_tasks_ended_idx, retention $3) by completed_at, which for them is purge
+# order. Merging the three short lists gives the first $4 overall, so a sweep reads at
+# most three times its limit however many rows are retained. Each list's LIMIT is a
+# subquery so that the planner, not knowing it, plans for a large one: told "10" or
+# "1000" while it guesses (with stale or no statistics) that fewer rows are due, it
+# prefers a bitmap scan of every due row and a sort, and a backlog would be sorted whole.
+_DEFAULT_KEEP = _exact("$2::interval")
+_ARCHIVE_KEEP = _exact("$3::interval")
 
 #: $1 = now, $2 = default retention of COMPLETED rows, $3 = retention of ARCHIVED and
 #: CANCELED rows, $4 = limit. Returns how many rows went.
 PURGE_TERMINAL = f"""
-WITH doomed AS (
-    SELECT t.id FROM conveyor_tasks t
-    WHERE t.state IN {TERMINAL} AND t.completed_at <= $1 AND {_PURGE_AT} <= $1
-    ORDER BY {_PURGE_AT}, t.id
-    LIMIT $4
+WITH own AS (
+    SELECT t.id, t.purge_at AS at FROM conveyor_tasks t
+    WHERE t.state = 'completed' AND t.purge_at IS NOT NULL AND t.purge_at <= $1
+    ORDER BY t.purge_at, t.id
+    LIMIT (SELECT $4::integer)
     FOR UPDATE SKIP LOCKED
+), by_default AS (
+    SELECT t.id, t.completed_at + {_DEFAULT_KEEP} AS at FROM conveyor_tasks t
+    WHERE t.state = 'completed' AND t.purge_at IS NULL
+      AND t.completed_at <= $1::timestamptz - {_DEFAULT_KEEP}
+    ORDER BY t.completed_at, t.id
+    LIMIT (SELECT $4::integer)
+    FOR UPDATE SKIP LOCKED
+), ended AS (
+    SELECT t.id, t.completed_at + {_ARCHIVE_KEEP} AS at FROM conveyor_tasks t
+    WHERE t.state IN ('archived', 'canceled')
+      AND t.completed_at <= $1::timestamptz - {_ARCHIVE_KEEP}
+    ORDER BY t.completed_at, t.id
+    LIMIT (SELECT $4::integer)
+    FOR UPDATE SKIP LOCKED
+), doomed AS (
+    SELECT id, at FROM own
+    UNION ALL SELECT id, at FROM by_default
+    UNION ALL SELECT id, at FROM ended
+    ORDER BY at, id
+    LIMIT $4
 ), purged AS (
     DELETE FROM conveyor_tasks t USING doomed
     WHERE t.id = doomed.id
@@ -409,6 +447,35 @@ _DUE = f"state IN {LEASABLE} AND available_at <= $1 AND (expires_at IS NULL OR e
 PENDING_COUNT = f"SELECT queue, count(*) AS n FROM conveyor_tasks WHERE {_DUE} GROUP BY queue"
 #: Due tasks of queue $2 at now $1.
 PENDING_COUNT_QUEUE = f"SELECT count(*) FROM conveyor_tasks WHERE queue = $2 AND {_DUE}"
+
+#: Queues that have a due task at now $1, named after $2, by name, at most $3. A skip
+#: scan of conveyor_tasks_due_idx: one probe finds the next queue that has PENDING or
+#: RETRY rows, one more its first due row; no row is counted.
+DUE_QUEUES = f"""
+WITH RECURSIVE leasable(queue) AS (
+    (SELECT t.queue FROM conveyor_tasks t
+     WHERE t.state IN {LEASABLE} AND t.queue > $2
+     ORDER BY t.queue
+     LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.queue FROM conveyor_tasks t
+            WHERE t.state IN {LEASABLE} AND t.queue > l.queue
+            ORDER BY t.queue
+            LIMIT 1)
+    FROM leasable l
+    WHERE l.queue IS NOT NULL
+)
+SELECT l.queue FROM leasable l
+WHERE l.queue IS NOT NULL AND (
+    SELECT true FROM conveyor_tasks t
+    WHERE t.queue = l.queue AND t.state IN {LEASABLE} AND t.available_at <= $1
+      AND (t.expires_at IS NULL OR t.expires_at > $1)
+    ORDER BY t.available_at, t.id
+    LIMIT 1
+)
+ORDER BY l.queue
+LIMIT $3
+"""
 
 #: Per-state counts and stored flags of every queue: rows with a state carry a count,
 #: rows without one carry the pause flag.

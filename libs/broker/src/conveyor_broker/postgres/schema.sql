@@ -46,6 +46,9 @@ CREATE TABLE conveyor_tasks (
     updated_at       timestamptz NOT NULL,
     started_at       timestamptz,
     completed_at     timestamptz,
+    -- When a COMPLETED task with a retention of its own may be purged (completed_at +
+    -- retention); NULL on every other row. Kept by the statements that complete a task.
+    purge_at         timestamptz,
     CONSTRAINT conveyor_tasks_pkey PRIMARY KEY (id),
     CONSTRAINT conveyor_tasks_state_check CHECK (state IN (
         'pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry',
@@ -56,11 +59,14 @@ CREATE TABLE conveyor_tasks (
     CONSTRAINT conveyor_tasks_unique_claim_check CHECK (
         unique_claim IS NULL OR unique_claim = unique_key),
     CONSTRAINT conveyor_tasks_lease_check CHECK (
-        (state = 'active') = (lease_id IS NOT NULL AND lease_expires_at IS NOT NULL))
+        (state = 'active') = (lease_id IS NOT NULL AND lease_expires_at IS NOT NULL)),
+    CONSTRAINT conveyor_tasks_purge_at_check CHECK (
+        (purge_at IS NOT NULL) = (state = 'completed' AND retention IS NOT NULL))
 );
 
 -- Lease: the due set of one queue in lease order. The predicate must match the lease
 -- query's literal state list so the planner can prove it even with no statistics.
+-- DueQueues skips through it from one queue to the next.
 CREATE INDEX conveyor_tasks_due_idx ON conveyor_tasks (queue, available_at, id)
     WHERE state IN ('pending', 'retry');
 
@@ -77,9 +83,19 @@ CREATE INDEX conveyor_tasks_expiry_idx ON conveyor_tasks (expires_at, id)
     WHERE expires_at IS NOT NULL
       AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'retry');
 
--- PurgeTerminal.
-CREATE INDEX conveyor_tasks_terminal_idx ON conveyor_tasks (completed_at, id)
-    WHERE state IN ('completed', 'archived', 'canceled');
+-- PurgeTerminal walks these three in purge order, so a sweep reads about as many rows as
+-- it deletes however many terminal rows are kept. Completed tasks with a retention of
+-- their own, by purge_at:
+CREATE INDEX conveyor_tasks_purge_at_idx ON conveyor_tasks (purge_at, id)
+    WHERE state = 'completed' AND purge_at IS NOT NULL;
+
+-- Completed tasks that take the sweep's default retention:
+CREATE INDEX conveyor_tasks_completed_idx ON conveyor_tasks (completed_at, id)
+    WHERE state = 'completed' AND purge_at IS NULL;
+
+-- Archived and canceled tasks (the sweep's archive retention):
+CREATE INDEX conveyor_tasks_ended_idx ON conveyor_tasks (completed_at, id)
+    WHERE state IN ('archived', 'canceled');
 
 -- QueueStats counts and ListTasks pages filtered by queue (and state).
 CREATE INDEX conveyor_tasks_queue_state_idx ON conveyor_tasks (queue, state, id);

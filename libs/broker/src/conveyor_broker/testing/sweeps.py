@@ -1,4 +1,4 @@
-"""Conformance: the maintenance sweeps and pending_count."""
+"""Conformance: the maintenance sweeps, pending_count and due_queues."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 
 from conveyor_broker.clock import FakeClock
-from conveyor_broker.errors import InvalidTask, TaskNotFound
+from conveyor_broker.errors import BrokerClosed, InvalidTask, TaskNotFound
 from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.testing.builders import (
     OTHER_QUEUE,
@@ -19,14 +19,14 @@ from conveyor_broker.testing.builders import (
     new_task,
     sorted_ids,
 )
-from conveyor_broker.types import EXPIRED_ERROR, LEASE_EXPIRED_ERROR, ReapedTask, TaskState
+from conveyor_broker.types import EXPIRED_ERROR, LEASE_EXPIRED_ERROR, ReapedTask, Task, TaskState
 
 _DAY = timedelta(days=1)
 
 
 class SweepTests:
     """reap_expired_leases, promote_scheduled, purge_terminal, archive_expired,
-    pending_count."""
+    pending_count, due_queues."""
 
     async def test_reap_returns_expired_leases_to_retry(
         self, broker: Broker, clock: FakeClock
@@ -173,6 +173,49 @@ class SweepTests:
         with pytest.raises(InvalidTask):
             await broker.purge_terminal(archive_retention=_DAY, limit=0)
 
+    async def test_purge_takes_the_oldest_purge_time_first_whatever_the_state(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        """Purge order is completed_at plus the retention that applies, then id, across
+        COMPLETED rows with and without a retention of their own and ARCHIVED/CANCELED
+        rows: not completed_at alone."""
+        start = clock.now()
+
+        async def completed(retention: timedelta | None = None) -> Task:
+            task = await enqueue_and_lease(broker, retention=retention)
+            return await broker.ack(task.id, task.lease_id or "")
+
+        own_late = await completed(retention=timedelta(hours=2))  # goes at 2h
+        canceled = await broker.cancel_task((await enqueue(broker)).id)  # 3h
+        clock.set(start + timedelta(minutes=30))
+        by_default = await completed()  # 1h30
+        clock.set(start + timedelta(hours=1))
+        own_early = await completed(retention=timedelta(0))  # 1h
+        clock.set(start + timedelta(hours=2))
+        tied = await completed()  # 3h, like `canceled`, but a later id
+        clock.set(start + timedelta(hours=3, minutes=30))
+        kept = await completed()  # 4h30
+        clock.set(start + timedelta(hours=4))
+
+        async def purge(limit: int) -> set[str]:
+            before = {t.id for t in (await broker.list_tasks()).tasks}
+            purged = await broker.purge_terminal(
+                archive_retention=timedelta(hours=3),
+                default_retention=timedelta(hours=1),
+                limit=limit,
+            )
+            after = {t.id for t in (await broker.list_tasks()).tasks}
+            assert purged == len(before - after)
+            return before - after
+
+        assert await purge(2) == {own_early.id, by_default.id}
+        assert await purge(1) == {own_late.id}
+        assert canceled.id < tied.id
+        assert await purge(1) == {canceled.id}
+        assert await purge(5) == {tied.id}
+        assert await purge(5) == set()
+        assert (await broker.get_task(kept.id)).state == TaskState.COMPLETED
+
     async def test_archive_expired(self, broker: Broker, clock: FakeClock) -> None:
         now = clock.now()
         expires = now + timedelta(seconds=10)
@@ -233,3 +276,60 @@ class SweepTests:
             delay = timedelta(0) if task.id == a else timedelta(seconds=30)
             await broker.fail(task.id, task.lease_id or "", "boom", delay)
         assert await broker.pending_count() == {QUEUE: 1}
+
+    async def test_due_queues_are_the_queues_with_due_work(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        now = clock.now()
+        assert await broker.due_queues() == []
+        await enqueue(broker, "q-pending")
+        retry = await enqueue_and_lease(broker, "q-retry")
+        await broker.fail(retry.id, retry.lease_id or "", "boom", timedelta(0))
+        later = await enqueue_and_lease(broker, "q-later")
+        await broker.fail(later.id, later.lease_id or "", "boom", timedelta(seconds=30))
+        await enqueue(broker, "q-scheduled", process_at=now + timedelta(seconds=5))
+        await enqueue(broker, "q-expiring", expires_at=now + timedelta(seconds=1))
+        await enqueue(broker, "q-mixed", expires_at=now + timedelta(seconds=1))
+        await enqueue(broker, "q-mixed")
+        await enqueue_and_lease(broker, "q-active")
+        await enqueue(broker, "q-group", group="g")
+        done = await enqueue_and_lease(broker, "q-done")
+        await broker.ack(done.id, done.lease_id or "")
+
+        due = ["q-expiring", "q-mixed", "q-pending", "q-retry"]
+        assert await broker.due_queues() == due
+        assert sorted(await broker.pending_count()) == due
+        # A queue whose only due-looking rows have expired has nothing to lease.
+        clock.advance(timedelta(seconds=1))
+        due = ["q-mixed", "q-pending", "q-retry"]
+        assert await broker.due_queues() == due
+        assert sorted(await broker.pending_count()) == due
+        clock.advance(timedelta(seconds=30))
+        due = ["q-later", "q-mixed", "q-pending", "q-retry"]
+        assert await broker.due_queues() == due
+        assert sorted(await broker.pending_count()) == due
+
+    async def test_due_queues_pages_by_name(self, broker: Broker, clock: FakeClock) -> None:
+        await enqueue(broker, "page-0", process_at=clock.now() + timedelta(hours=1))
+        for n in range(1, 6):
+            await broker.enqueue_batch([new_task(f"page-{n}") for _ in range(n)])
+        assert await broker.due_queues(limit=2) == ["page-1", "page-2"]
+        assert await broker.due_queues(after="page-2", limit=2) == ["page-3", "page-4"]
+        assert await broker.due_queues(after="page-4", limit=2) == ["page-5"]
+        assert await broker.due_queues(after="page-5") == []
+        # ``after`` need not name a queue that has tasks.
+        assert await broker.due_queues(after="page-25") == ["page-3", "page-4", "page-5"]
+        assert await broker.due_queues(after="a", limit=MAX_BATCH) == [
+            f"page-{n}" for n in range(1, 6)
+        ]
+
+    async def test_due_queues_rejects_bad_input(self, broker: Broker) -> None:
+        await enqueue(broker)
+        for limit in (0, MAX_BATCH + 1):
+            with pytest.raises(InvalidTask):
+                await broker.due_queues(limit=limit)
+        with pytest.raises(InvalidTask):
+            await broker.due_queues(after="not a queue")
+        await broker.close()
+        with pytest.raises(BrokerClosed):
+            await broker.due_queues()
