@@ -23,6 +23,7 @@ from conveyor_broker import (
     FakeClock,
     LeaseRef,
     NewTask,
+    TaskNotFound,
     TaskState,
     WebhookWorkerSpec,
 )
@@ -290,9 +291,7 @@ async def test_migration_003_backfills_purge_at_of_completed_tasks(pg_dsn: str) 
             await broker.close()
 
 
-async def test_completing_a_task_sets_purge_at_and_the_schema_holds_it_to_that(
-    pg_dsn: str,
-) -> None:
+async def test_completing_a_task_sets_purge_at(pg_dsn: str) -> None:
     clock = FakeClock()
     async with scratch_schema(pg_dsn) as dsn, brokers(dsn, clock, 1) as [broker]:
         retentions = [timedelta(hours=1), timedelta(minutes=30), None]
@@ -311,12 +310,42 @@ async def test_completing_a_task_sets_purge_at_and_the_schema_holds_it_to_that(
                 t.id: None if t.retention is None else now + t.retention for t in leased
             }
             assert sum(row["purge_at"] is not None for row in rows) == 2
-            with pytest.raises(asyncpg.CheckViolationError):
-                await conn.execute(
-                    "UPDATE conveyor_tasks SET purge_at = NULL WHERE id = $1", by_ack.id
-                )
         finally:
             await conn.close()
+
+
+async def test_a_row_completed_by_a_release_before_003_goes_by_its_own_retention(
+    pg_dsn: str,
+) -> None:
+    """During a rolling upgrade the previous release completes tasks without purge_at: such
+    a row is purged by its own retention (at the default at the earliest), not kept."""
+    clock = FakeClock()
+    async with scratch_schema(pg_dsn) as dsn, brokers(dsn, clock, 1) as [broker]:
+        await broker.enqueue_batch(
+            [NewTask("q", "t", retention=timedelta(hours=3)), NewTask("q", "t")]
+        )
+        leased = await broker.lease("q", 2, TTL)
+        await broker.ack_batch([AckItem(t.id, t.lease_id or "") for t in leased])
+        [old_release] = [t for t in leased if t.retention is not None]
+        conn = await asyncpg.connect(dsn)
+        try:  # what an older release's ack leaves behind
+            await conn.execute(
+                "UPDATE conveyor_tasks SET purge_at = NULL WHERE id = $1", old_release.id
+            )
+        finally:
+            await conn.close()
+        default, archive = timedelta(hours=1), timedelta(days=7)
+        clock.advance(timedelta(hours=2))  # past the default, not past its own 3 h
+        assert (
+            await broker.purge_terminal(archive_retention=archive, default_retention=default) == 1
+        )  # the one on the default
+        assert (await broker.get_task(old_release.id)).id == old_release.id
+        clock.advance(timedelta(hours=1, seconds=1))
+        assert (
+            await broker.purge_terminal(archive_retention=archive, default_retention=default) == 1
+        )
+        with pytest.raises(TaskNotFound):
+            await broker.get_task(old_release.id)
 
 
 # ------------------------------------------------------------------------ concurrency

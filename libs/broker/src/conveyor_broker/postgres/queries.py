@@ -268,8 +268,9 @@ def _exact(interval: str) -> str:
 
 
 # Every statement that makes a task COMPLETED sets purge_at with it ($4 = now): when a
-# task with a retention of its own may go; NULL without one (conveyor_tasks_purge_at_check
-# holds them to it). PURGE_TERMINAL reads those rows in purge_at order.
+# task with a retention of its own may go; NULL without one. PURGE_TERMINAL reads those
+# rows in purge_at order. (A row completed by a release older than migration 003 has a
+# retention and no purge_at: PURGE_TERMINAL's completed_at branch honours its retention.)
 _SET_PURGE_AT = f"purge_at = $4::timestamptz + {_exact('t.retention')}"
 
 #: $3 = result, $4 = now.
@@ -384,9 +385,11 @@ WITH own AS (
     LIMIT (SELECT $4::integer)
     FOR UPDATE SKIP LOCKED
 ), by_default AS (
-    SELECT t.id, t.completed_at + {_DEFAULT_KEEP} AS at FROM conveyor_tasks t
+    SELECT t.id, t.completed_at + coalesce({_exact("t.retention")}, {_DEFAULT_KEEP}) AS at
+    FROM conveyor_tasks t
     WHERE t.state = 'completed' AND t.purge_at IS NULL
       AND t.completed_at <= $1::timestamptz - {_DEFAULT_KEEP}
+      AND (t.retention IS NULL OR t.completed_at + {_exact("t.retention")} <= $1)
     ORDER BY t.completed_at, t.id
     LIMIT (SELECT $4::integer)
     FOR UPDATE SKIP LOCKED

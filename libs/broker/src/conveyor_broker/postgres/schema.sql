@@ -59,9 +59,7 @@ CREATE TABLE conveyor_tasks (
     CONSTRAINT conveyor_tasks_unique_claim_check CHECK (
         unique_claim IS NULL OR unique_claim = unique_key),
     CONSTRAINT conveyor_tasks_lease_check CHECK (
-        (state = 'active') = (lease_id IS NOT NULL AND lease_expires_at IS NOT NULL)),
-    CONSTRAINT conveyor_tasks_purge_at_check CHECK (
-        (purge_at IS NOT NULL) = (state = 'completed' AND retention IS NOT NULL))
+        (state = 'active') = (lease_id IS NOT NULL AND lease_expires_at IS NOT NULL))
 );
 
 -- Lease: the due set of one queue in lease order. The predicate must match the lease

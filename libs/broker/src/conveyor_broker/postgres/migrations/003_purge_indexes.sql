@@ -14,8 +14,10 @@ UPDATE conveyor_tasks
 SET purge_at = completed_at + make_interval(secs => extract(epoch FROM retention)::float8)
 WHERE state = 'completed' AND retention IS NOT NULL;
 
-ALTER TABLE conveyor_tasks ADD CONSTRAINT conveyor_tasks_purge_at_check CHECK (
-    (purge_at IS NOT NULL) = (state = 'completed' AND retention IS NOT NULL));
+-- No CHECK ties purge_at to state and retention: during a rolling upgrade the previous
+-- release's services still complete tasks without setting it. PurgeTerminal purges such a
+-- row by its own retention from the completed_at index (at the default retention at the
+-- earliest).
 
 DROP INDEX conveyor_tasks_terminal_idx;
 
