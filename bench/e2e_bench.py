@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import uvloop
 from conveyor import AsyncClient, spec
 from conveyor_broker.postgres import migrate
 from conveyor_runtime.embedded_nats import EmbeddedNats
@@ -222,7 +223,10 @@ def main() -> None:
     parser.add_argument("--latency-rate", type=float, default=50.0, help="tasks/s at light load")
     parser.add_argument("--admin-dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
     args = parser.parse_args()
-    result = asyncio.run(run(args))
+    # The producer runs on uvloop, as the services and the SDK's Worker do. On the default
+    # asyncio loop, grpc's asyncio client costs about 1 ms more per call here (measured:
+    # light-load p50 5.2-5.7 ms instead of 4.1-4.6 ms).
+    result = uvloop.run(run(args))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "e2e.json").write_text(json.dumps(result, indent=2) + "\n")
     lat = result["latency_ms"]
