@@ -11,24 +11,18 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
-from conveyor_broker.postgres import PostgresBroker, migrate
+from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing import BrokerConformance, FakeClock
+from conveyor_broker.testing.schemas import DATA_TABLES, migrated_schema
 
 pytestmark = pytest.mark.postgres
 
 SCHEMA = "conveyor_conformance"
-TABLES = "conveyor_tasks, conveyor_queues, conveyor_task_dependencies, conveyor_webhook_workers"
 
 
 @pytest.fixture(scope="module")
 async def conformance_pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool[asyncpg.Record]]:
-    admin = await asyncpg.connect(pg_dsn)
-    try:
-        await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}")
-    finally:
-        await admin.close()
-    dsn = f"{pg_dsn}?search_path={SCHEMA}"
-    await migrate(dsn)
+    dsn = await migrated_schema(pg_dsn, SCHEMA)
     pool = await asyncpg.create_pool(dsn, min_size=2, max_size=8)
     try:
         yield pool
@@ -45,7 +39,7 @@ class TestPostgresBroker(BrokerConformance):
     async def broker(
         self, clock: FakeClock, conformance_pool: asyncpg.Pool[asyncpg.Record]
     ) -> AsyncIterator[PostgresBroker]:
-        await conformance_pool.execute(f"TRUNCATE {TABLES}")
+        await conformance_pool.execute(f"TRUNCATE {DATA_TABLES}")
         broker = PostgresBroker(conformance_pool, clock)
         yield broker
         await broker.close()

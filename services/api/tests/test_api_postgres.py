@@ -14,7 +14,8 @@ import grpc
 import pytest
 from conveyor_api.testing import MakeApi, Recorder, WorkerStream, dispatch, wait_until
 from conveyor_broker import EnqueueResult, FakeClock, NewTask, TaskState
-from conveyor_broker.postgres import PostgresBroker, migrate
+from conveyor_broker.postgres import PostgresBroker
+from conveyor_broker.testing.schemas import DATA_TABLES, migrated_schema
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import codec
 from conveyor_runtime.nats_connect import NatsClient
@@ -23,7 +24,6 @@ from conveyor_runtime.subjects import Subjects
 pytestmark = pytest.mark.postgres
 
 SCHEMA = "conveyor_api_tests"
-TABLES = "conveyor_tasks, conveyor_queues, conveyor_task_dependencies"
 TTL = timedelta(seconds=30)
 
 
@@ -39,13 +39,7 @@ class CountingPostgresBroker(PostgresBroker):
 
 @pytest.fixture(scope="module")
 async def api_pool(pg_dsn: str) -> AsyncIterator[asyncpg.Pool[asyncpg.Record]]:
-    admin = await asyncpg.connect(pg_dsn)
-    try:
-        await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}")
-    finally:
-        await admin.close()
-    dsn = f"{pg_dsn}?search_path={SCHEMA}"
-    await migrate(dsn)
+    dsn = await migrated_schema(pg_dsn, SCHEMA)
     pool = await asyncpg.create_pool(dsn, min_size=2, max_size=8)
     yield pool
     await pool.close()
@@ -56,7 +50,7 @@ async def broker(
     clock: FakeClock, api_pool: asyncpg.Pool[asyncpg.Record]
 ) -> AsyncIterator[CountingPostgresBroker]:
     """Overrides the memory broker of conftest for this module."""
-    await api_pool.execute(f"TRUNCATE {TABLES}")
+    await api_pool.execute(f"TRUNCATE {DATA_TABLES}")
     b = CountingPostgresBroker(api_pool, clock)
     b.enqueue_batch_sizes = []
     yield b

@@ -15,7 +15,8 @@ import pytest
 from conveyor_api import ApiServer
 from conveyor_api.testing import CountingBroker, MakeApi
 from conveyor_broker import Broker, FakeClock, WebhookWorker, WebhookWorkerSpec
-from conveyor_broker.postgres import PostgresBroker, migrate
+from conveyor_broker.postgres import PostgresBroker
+from conveyor_broker.testing.schemas import migrated_schema
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
@@ -34,21 +35,10 @@ LEASE_ID = "01HZZZZZZZZZZZZZZZZZZZZZZB"
 Reply = cluster_pb2.WebhookCallbackReply
 
 
-async def _make_schema(pg_dsn: str) -> str:
-    admin = await asyncpg.connect(pg_dsn)
-    try:
-        await admin.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE; CREATE SCHEMA {SCHEMA}")
-    finally:
-        await admin.close()
-    dsn = f"{pg_dsn}?search_path={SCHEMA}"
-    await migrate(dsn)
-    return dsn
-
-
 @pytest.fixture(scope="module")
 def webhook_schema_dsn(pg_dsn: str) -> str:
     """A migrated schema of its own in the session's database."""
-    return asyncio.run(_make_schema(pg_dsn))
+    return asyncio.run(migrated_schema(pg_dsn, SCHEMA))
 
 
 @pytest.fixture(params=["memory", pytest.param("postgres", marks=pytest.mark.postgres)])
