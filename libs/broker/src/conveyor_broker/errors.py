@@ -56,3 +56,7 @@ class BrokerClosed(BrokerError):
 
 class WebhookWorkerNotFound(BrokerError, LookupError):
     """No webhook worker registration has this name."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no webhook worker named {name!r}")
+        self.name = name

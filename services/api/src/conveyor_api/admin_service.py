@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from conveyor_broker import (
@@ -19,7 +19,6 @@ from conveyor_broker import (
     Task,
     TaskState,
     WebhookWorker,
-    WebhookWorkerNotFound,
     WebhookWorkerSpec,
 )
 from conveyor_broker.types import CANCELED_WHILE_RUNNING_ERROR
@@ -124,13 +123,6 @@ def webhook_spec_from_proto(message: service_pb2.WebhookWorker) -> WebhookWorker
     )
     check_webhook_worker(spec)
     return spec
-
-
-async def _abort_webhook(context: _Context, exc: Exception, name: str = "") -> NoReturn:
-    """abort_for_error, with an unknown registration ``name`` as NOT_FOUND."""
-    if isinstance(exc, WebhookWorkerNotFound):
-        await context.abort(grpc.StatusCode.NOT_FOUND, f"no webhook worker named {name!r}")
-    await abort_for_error(context, exc)
 
 
 def stats_to_proto(stats: QueueStats) -> service_pb2.QueueStats:
@@ -473,7 +465,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             spec = webhook_spec_from_proto(request.worker)
             worker = await self._broker.upsert_webhook_worker(spec)
         except Exception as exc:
-            await _abort_webhook(context, exc)
+            await abort_for_error(context, exc)
         logger.info(
             "admin.webhook_upserted name=%s queues=%s concurrency=%d paused=%s secrets=%d",
             worker.name,
@@ -492,7 +484,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             check_webhook_name(request.name)
             worker = await self._broker.get_webhook_worker(request.name)
         except Exception as exc:
-            await _abort_webhook(context, exc, request.name)
+            await abort_for_error(context, exc)
         return service_pb2.GetWebhookWorkerResponse(worker=webhook_worker_to_proto(worker))
 
     async def ListWebhookWorkers(
@@ -502,7 +494,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         try:
             workers = await self._broker.list_webhook_workers()
         except Exception as exc:
-            await _abort_webhook(context, exc)
+            await abort_for_error(context, exc)
         return service_pb2.ListWebhookWorkersResponse(
             workers=[webhook_worker_to_proto(w) for w in workers]
         )
@@ -515,7 +507,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             check_webhook_name(request.name)
             await self._broker.set_webhook_worker_paused(request.name, request.paused)
         except Exception as exc:
-            await _abort_webhook(context, exc, request.name)
+            await abort_for_error(context, exc)
         logger.info("admin.webhook_paused name=%s paused=%s", request.name, request.paused)
         return service_pb2.SetWebhookWorkerPausedResponse()
 
@@ -527,7 +519,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             check_webhook_name(request.name)
             await self._broker.delete_webhook_worker(request.name)
         except Exception as exc:
-            await _abort_webhook(context, exc, request.name)
+            await abort_for_error(context, exc)
         logger.info("admin.webhook_deleted name=%s", request.name)
         return service_pb2.DeleteWebhookWorkerResponse()
 

@@ -14,6 +14,7 @@ from conveyor_broker import (
     InvalidTask,
     LeaseLost,
     TaskNotFound,
+    WebhookWorkerNotFound,
 )
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (DuplicateTask, grpc.StatusCode.ALREADY_EXISTS),
     (LeaseLost, grpc.StatusCode.FAILED_PRECONDITION),
     (BrokerClosed, grpc.StatusCode.UNAVAILABLE),
+    (WebhookWorkerNotFound, grpc.StatusCode.NOT_FOUND),
 )
 
 

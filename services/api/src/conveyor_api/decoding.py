@@ -98,14 +98,12 @@ def _handler(method: MethodDescriptor, behavior: Callable[..., Any]) -> _Handler
     request_class = GetMessageClass(method.input_type)
     response_class = GetMessageClass(method.output_type)
     deserializer: Callable[[bytes], Any]
-    if inspect.isasyncgenfunction(behavior):
+    streams = inspect.isasyncgenfunction(behavior)
+    if streams or inspect.iscoroutinefunction(behavior):
         deserializer = tolerant_deserializer(request_class)
         if not method.client_streaming:
-            behavior = _checked_stream(method.full_name, behavior)
-    elif inspect.iscoroutinefunction(behavior):
-        deserializer = tolerant_deserializer(request_class)
-        if not method.client_streaming:
-            behavior = _checked(method.full_name, behavior)
+            check = _checked_stream if streams else _checked
+            behavior = check(method.full_name, behavior)
     else:
         # Not a coroutine (the generated base class's UNIMPLEMENTED stub): served exactly
         # as the generated code would serve it.

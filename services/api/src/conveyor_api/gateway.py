@@ -613,17 +613,14 @@ class Gateway:
         # Only for tracking gateways: the broker's expiry is at least this plus the TTL.
         started = self._config.clock.now() if self._expiry is not None else None
         try:
-            if self._parked:
-                parked = self._parked
-                refs = [
-                    LeaseRef(h.task_id, h.lease_id)
-                    for h in self._held.values()
-                    if h.lease_id not in parked
-                ]
-                if not refs:
-                    return
-            else:
-                refs = [LeaseRef(h.task_id, h.lease_id) for h in self._held.values()]
+            parked = self._parked  # async webhook deliveries: their callbacks extend them
+            refs = [
+                LeaseRef(h.task_id, h.lease_id)
+                for h in self._held.values()
+                if h.lease_id not in parked
+            ]
+            if not refs:
+                return
             lost = await self._broker.extend_leases(refs, self._config.lease_ttl)
         except Exception:
             logger.exception("gateway.extend_failed gateway=%s", self.id)
@@ -748,11 +745,6 @@ class Gateway:
     def is_parked(self, lease_id: str) -> bool:
         """True while ``lease_id`` is held and parked."""
         return lease_id in self._parked
-
-    def holds_lease(self, task_id: str, lease_id: str) -> bool:
-        """True when this gateway holds ``task_id`` under ``lease_id``."""
-        held = self._held.get(lease_id)
-        return held is not None and held.task_id == task_id
 
     def track_lease_expiry(self) -> None:
         """From now on remember, per held lease, the expiry this gateway's own extensions
