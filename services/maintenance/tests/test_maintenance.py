@@ -16,8 +16,9 @@ import pytest
 from conveyor_broker.clock import FakeClock
 from conveyor_broker.interface import Broker
 from conveyor_broker.memory import MemoryBroker
-from conveyor_broker.types import LEASE_EXPIRED_ERROR, NewTask, TaskState
-from conveyor_maintenance import REAPER, SCHEDULER, Maintenance
+from conveyor_broker.postgres import PostgresBroker
+from conveyor_broker.types import LEASE_EXPIRED_ERROR, AckItem, NewTask, StorageUpkeep, TaskState
+from conveyor_maintenance import REAPER, SCHEDULER, STORAGE, Maintenance
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.settings import MaintenanceSettings
@@ -61,6 +62,7 @@ def make_settings(nats_url: str, subjects: Subjects) -> Callable[..., Maintenanc
             "instance_id": f"maint-{uuid.uuid4().hex[:6]}",
             "promote_tick": 0.05,
             "reap_tick": 0.05,
+            "storage_tick": 0.05,
             "leader_ttl": 1.0,
         }
         fields.update(overrides)
@@ -264,3 +266,39 @@ async def test_a_failing_pass_is_logged_and_the_next_tick_retries(
         await m.stop()
         await flaky.close()
     assert any("maintenance.pass_failed role=scheduler" in r.getMessage() for r in caplog.records)
+
+
+async def test_the_storage_role_vacuums_the_task_table_after_a_burst(
+    broker: Broker, maintenance: Callable[..., Awaitable[Maintenance]]
+) -> None:
+    """Postgres gets an ANALYZE and a VACUUM once a burst has gone through; the memory
+    broker has nothing to keep up, and its passes say so."""
+    m = await maintenance()
+    await eventually(lambda: m.passes[STORAGE] >= 2)
+    for _ in range(2):
+        await broker.enqueue_batch([NewTask(queue="burst", type="t") for _ in range(1000)])
+    while leased := await broker.lease("burst", 100, timedelta(seconds=30)):
+        await broker.ack_batch([AckItem(t.id, t.lease_id or "") for t in leased])
+    if not isinstance(broker, PostgresBroker):
+        passes = m.passes[STORAGE]
+        await eventually(lambda: m.passes[STORAGE] >= passes + 2)
+        assert await m.storage_pass() == StorageUpkeep()
+        return
+
+    async def vacuumed() -> bool:
+        row = await broker._pool.fetchrow(
+            "SELECT last_vacuum, last_analyze FROM pg_stat_all_tables "
+            "WHERE relid = 'conveyor_tasks'::regclass"
+        )
+        return row is not None and None not in (row["last_vacuum"], row["last_analyze"])
+
+    await eventually(vacuumed, within=30)
+
+
+async def test_storage_upkeep_can_be_turned_off(
+    broker: Broker, maintenance: Callable[..., Awaitable[Maintenance]]
+) -> None:
+    m = await maintenance(storage_upkeep=False)
+    await eventually(lambda: m.passes[REAPER] >= 3)
+    assert m.passes[STORAGE] == 0
+    assert not m.leads(STORAGE)

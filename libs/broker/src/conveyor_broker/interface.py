@@ -50,6 +50,7 @@ from conveyor_broker.types import (
     NewTask,
     QueueStats,
     ReapedTask,
+    StorageUpkeep,
     Task,
     TaskEvent,
     TaskPage,
@@ -305,6 +306,18 @@ class Broker(abc.ABC):
     @abc.abstractmethod
     async def info(self) -> BrokerInfo:
         """What this broker is."""
+
+    @abc.abstractmethod
+    async def upkeep_storage(self) -> StorageUpkeep:
+        """Keep the storage's query plans and indexes fit for the work it now holds.
+
+        A task queue's table swings between empty and huge in seconds, faster than a
+        database's own background upkeep follows. A broker whose storage has a query
+        planner refreshes its statistics and removes dead row versions here when they
+        have drifted far enough to matter; the maintenance reaper calls it every pass.
+        Cheap when there is nothing to do. Storage without a planner (the memory broker)
+        never has anything to do and reports so.
+        """
 
     # ---------------------------------------------------- webhook registrations
 

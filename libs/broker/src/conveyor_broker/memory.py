@@ -46,6 +46,7 @@ from conveyor_broker.types import (
     NewTask,
     QueueStats,
     ReapedTask,
+    StorageUpkeep,
     Task,
     TaskEvent,
     TaskPage,
@@ -608,6 +609,11 @@ class MemoryBroker(Broker):
         """What this broker is: driver ``memory``, no schema."""
         async with self._locked():
             return BrokerInfo(driver="memory", version=_package_version())
+
+    async def upkeep_storage(self) -> StorageUpkeep:
+        """Nothing to keep up: no planner, no dead row versions."""
+        async with self._locked():
+            return StorageUpkeep()
 
     # ---------------------------------------------------- webhook registrations
 

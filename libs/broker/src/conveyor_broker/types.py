@@ -192,6 +192,22 @@ class BrokerInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class StorageUpkeep:
+    """What one :meth:`Broker.upkeep_storage` call found and did.
+
+    ``live_rows``, ``dead_rows`` and ``changed_rows`` (rows written since the planner's
+    statistics were last gathered) are the storage's own counters, None where it keeps
+    none.
+    """
+
+    analyzed: bool = False
+    vacuumed: bool = False
+    live_rows: int | None = None
+    dead_rows: int | None = None
+    changed_rows: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TaskEvent:
     """A lifecycle event: task ``task_id`` entered ``state`` at ``at``.
 

@@ -180,6 +180,14 @@ class MaintenanceSettings(CommonSettings):
         86400.0, ge=0, description="Seconds a completed task is kept when it sets no retention"
     )
     sweep_limit: int = Field(1000, ge=1, description="Most rows one sweep touches")
+    storage_upkeep: bool = Field(
+        True,
+        description="ANALYZE and VACUUM the task table when a burst has left its planner "
+        "statistics or its indexes behind, sooner than autovacuum would",
+    )
+    storage_tick: float = Field(
+        2.0, gt=0, description="Seconds between checks of the task table's counters"
+    )
 
 
 class WebhookSettings(CommonSettings):

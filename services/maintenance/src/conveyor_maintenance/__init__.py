@@ -1,7 +1,13 @@
-"""Conveyor maintenance service: the leader-elected scheduler and reaper."""
+"""Conveyor maintenance service: the leader-elected scheduler, reaper and storage upkeep."""
 
 from __future__ import annotations
 
-from conveyor_maintenance.maintenance import REAPER, SCHEDULER, Maintenance, ReaperReport
+from conveyor_maintenance.maintenance import (
+    REAPER,
+    SCHEDULER,
+    STORAGE,
+    Maintenance,
+    ReaperReport,
+)
 
-__all__ = ["REAPER", "SCHEDULER", "Maintenance", "ReaperReport"]
+__all__ = ["REAPER", "SCHEDULER", "STORAGE", "Maintenance", "ReaperReport"]

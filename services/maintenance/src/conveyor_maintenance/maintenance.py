@@ -1,6 +1,7 @@
-"""Maintenance: the scheduler and the reaper, each a leader-elected cluster singleton.
+"""Maintenance: the scheduler, the reaper and storage upkeep, each a leader-elected
+cluster singleton.
 
-Every instance runs both role loops; only the holder of a role's key in the leaders
+Every instance runs every role loop; only the holder of a role's key in the leaders
 bucket runs its passes, the others try to claim the key every ``leader_ttl / 2``. A pass
 that fails is logged and the next tick tries again: the sweeps are backstops, so a
 skipped one only delays work.
@@ -10,6 +11,10 @@ skipped one only delays work.
 - reaper, every ``reap_tick``: expired leases go back to RETRY (their queues are woken),
   pre-dispatch TTLs are enforced, old terminal rows are purged, and every queue with due
   work is woken, which repairs any wake that was lost on the way.
+- storage, every ``storage_tick`` (unless ``storage_upkeep`` is off): the broker's
+  storage upkeep (for Postgres, an ANALYZE or VACUUM of the task table when a burst has
+  left its statistics or indexes behind). Its own role and loop, so a long VACUUM never
+  holds up the reaper.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from datetime import timedelta
 
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.interface import MAX_BATCH, Broker
-from conveyor_broker.types import TaskState
+from conveyor_broker.types import StorageUpkeep, TaskState
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import MaintenanceSettings
@@ -36,6 +41,7 @@ _tracer = tracer(__name__)
 
 SCHEDULER = "scheduler"
 REAPER = "reaper"
+STORAGE = "storage"
 #: Most promote rounds in one scheduler pass (each takes up to sweep_limit tasks).
 MAX_PROMOTE_ROUNDS = 10
 
@@ -52,7 +58,7 @@ class ReaperReport:
 
 
 class Maintenance:
-    """The scheduler and reaper roles of one maintenance instance."""
+    """The scheduler, reaper and storage roles of one maintenance instance."""
 
     def __init__(
         self,
@@ -72,16 +78,16 @@ class Maintenance:
         self._limit = min(settings.sweep_limit, MAX_BATCH)
         self._keeper: LeaseKeeper | None = None
         self._loops: list[asyncio.Task[None]] = []
-        self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0}
+        self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0}
 
     # -------------------------------------------------------------- lifecycle
 
     def leads(self, role: str) -> bool:
-        """True while this instance holds ``role`` (scheduler or reaper)."""
+        """True while this instance holds ``role`` (scheduler, reaper or storage)."""
         return self._keeper is not None and self._keeper.holds(role)
 
     async def start(self) -> None:
-        """Open the leaders bucket and start both role loops."""
+        """Open the leaders bucket and start the role loops."""
         if self._keeper is not None:
             return
         kv = await open_lease_bucket(
@@ -99,10 +105,17 @@ class Maintenance:
                 name="maintenance-reaper",
             ),
         ]
+        if self.settings.storage_upkeep:
+            self._loops.append(
+                asyncio.create_task(
+                    self._lead(STORAGE, self.settings.storage_tick, self.storage_pass),
+                    name="maintenance-storage",
+                )
+            )
         logger.info("maintenance.started instance=%s", self.instance_id)
 
     async def stop(self) -> None:
-        """Stop both loops and give up any role held, so another instance takes over now."""
+        """Stop the loops and give up any role held, so another instance takes over now."""
         for task in self._loops:
             task.cancel()
         for task in self._loops:
@@ -168,6 +181,20 @@ class Maintenance:
         if total:
             logger.info("maintenance.promoted tasks=%d queues=%d", sum(total.values()), len(total))
         return total
+
+    async def storage_pass(self) -> StorageUpkeep:
+        """The broker's storage upkeep (see Broker.upkeep_storage)."""
+        done = await self._broker.upkeep_storage()
+        if done.analyzed or done.vacuumed:
+            logger.info(
+                "maintenance.storage analyzed=%s vacuumed=%s live=%s dead=%s changed=%s",
+                done.analyzed,
+                done.vacuumed,
+                done.live_rows,
+                done.dead_rows,
+                done.changed_rows,
+            )
+        return done
 
     async def reaper_pass(self) -> ReaperReport:
         """Reap expired leases, archive expired tasks, purge old rows, wake due queues.

@@ -34,7 +34,7 @@ from conveyor_broker.errors import (
 )
 from conveyor_broker.ids import is_ulid, new_ids
 from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, EventSink
-from conveyor_broker.postgres import enqueue, queries
+from conveyor_broker.postgres import enqueue, queries, upkeep
 from conveyor_broker.postgres.migrations import schema_version
 from conveyor_broker.postgres.rows import (
     task_from_row,
@@ -51,6 +51,7 @@ from conveyor_broker.types import (
     NewTask,
     QueueStats,
     ReapedTask,
+    StorageUpkeep,
     Task,
     TaskEvent,
     TaskPage,
@@ -102,6 +103,8 @@ class PostgresBroker(Broker):
         self._sink: EventSink | None = None
         self._owns_pool = False
         self._closed = False
+        # Dead rows the last VACUUM of upkeep_storage could not remove (see upkeep).
+        self._dead_floor = 0
 
     @classmethod
     async def connect(
@@ -553,6 +556,44 @@ class PostgresBroker(Broker):
         async with self._pool.acquire() as conn:
             version = await schema_version(conn)
         return BrokerInfo(DRIVER, _package_version(), version)
+
+    async def upkeep_storage(self) -> StorageUpkeep:
+        """ANALYZE and/or VACUUM the task table when its counters say it drifted (see
+        :mod:`conveyor_broker.postgres.upkeep`); one cheap read of them otherwise."""
+        self._now()
+        stats = await self._table_stats()
+        self._dead_floor = min(self._dead_floor, stats.dead_rows)
+        statement = upkeep.upkeep_statement(stats, self._dead_floor)
+        if statement is not None:
+            await self._pool.execute(statement)
+            if statement != upkeep.ANALYZE:
+                self._dead_floor = (await self._table_stats()).dead_rows
+            logger.info(
+                "broker.storage_upkeep statement=%r live=%d dead=%d changed=%d planned=%d",
+                statement,
+                stats.live_rows,
+                stats.dead_rows,
+                stats.changed_rows,
+                stats.planned_rows,
+            )
+        return StorageUpkeep(
+            analyzed=statement in (upkeep.ANALYZE, upkeep.VACUUM_ANALYZE),
+            vacuumed=statement in (upkeep.VACUUM, upkeep.VACUUM_ANALYZE),
+            live_rows=stats.live_rows,
+            dead_rows=stats.dead_rows,
+            changed_rows=stats.changed_rows,
+        )
+
+    async def _table_stats(self) -> upkeep.TableStats:
+        row = await self._pool.fetchrow(upkeep.STATS)
+        assert row is not None  # the regclass cast raises for a missing table
+        return upkeep.TableStats(
+            planned_rows=row["planned_rows"],
+            live_rows=row["live_rows"],
+            dead_rows=row["dead_rows"],
+            changed_rows=row["changed_rows"],
+            maintainable=row["maintainable"],
+        )
 
     # ------------------------------------------------------ webhook registrations
 

@@ -349,6 +349,12 @@ class AdminTests:
         assert info.driver
         assert info.version
 
+    async def test_upkeep_storage_on_a_quiet_store_does_nothing(self, broker: Broker) -> None:
+        await enqueue(broker)
+        report = await broker.upkeep_storage()
+        assert not report.analyzed
+        assert not report.vacuumed
+
     async def test_close_makes_every_later_call_fail(self, broker: Broker) -> None:
         task = await enqueue(broker)
         await broker.close()
@@ -364,4 +370,6 @@ class AdminTests:
             await broker.reap_expired_leases()
         with pytest.raises(BrokerClosed):
             await broker.info()
+        with pytest.raises(BrokerClosed):
+            await broker.upkeep_storage()
         await broker.close()
