@@ -145,3 +145,22 @@ async def test_retries_results_and_events(cluster: Cluster, tmp_path: Path) -> N
         "archived",
     }
     assert all(s.startswith(f"conveyor.events.{Q}.") for s in subjects)
+
+
+async def test_a_retry_starts_when_due_not_at_the_reapers_next_sweep(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The api wakes the queue when a retry falls due. With the reaper's due-queue sweep
+    five minutes apart and capacity re-announced once a minute, nothing else would: the
+    dispatcher leases on wakes, announcements and freed credit, and the credit comes back
+    before the retry is due."""
+    stack = await start_stack(
+        cluster,
+        tmp_path,
+        queues={Q: 1},
+        env={"CONVEYOR_REAP_TICK": "300", "CONVEYOR_REGISTER_TICK": "60"},
+    )
+    async with AsyncAdminClient(stack.target) as admin, AsyncClient(stack.target) as client:
+        task = await client.enqueue("e2e.retry_after", {"fails": 2, "delay": 0.3}, queue=Q)
+        done = await wait_state(admin, task.id, C, within=20)
+    assert done.retried == 2

@@ -213,6 +213,26 @@ async def test_a_wake_dispatches_leased_tasks_to_a_registered_gateway(
     assert qd.dispatched == 3
 
 
+async def test_a_starting_dispatcher_claims_queues_with_due_work_unprompted(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """The wake and the registration went out before any dispatcher listened: the new
+    dispatcher finds the queue by its due work, and its claim makes the gateway register
+    again, so the task goes out with no further wake (the reaper's sweep is never needed)."""
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    ids = await enqueue(broker, queue_name, 2)
+    await wake(nc, subjects, queue_name)
+    d = await dispatchers()
+    await eventually(lambda: len(gw.received) == 2)
+    assert sorted(gw.accepted_ids) == sorted(ids)
+    assert queue_name in d.owned
+
+
 async def test_tasks_the_gateway_does_not_accept_are_released_at_once(
     broker: Broker,
     nc: NatsClient,

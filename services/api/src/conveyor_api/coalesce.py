@@ -10,7 +10,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import heapq
 import logging
+import math
 from collections import Counter
 
 from conveyor_protos.v1 import cluster_pb2
@@ -54,19 +56,89 @@ class _Coalescer(abc.ABC):
 
 
 class WakePublisher(_Coalescer):
-    """Publishes ``Wake`` on ``subjects.wake(queue)``, at most one pending per queue."""
+    """Publishes ``Wake`` on ``subjects.wake(queue)``, at most one pending per queue.
+
+    ``wake_later`` wakes a queue when work in it becomes due (a retry after its backoff),
+    so the retry starts on time instead of at the reaper's next due-queue sweep. Those
+    timers live in this process only: if it dies, the sweep still wakes the queue.
+    """
+
+    #: Later wakes are rounded up to this many seconds, so a burst of retries due at
+    #: about the same time shares one timer and one Wake.
+    LATER_TICK = 0.01
+    #: Most distinct (queue, tick) later wakes held; past it they are dropped (the
+    #: reaper's sweep wakes those queues).
+    MAX_LATER = 10_000
 
     def __init__(self, nc: NATS, subjects: Subjects) -> None:
         super().__init__()
         self._nc = nc
         self._subjects = subjects
         self._pending: set[str] = set()
+        # Later wakes: a heap of (tick, queue), the same pairs as a set, and one loop
+        # timer for the earliest.
+        self._later: list[tuple[int, str]] = []
+        self._later_keys: set[tuple[int, str]] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_tick: int | None = None
 
     def wake(self, queue: str) -> None:
         """Ask for a Wake of ``queue``; a no-op when one is already pending."""
         if queue not in self._pending:
             self._pending.add(queue)
             self._schedule()
+
+    def wake_later(self, queue: str, delay: float) -> None:
+        """Ask for a Wake of ``queue`` in ``delay`` seconds (at once when <= 0)."""
+        if delay <= 0:
+            self.wake(queue)
+            return
+        loop = asyncio.get_running_loop()
+        tick = math.ceil((loop.time() + delay) / self.LATER_TICK)
+        key = (tick, queue)
+        if key in self._later_keys:
+            return
+        if len(self._later_keys) >= self.MAX_LATER:
+            logger.debug("coalesce.later_wake_dropped queue=%s", queue)
+            return
+        self._later_keys.add(key)
+        heapq.heappush(self._later, key)
+        self._arm(loop)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self._later:
+            return
+        first = self._later[0][0]
+        if self._timer is not None and self._timer_tick is not None:
+            if self._timer_tick <= first:
+                return
+            self._timer.cancel()
+        self._timer_tick = first
+        self._timer = loop.call_at(first * self.LATER_TICK, self._fire)
+
+    def _fire(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._timer = self._timer_tick = None
+        now = loop.time()
+        while self._later and self._later[0][0] * self.LATER_TICK <= now:
+            key = heapq.heappop(self._later)
+            self._later_keys.discard(key)
+            self.wake(key[1])
+        self._arm(loop)
+
+    async def aclose(self) -> None:
+        """Drop the later wakes, publish what is pending, then stop."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._timer_tick = None
+        self._later.clear()
+        self._later_keys.clear()
+        await super().aclose()
+
+    @property
+    def later_pending(self) -> int:
+        """Later wakes not yet due."""
+        return len(self._later)
 
     def _has_pending(self) -> bool:
         return bool(self._pending)

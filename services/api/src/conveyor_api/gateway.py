@@ -556,8 +556,11 @@ class Gateway:
         could only start past the task's deadline."""
         if retry_misses_deadline(held.deadline, self._config.clock.now(), delay):
             await self._broker.archive(held.task_id, held.lease_id, deadline_error(error))
-        else:
-            await self._broker.fail(held.task_id, held.lease_id, error, delay)
+            return
+        task = await self._broker.fail(held.task_id, held.lease_id, error, delay)
+        if task.state is TaskState.RETRY:
+            # Wake the queue when the retry is due rather than at the reaper's next sweep.
+            self._wakes.wake_later(held.queue, delay.total_seconds())
 
     def _on_overrun(self, lease_id: str, bound: AttemptBound) -> None:
         # The worker kept the attempt past its bound without a Result: stop it there,

@@ -7,6 +7,10 @@ instance owns it). On a claim the instance reloads the queue's state from the br
 publishes ``owner_changed`` so that gateways re-register at once. Losing the key stops
 that queue's dispatch at once; a queue with no work and no registrations for
 ``idle_timeout`` is given up.
+
+On start, an instance also tries to claim every queue that has due work: wakes and
+registrations sent before it subscribed never reached it, and nothing else would bring
+those queues to it before the reaper's next due-queue sweep.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.errors import InvalidTask
-from conveyor_broker.interface import Broker
+from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.validation import check_queue
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
@@ -110,7 +114,24 @@ class Dispatcher:
             self._subs.append(sub)
         await self._nc.flush()
         self._housekeeper = asyncio.create_task(self._housekeep(), name="dispatcher-housekeeping")
+        self._spawn(self._want_due_queues())
         logger.info("dispatcher.started instance=%s", self.instance_id)
+
+    async def _want_due_queues(self) -> None:
+        """Try to claim every queue with due work, a page of names at a time."""
+        after: str | None = None
+        try:
+            while self._running:
+                page = await self._broker.due_queues(after=after, limit=MAX_BATCH)
+                for queue in page:
+                    if queue not in self._queues:
+                        self._want(queue, None)
+                if len(page) < MAX_BATCH:
+                    return
+                after = page[-1]
+        except Exception as exc:
+            # The reaper's sweep wakes these queues in a moment anyway.
+            logger.warning("dispatcher.due_scan_failed error=%r", exc)
 
     async def stop(self) -> None:
         """Stop dispatching, give every owned queue up, and tell its gateways.

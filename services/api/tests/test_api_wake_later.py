@@ -1,0 +1,114 @@
+"""WakePublisher.wake_later against the session's private nats-server: wakes for work that
+falls due later (a retry after its backoff) go out when it is due, coalesced per tick."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from conveyor_api.coalesce import WakePublisher
+from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.nats_connect import NatsClient
+from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.testing import eventually
+from nats.aio.msg import Msg
+
+
+class Wakes:
+    """Every Wake seen, as (queue, monotonic time received)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, float]] = []
+
+    async def on_msg(self, msg: Msg) -> None:
+        self.seen.append((cluster_pb2.Wake.FromString(msg.data).queue, time.monotonic()))
+
+    def queues(self) -> list[str]:
+        return [queue for queue, _ in self.seen]
+
+
+async def listen(nc: NatsClient, subjects: Subjects) -> Wakes:
+    wakes = Wakes()
+    await nc.subscribe(subjects.queue_wildcard("wake"), cb=wakes.on_msg)
+    await nc.flush()
+    return wakes
+
+
+async def test_a_later_wake_goes_out_once_due_and_not_before(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    wakes = await listen(nc, subjects)
+    publisher = WakePublisher(nc, subjects)
+    asked = time.monotonic()
+    publisher.wake_later("slow", 0.6)
+    publisher.wake_later("fast", 0.2)
+    assert publisher.later_pending == 2
+    await eventually(lambda: wakes.queues() == ["fast", "slow"], within=5)
+    received = dict(wakes.seen)
+    assert received["fast"] - asked >= 0.2
+    assert received["slow"] - asked >= 0.6
+    assert publisher.later_pending == 0
+    await publisher.aclose()
+
+
+async def test_later_wakes_due_in_the_same_tick_share_one_wake(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    wakes = await listen(nc, subjects)
+    publisher = WakePublisher(nc, subjects)
+    for _ in range(50):
+        publisher.wake_later("q", 0.3)
+    publisher.wake_later("other", 0.3)
+    assert publisher.later_pending <= 4  # 51 requests, a tick or two apart at most
+    await eventually(lambda: "other" in wakes.queues() and "q" in wakes.queues(), within=5)
+    await nc.flush()
+    assert wakes.queues().count("q") <= 2
+    await publisher.aclose()
+
+
+async def test_a_due_or_past_later_wake_is_an_immediate_wake(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    wakes = await listen(nc, subjects)
+    publisher = WakePublisher(nc, subjects)
+    publisher.wake_later("now", 0)
+    publisher.wake_later("past", -5)
+    assert publisher.later_pending == 0
+    await eventually(lambda: sorted(wakes.queues()) == ["now", "past"], within=5)
+    await publisher.aclose()
+
+
+async def test_an_earlier_wake_rearms_the_timer(nc: NatsClient, subjects: Subjects) -> None:
+    """The timer follows the earliest later wake, whatever order they were asked in."""
+    wakes = await listen(nc, subjects)
+    publisher = WakePublisher(nc, subjects)
+    publisher.wake_later("late", 30)
+    publisher.wake_later("soon", 0.1)
+    await eventually(lambda: wakes.queues() == ["soon"], within=5)
+    assert publisher.later_pending == 1
+    await publisher.aclose()
+
+
+async def test_closing_drops_later_wakes(nc: NatsClient, subjects: Subjects) -> None:
+    wakes = await listen(nc, subjects)
+    publisher = WakePublisher(nc, subjects)
+    publisher.wake_later("dropped", 0.2)
+    await publisher.aclose()
+    assert publisher.later_pending == 0
+    # A wake asked after the dropped one was due still goes out (the loop and the
+    # connection are fine); the dropped one never does.
+    await asyncio.sleep(0)  # let a wrongly kept timer's callback be scheduled
+    other = WakePublisher(nc, subjects)
+    other.wake_later("probe", 0.4)
+    await eventually(lambda: "probe" in wakes.queues(), within=5)
+    assert "dropped" not in wakes.queues()
+    await other.aclose()
+
+
+async def test_later_wakes_past_the_cap_are_dropped(nc: NatsClient, subjects: Subjects) -> None:
+    publisher = WakePublisher(nc, subjects)
+    publisher.MAX_LATER = 3
+    for n in range(5):
+        publisher.wake_later(f"q{n}", 60)
+    assert publisher.later_pending == 3
+    await publisher.aclose()
