@@ -3,7 +3,9 @@
     uv run python -m bench.e2e_bench [--tasks 20000] [--workers 2] [--concurrency 64]
 
 Starts a private nats-server, a throwaway database (dropped afterwards), one api, one
-dispatcher, one maintenance process and SDK worker processes; then
+dispatcher, one maintenance process and SDK worker processes; with ``--retained N`` the
+task table first gets N completed tasks of the same queue (history kept for retention, as
+in production; vacuumed and analyzed); then
 
 1. throughput: enqueues a burst of no-op tasks into the empty database and drains it,
    reporting enqueue rate and tasks/s drained end to end (first enqueue to last completion),
@@ -110,6 +112,27 @@ class RecordTail:
         return len(self.lines[kind])
 
 
+#: Completed tasks for --retained, made by the database itself (ids in ULID form, older
+#: than any new task's, sorting before them as history does).
+RETAIN = """
+INSERT INTO conveyor_tasks (id, queue, type, payload, state, max_retry, available_at,
+                            created_at, updated_at, started_at, completed_at)
+SELECT lpad(i::text, 26, '0'), 'bench', 'e2e.noop', '\\x7b7d'::bytea, 'completed', 25,
+       now(), now(), now(), now(), now()
+FROM generate_series(1, $1::bigint) AS i
+"""
+
+
+async def retain(dsn: str, n: int) -> None:
+    """Fill the task table with ``n`` completed tasks, then VACUUM ANALYZE it."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(RETAIN, n)
+        await conn.execute("VACUUM ANALYZE conveyor_tasks")
+    finally:
+        await conn.close()
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100) by nearest rank."""
     ordered = sorted(values)
@@ -131,6 +154,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     cluster.settings_env["CONVEYOR_LOG_LEVEL"] = "warning"
     try:
         await migrate(dsn)
+        if args.retained:
+            await retain(dsn, args.retained)
         target = await cluster.start_services()
         record = workdir / "record.txt"
         tail = RecordTail(record)
@@ -183,6 +208,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         latencies = [(starts[i] - t) / 1e6 for i, t in sent.items() if i in starts]
         result = {
             "tasks": args.tasks,
+            "retained": args.retained,
             "workers": args.workers,
             "concurrency": args.concurrency,
             "enqueue_per_s": round(args.tasks / (t_enqueued - t0)),
@@ -219,6 +245,9 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=20000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--retained", type=int, default=0, help="completed tasks in the table beforehand"
+    )
     parser.add_argument("--latency-samples", type=int, default=300)
     parser.add_argument("--latency-rate", type=float, default=50.0, help="tasks/s at light load")
     parser.add_argument("--admin-dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
@@ -231,7 +260,8 @@ def main() -> None:
     (RESULTS / "e2e.json").write_text(json.dumps(result, indent=2) + "\n")
     lat = result["latency_ms"]
     print(
-        f"e2e: {result['tasks']} no-op tasks, {result['workers']} workers x {result['concurrency']}\n"
+        f"e2e: {result['tasks']} no-op tasks, {result['workers']} workers x {result['concurrency']}"
+        f", {result['retained']} completed tasks retained beforehand\n"
         f"  enqueue  {result['enqueue_per_s']:>8} tasks/s\n"
         f"  drained  {result['drained_per_s']:>8} tasks/s end to end ({result['drain_seconds']} s); "
         f"{result['done_while_enqueuing']} done while enqueuing, then "
