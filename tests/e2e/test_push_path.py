@@ -73,6 +73,28 @@ async def test_every_task_completes_exactly_once(
     assert len(dones(record)) == len(ids)
 
 
+async def test_many_queues_with_a_slot_each_never_stall(
+    cluster: Cluster, store: PostgresBroker, tmp_path: Path
+) -> None:
+    """Twenty queues share a worker's twenty slots: one slot per queue, so every task is
+    its own dispatch and every completion its own credit. Not one credit may go missing
+    (a queue would sit idle until its gateway re-registers, here once a minute)."""
+    cluster.settings_env["CONVEYOR_REGISTER_TICK"] = "60"
+    target = await cluster.start_services()
+    record = tmp_path / "record.txt"
+    queues = {f"many{n}": 1 for n in range(20)}
+    cluster.start_worker(target, queues=queues, concurrency=20, record=record)
+    async with AsyncClient(target) as client:
+        specs = [spec("e2e.noop", {"i": i}, queue=f"many{i % 20}") for i in range(600)]
+        results = await client.enqueue_batch(specs)
+    assert all(r.task is not None for r in results)
+
+    async def all_done() -> bool:
+        return await count_state(store, TaskState.COMPLETED) >= 600
+
+    await wait_for(all_done, timeout=30, message="600 completed tasks")
+
+
 async def test_killed_worker_task_is_released_and_completes_elsewhere(
     cluster: Cluster, store: PostgresBroker, tmp_path: Path
 ) -> None:

@@ -49,6 +49,59 @@ def test_set_credits_follows_the_gateway_reply_clamped() -> None:
     assert book.total == 0
 
 
+def test_a_done_handled_before_an_older_reply_keeps_its_slot() -> None:
+    """The gateway (capacity 1) accepted a task and replied "0 free, 3 given back in
+    all"; the task finished and its Done ("4 in all") was handled first. The reply must
+    not take that slot away again."""
+    book = CreditBook()
+    book.register("g", capacity=1, weight=1, in_flight=0, now=0.0, returned=3)
+    assert book.take(1) == {"g": 1}
+    assert book.refill("g", 1, returned=4)
+    assert book.total == 1
+    book.set_credits("g", 0, returned=3)  # the older snapshot
+    assert book.total == 1
+
+
+def test_a_done_a_reply_already_counted_adds_nothing() -> None:
+    """The reply was read after the slot came back ("1 free, 4 given back"); the Done
+    for that slot ("4 in all") arrives after it and must not count it twice."""
+    book = CreditBook()
+    book.register("g", capacity=2, weight=1, in_flight=0, now=0.0, returned=3)
+    assert book.take(2) == {"g": 2}
+    book.set_credits("g", 1, returned=4)
+    assert book.total == 1
+    assert book.refill("g", 1, returned=4)
+    assert book.total == 1
+    assert book.refill("g", 1, returned=5)  # a later one counts
+    assert book.total == 2
+
+
+def test_a_lost_done_is_made_up_by_the_next_total() -> None:
+    book = CreditBook()
+    book.register("g", capacity=5, weight=1, in_flight=5, now=0.0, returned=10)
+    book.refill("g", 2, returned=14)  # the Done for 11-12 never arrived
+    assert book.total == 4
+
+
+def test_a_registration_older_than_counted_dones_adds_them_back() -> None:
+    book = CreditBook()
+    book.register("g", capacity=3, weight=1, in_flight=0, now=0.0, returned=1)
+    book.take(3)
+    book.refill("g", 1, returned=2)
+    # Read when 3 were held and 1 given back: the Done for the 2nd came after it.
+    entry = book.register("g", capacity=3, weight=1, in_flight=3, now=1.0, returned=1)
+    assert (entry.credits, entry.returned) == (1, 2)
+
+
+def test_gateways_that_do_not_count_keep_the_old_rules() -> None:
+    book = CreditBook()
+    book.register("g", capacity=4, weight=1, in_flight=4, now=0.0)
+    assert book.refill("g", 2)
+    assert book.total == 2
+    book.set_credits("g", 1)
+    assert book.total == 1
+
+
 def test_take_splits_by_weight_and_spends_credits() -> None:
     book = CreditBook()
     book.register("heavy", capacity=100, weight=3, in_flight=0, now=0.0)

@@ -42,6 +42,7 @@ class FakeGateway:
         capacity: int = 10,
         weight: int = 1,
         accept: int | None = None,
+        finish_at_once: bool = False,
     ) -> None:
         self.id = f"gw-{uuid.uuid4().hex[:8]}"
         self.nc = nc
@@ -51,7 +52,12 @@ class FakeGateway:
         self.weight = weight
         #: Accept at most this many per request (None: as many as there are free slots).
         self.accept = accept
+        #: Finish every accepted task at once, publishing its Done before the reply (the
+        #: order in which the dispatcher may well handle them anyway).
+        self.finish_at_once = finish_at_once
         self.in_flight = 0
+        #: Slots given back so far (the running total Done, replies and Register carry).
+        self.returned = 0
         self.requests: list[cluster_pb2.DispatchRequest] = []
         self.received: list[task_pb2.TaskEnvelope] = []
         self._subs: list[Subscription] = []
@@ -81,13 +87,15 @@ class FakeGateway:
             weight=self.weight,
             in_flight=self.in_flight,
             closing=closing,
+            returned=self.returned,
         )
         await self.nc.publish(self.subjects.register(self.queue), msg.SerializeToString())
         await self.nc.flush()
 
     async def done(self, n: int) -> None:
         self.in_flight -= n
-        msg = cluster_pb2.Done(gateway=self.id, queue=self.queue, n=n)
+        self.returned += n
+        msg = cluster_pb2.Done(gateway=self.id, queue=self.queue, n=n, returned=self.returned)
         await self.nc.publish(self.subjects.done(self.queue), msg.SerializeToString())
         await self.nc.flush()
 
@@ -110,7 +118,10 @@ class FakeGateway:
         reply = cluster_pb2.DispatchReply(
             accepted=[env.id for env in taken],
             credits=0 if self.accept is not None else self.capacity - self.in_flight,
+            returned=self.returned,
         )
+        if self.finish_at_once and taken:
+            await self.done(len(taken))
         await msg.respond(reply.SerializeToString())
 
 
@@ -231,6 +242,27 @@ async def test_a_starting_dispatcher_claims_queues_with_due_work_unprompted(
     await eventually(lambda: len(gw.received) == 2)
     assert sorted(gw.accepted_ids) == sorted(ids)
     assert queue_name in d.owned
+
+
+async def test_a_done_handled_before_the_reply_it_follows_keeps_its_credit(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """A one-slot gateway finishes each task before its reply ("0 free") is read: had
+    the reply overwritten the Done's refill, the slot would be lost and dispatch would
+    stop until the gateway registered again (this one never does)."""
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=1, finish_at_once=True)
+    await gw.start()
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    ids = await enqueue(broker, queue_name, 6)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: len(gw.received) == 6)
+    assert sorted(gw.accepted_ids) == sorted(ids)
+    assert [len(r.tasks) for r in gw.requests] == [1] * 6
 
 
 async def test_tasks_the_gateway_does_not_accept_are_released_at_once(

@@ -17,7 +17,7 @@ class Wake(_message.Message):
     def __init__(self, queue: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("gateway", "queue", "capacity", "weight", "in_flight", "labels", "closing")
+    __slots__ = ("gateway", "queue", "capacity", "weight", "in_flight", "labels", "closing", "returned")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class Register(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     CLOSING_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
     gateway: str
     queue: str
     capacity: int
@@ -39,17 +40,20 @@ class Register(_message.Message):
     in_flight: int
     labels: _containers.ScalarMap[str, str]
     closing: bool
-    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., capacity: _Optional[int] = ..., weight: _Optional[int] = ..., in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., closing: _Optional[bool] = ...) -> None: ...
+    returned: int
+    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., capacity: _Optional[int] = ..., weight: _Optional[int] = ..., in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., closing: _Optional[bool] = ..., returned: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
-    __slots__ = ("gateway", "queue", "n")
+    __slots__ = ("gateway", "queue", "n", "returned")
     GATEWAY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
     gateway: str
     queue: str
     n: int
-    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    returned: int
+    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., n: _Optional[int] = ..., returned: _Optional[int] = ...) -> None: ...
 
 class Control(_message.Message):
     __slots__ = ("queue", "reason")
@@ -70,12 +74,14 @@ class DispatchRequest(_message.Message):
     def __init__(self, queue: _Optional[str] = ..., dispatcher: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[_task_pb2.TaskEnvelope, _Mapping]]] = ...) -> None: ...
 
 class DispatchReply(_message.Message):
-    __slots__ = ("accepted", "credits")
+    __slots__ = ("accepted", "credits", "returned")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[str]
     credits: int
-    def __init__(self, accepted: _Optional[_Iterable[str]] = ..., credits: _Optional[int] = ...) -> None: ...
+    returned: int
+    def __init__(self, accepted: _Optional[_Iterable[str]] = ..., credits: _Optional[int] = ..., returned: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("task_id", "reason")

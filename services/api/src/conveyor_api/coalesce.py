@@ -152,7 +152,10 @@ class WakePublisher(_Coalescer):
 
 
 class DonePublisher(_Coalescer):
-    """Publishes ``Done{gateway, queue, n}`` on ``subjects.done(queue)``, summed per queue."""
+    """Publishes ``Done{gateway, queue, n, returned}`` on ``subjects.done(queue)``, summed
+    per queue, with the running total of slots given back on that queue (which the
+    gateway also puts in its dispatch replies and registrations, so the dispatcher can
+    tell which Dones a reply already accounts for)."""
 
     def __init__(self, nc: NATS, subjects: Subjects, gateway: str) -> None:
         super().__init__()
@@ -160,19 +163,26 @@ class DonePublisher(_Coalescer):
         self._subjects = subjects
         self._gateway = gateway
         self._pending: Counter[str] = Counter()
+        self._returned: Counter[str] = Counter()
 
     def done(self, queue: str, n: int = 1) -> None:
         """Report ``n`` freed slots on ``queue``."""
         if n > 0:
             self._pending[queue] += n
+            self._returned[queue] += n
             self._schedule()
+
+    def returned(self, queue: str) -> int:
+        """Slots given back on ``queue`` so far (published or about to be)."""
+        return self._returned[queue]
 
     def _has_pending(self) -> bool:
         return bool(self._pending)
 
     async def _drain(self) -> None:
-        pending = dict(self._pending)
+        # The totals as of this snapshot, so each Done's n and total agree.
+        pending = {queue: (n, self._returned[queue]) for queue, n in self._pending.items()}
         self._pending.clear()
-        for queue, n in sorted(pending.items()):
-            body = cluster_pb2.Done(gateway=self._gateway, queue=queue, n=n).SerializeToString()
-            await self._nc.publish(self._subjects.done(queue), body)
+        for queue, (n, returned) in sorted(pending.items()):
+            done = cluster_pb2.Done(gateway=self._gateway, queue=queue, n=n, returned=returned)
+            await self._nc.publish(self._subjects.done(queue), done.SerializeToString())

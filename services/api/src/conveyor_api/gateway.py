@@ -308,6 +308,18 @@ class Gateway:
             del self._per_queue[held.queue]
         return held
 
+    def _free(self, lease_id: str) -> _Held | None:
+        """Drop a delivery and give its slot back to the dispatcher at once (a Done).
+
+        The slot is counted free here and given back in the same step, so the running
+        total in Done, DispatchReply and Register always matches :meth:`free`: the
+        dispatcher can then tell which Dones a reply already accounts for.
+        """
+        held = self._take(lease_id)
+        if held is not None:
+            self._done.done(held.queue)
+        return held
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -378,7 +390,11 @@ class Gateway:
             logger.warning("gateway.bad_dispatch_request gateway=%s", self.id)
             request = cluster_pb2.DispatchRequest()
         accepted = self.accept(request) if request.queue else []
-        reply = cluster_pb2.DispatchReply(accepted=accepted, credits=self.free(request.queue))
+        reply = cluster_pb2.DispatchReply(
+            accepted=accepted,
+            credits=self.free(request.queue),
+            returned=self._done.returned(request.queue),
+        )
         if msg.reply:
             try:
                 await msg.respond(reply.SerializeToString())
@@ -405,6 +421,7 @@ class Gateway:
             in_flight=self._per_queue[queue],
             labels=dict(self.spec.labels),
             closing=closing,
+            returned=self._done.returned(queue),
         )
 
     async def _register(self, queue: str, *, closing: bool = False) -> None:
@@ -455,7 +472,7 @@ class Gateway:
             held = self._held_for(result)
             if held is None:
                 continue
-            self._take(held.lease_id)
+            self._free(held.lease_id)
             if (
                 result.outcome == service_pb2.OUTCOME_SUCCESS
                 and len(result.result) <= self._config.max_result
@@ -504,7 +521,6 @@ class Gateway:
                     held.lease_id,
                     held.queue,
                 )
-            self._done.done(held.queue)
 
     async def _complete(self, held: _Held, result: service_pb2.Result) -> None:
         try:
@@ -526,8 +542,6 @@ class Gateway:
                 held.lease_id,
                 held.queue,
             )
-        finally:
-            self._done.done(held.queue)
 
     async def _apply_outcome(self, held: _Held, result: service_pb2.Result) -> None:
         broker, task_id, lease_id = self._broker, held.task_id, held.lease_id
@@ -565,7 +579,7 @@ class Gateway:
     def _on_overrun(self, lease_id: str, bound: AttemptBound) -> None:
         # The worker kept the attempt past its bound without a Result: stop it there,
         # stop extending its lease, and fail the attempt here.
-        held = self._take(lease_id)
+        held = self._free(lease_id)
         if held is None:
             return
         logger.warning(
@@ -591,8 +605,6 @@ class Gateway:
         except Exception:
             # Its lease is no longer extended: the reaper takes the task back.
             logger.exception("gateway.give_up_failed gateway=%s task=%s", self.id, held.task_id)
-        finally:
-            self._done.done(held.queue)
 
     def _retry_delay(self, held: _Held, result: service_pb2.Result) -> timedelta:
         if result.HasField("retry_after"):
@@ -633,7 +645,7 @@ class Gateway:
         if started is not None:
             self._note_extended(refs, lost, started + self._config.lease_ttl)
         for ref in lost:
-            held = self._take(ref.lease_id)
+            held = self._free(ref.lease_id)
             if held is None:
                 continue  # completed meanwhile
             logger.info(
@@ -643,7 +655,6 @@ class Gateway:
                 held.lease_id,
             )
             self._cancel_on_worker(held, LEASE_LOST_REASON)
-            self._done.done(held.queue)
 
     def _on_progress(self, progress: service_pb2.Progress) -> None:
         held = self._held.get(progress.lease_id)
@@ -682,11 +693,10 @@ class Gateway:
         lease_id = self._lease_of.get(task_id)
         if lease_id is None:
             return False
-        held = self._take(lease_id)
+        held = self._free(lease_id)
         if held is None:
             return False
         self._cancel_on_worker(held, reason)
-        self._done.done(held.queue)
         logger.info("gateway.canceled gateway=%s task=%s reason=%s", self.id, task_id, reason)
         return True
 
@@ -779,9 +789,8 @@ class Gateway:
         try:
             expires = await self._broker.extend_lease(task_id, lease_id, self._config.lease_ttl)
         except LeaseLost:
-            if self._take(lease_id) is not None:
+            if self._free(lease_id) is not None:
                 self._cancel_on_worker(held, LEASE_LOST_REASON)
-                self._done.done(held.queue)
             raise
         if self._expiry is not None and self._held.get(lease_id) is held:
             self._expiry[lease_id] = max(expires, self._expiry.get(lease_id, expires))
@@ -805,10 +814,9 @@ class Gateway:
         stale = self._lease_of.get(task.id)
         if stale is not None:
             # Leased again since: the old run is over.
-            old = self._take(stale)
+            old = self._free(stale)
             if old is not None:
                 self._cancel_on_worker(old, REDELIVERED_REASON)
-                self._done.done(old.queue)
         held = _Held(task.id, lease_id, task.queue, task.retried, task.deadline)
         self._held[lease_id] = held
         self._lease_of[task.id] = lease_id
@@ -838,7 +846,7 @@ class Gateway:
         False when ``lease_id`` is not parked here."""
         if lease_id not in self._parked:
             return False
-        held = self._take(lease_id)
+        held = self._free(lease_id)
         if held is None:
             return False
         logger.info(
@@ -854,8 +862,6 @@ class Gateway:
         except Exception:
             # The lease is no longer extended: the reaper takes the task back.
             logger.exception("gateway.drop_failed gateway=%s task=%s", self.id, held.task_id)
-        finally:
-            self._done.done(held.queue)
         return True
 
     def forget_parked(self) -> int:
@@ -885,13 +891,11 @@ class Gateway:
             raise ValueError("a result needs a task id, a lease id and a final outcome")
         held = self._held.get(result.lease_id)
         if held is not None and held.task_id == result.task_id:
-            self._take(held.lease_id)
+            self._free(held.lease_id)
             try:
                 await self._apply_outcome(held, result)
             except LeaseLost:
                 return False
-            finally:
-                self._done.done(held.queue)
             return True
         try:
             task = await self._broker.get_task(result.task_id)

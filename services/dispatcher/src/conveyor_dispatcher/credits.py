@@ -3,8 +3,18 @@
 Credits are a gateway's free slots on the queue. The gateway is the authority: a
 ``Register`` sets them to ``capacity - in_flight`` and a ``DispatchReply`` sets them to its
 ``credits``; between those, a dispatch takes one credit per task and a ``Done{n}`` gives
-``n`` back. Being wrong is harmless either way: too many and the gateway refuses the
-surplus (the dispatcher releases it at once), too few and the next register heals it.
+``n`` back.
+
+Replies and Dones arrive on different subscriptions, so a Done sent after a reply can be
+handled before it. Taking the reply's credits as they are would then drop that Done's
+slots, and with a slot or two per queue (many queues sharing a worker's concurrency) the
+gateway would look full until its next Register, seconds later. So every message carries
+``returned``, the gateway's running total of slots given back: a Done adds only what is
+beyond the total already counted, and a snapshot (reply or Register) older than that
+total gets the difference added back. (A gateway that sends 0 is not counting: its Dones
+add ``n`` and its snapshots are taken as they are.) What is left wrong is harmless: too
+many credits and the gateway refuses the surplus (the dispatcher releases it at once),
+too few and the next register heals it.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ class GatewayCredits:
     credits: int
     #: Monotonic time of the gateway's last Register.
     seen_at: float
+    #: The gateway's running total of slots given back that these credits account for.
+    returned: int = 0
 
 
 class CreditBook:
@@ -49,16 +61,27 @@ class CreditBook:
         return sum(g.credits for g in self._gateways.values())
 
     def register(
-        self, gateway: str, *, capacity: int, weight: int, in_flight: int, now: float
+        self,
+        gateway: str,
+        *,
+        capacity: int,
+        weight: int,
+        in_flight: int,
+        now: float,
+        returned: int = 0,
     ) -> GatewayCredits:
-        """Record (or refresh) a registration: credits = capacity - in_flight (at least 0)."""
+        """Record (or refresh) a registration: credits = capacity - in_flight (at least 0),
+        plus the slots of Dones already counted that this snapshot predates."""
         capacity = max(0, capacity)
+        previous = self._gateways.get(gateway)
+        counted = previous.returned if previous is not None else 0
         entry = GatewayCredits(
             gateway=gateway,
             capacity=capacity,
             weight=max(1, weight),
-            credits=min(capacity, max(0, capacity - max(0, in_flight))),
+            credits=_clamp(capacity - max(0, in_flight) + max(0, counted - returned), capacity),
             seen_at=now,
+            returned=max(counted, returned),
         )
         self._gateways[gateway] = entry
         return entry
@@ -68,19 +91,29 @@ class CreditBook:
         self._rr.forget(gateway)
         return self._gateways.pop(gateway, None) is not None
 
-    def refill(self, gateway: str, n: int) -> bool:
-        """``n`` completions freed slots (capped at capacity); False for an unknown gateway."""
+    def refill(self, gateway: str, n: int, returned: int = 0) -> bool:
+        """A Done: ``n`` slots freed, ``returned`` given back in all (0: not counted, add
+        ``n``). Only slots beyond the total already counted are added (capped at
+        capacity). False for an unknown gateway."""
         entry = self._gateways.get(gateway)
         if entry is None:
             return False
-        entry.credits = min(entry.capacity, entry.credits + max(0, n))
+        if returned <= 0:
+            fresh = max(0, n)
+        else:
+            fresh = max(0, returned - entry.returned)
+            entry.returned = max(entry.returned, returned)
+        entry.credits = _clamp(entry.credits + fresh, entry.capacity)
         return True
 
-    def set_credits(self, gateway: str, credits: int) -> None:
-        """The gateway said how many slots it has free (clamped to 0..capacity)."""
+    def set_credits(self, gateway: str, credits: int, returned: int = 0) -> None:
+        """The gateway said how many slots it had free when it had given ``returned`` back
+        in all: the slots of Dones counted since then are added (clamped to 0..capacity)."""
         entry = self._gateways.get(gateway)
         if entry is not None:
-            entry.credits = min(entry.capacity, max(0, credits))
+            missed = max(0, entry.returned - returned)
+            entry.credits = _clamp(credits + missed, entry.capacity)
+            entry.returned = max(entry.returned, returned)
 
     def expire(self, now: float, max_age: float) -> list[str]:
         """Forget gateways not registered for ``max_age`` seconds; return their names."""
@@ -106,3 +139,7 @@ class CreditBook:
             if entry.credits <= 0:
                 del candidates[gateway]
         return shares
+
+
+def _clamp(credits: int, capacity: int) -> int:
+    return min(capacity, max(0, credits))

@@ -123,6 +123,7 @@ class QueueDispatcher:
             weight=msg.weight,
             in_flight=msg.in_flight,
             now=self._now(),
+            returned=msg.returned,
         )
         self._last_active = self._now()
         if not known:
@@ -138,7 +139,7 @@ class QueueDispatcher:
 
     def done(self, msg: cluster_pb2.Done) -> None:
         """A gateway finished ``n`` tasks: its slots are free again."""
-        if self.book.refill(msg.gateway, msg.n):
+        if self.book.refill(msg.gateway, msg.n, msg.returned):
             self._kick()
 
     async def reload(self) -> None:
@@ -280,7 +281,7 @@ class QueueDispatcher:
             logger.exception("dispatcher.dispatch_error queue=%s gateway=%s", self.queue, gateway)
             self.book.set_credits(gateway, 0)
             return list(batch)
-        self.book.set_credits(gateway, reply.credits)
+        self.book.set_credits(gateway, reply.credits, reply.returned)
         accepted = set(reply.accepted)
         return [task for task in batch if task.id not in accepted]
 
