@@ -158,10 +158,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await retain(dsn, args.retained)
         target = await cluster.start_services()
         record = workdir / "record.txt"
+        # The burst goes round-robin over the queues; every worker serves them all.
+        queues = ["bench"] + [f"bench{n}" for n in range(1, args.queues)]
         tail = RecordTail(record)
         for _ in range(args.workers):
             cluster.start_worker(
-                target, queues={"bench": 1}, concurrency=args.concurrency, record=record
+                target, queues=dict.fromkeys(queues, 1), concurrency=args.concurrency, record=record
             )
 
         async with AsyncClient(target) as client:
@@ -175,7 +177,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             batch = 1000
             pending = [
-                client.enqueue_batch([spec("e2e.noop", {}, queue="bench") for _ in range(batch)])
+                client.enqueue_batch(
+                    [spec("e2e.noop", {}, queue=queues[n % len(queues)]) for n in range(batch)]
+                )
                 for _ in range(args.tasks // batch)
             ]
             for chunk in range(0, len(pending), 4):
@@ -209,6 +213,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         result = {
             "tasks": args.tasks,
             "retained": args.retained,
+            "queues": args.queues,
             "workers": args.workers,
             "concurrency": args.concurrency,
             "enqueue_per_s": round(args.tasks / (t_enqueued - t0)),
@@ -245,6 +250,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=20000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--queues", type=int, default=1, help="queues the burst is spread over")
     parser.add_argument(
         "--retained", type=int, default=0, help="completed tasks in the table beforehand"
     )
@@ -261,7 +267,7 @@ def main() -> None:
     lat = result["latency_ms"]
     print(
         f"e2e: {result['tasks']} no-op tasks, {result['workers']} workers x {result['concurrency']}"
-        f", {result['retained']} completed tasks retained beforehand\n"
+        f", {result['queues']} queue(s), {result['retained']} completed tasks retained before\n"
         f"  enqueue  {result['enqueue_per_s']:>8} tasks/s\n"
         f"  drained  {result['drained_per_s']:>8} tasks/s end to end ({result['drain_seconds']} s); "
         f"{result['done_while_enqueuing']} done while enqueuing, then "
