@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -238,6 +239,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         cluster.stop_all()
         nats.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
         conn = await asyncpg.connect(admin)
         await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         await conn.close()

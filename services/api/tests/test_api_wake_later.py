@@ -59,7 +59,9 @@ async def test_later_wakes_due_in_the_same_tick_share_one_wake(
     for _ in range(50):
         publisher.wake_later("q", 0.3)
     publisher.wake_later("other", 0.3)
-    assert publisher.later_pending <= 4  # 51 requests, a tick or two apart at most
+    # 51 requests in a few microseconds share a tick or two; a pause of the test
+    # process between two of them could add one more, not dozens.
+    assert publisher.later_pending < 10
     await eventually(lambda: "other" in wakes.queues() and "q" in wakes.queues(), within=5)
     await nc.flush()
     assert wakes.queues().count("q") <= 2
@@ -103,6 +105,16 @@ async def test_closing_drops_later_wakes(nc: NatsClient, subjects: Subjects) -> 
     await eventually(lambda: "probe" in wakes.queues(), within=5)
     assert "dropped" not in wakes.queues()
     await other.aclose()
+
+
+async def test_later_wakes_past_the_horizon_are_left_to_the_sweep(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    publisher = WakePublisher(nc, subjects)
+    publisher.wake_later("far", WakePublisher.LATER_HORIZON + 1)
+    publisher.wake_later("near", WakePublisher.LATER_HORIZON - 1)
+    assert publisher.later_pending == 1
+    await publisher.aclose()
 
 
 async def test_later_wakes_past_the_cap_are_dropped(nc: NatsClient, subjects: Subjects) -> None:

@@ -314,7 +314,8 @@ class Broker(abc.ABC):
         A task queue's table swings between empty and huge in seconds, faster than a
         database's own background upkeep follows. A broker whose storage has a query
         planner refreshes its statistics and removes dead row versions here when they
-        have drifted far enough to matter; the maintenance reaper calls it every pass.
+        have drifted far enough to matter; the maintenance service's storage role calls
+        it every ``storage_tick``.
         Cheap when there is nothing to do. Storage without a planner (the memory broker)
         never has anything to do and reports so.
         """

@@ -69,6 +69,10 @@ class WakePublisher(_Coalescer):
     #: Most distinct (queue, tick) later wakes held; past it they are dropped (the
     #: reaper's sweep wakes those queues).
     MAX_LATER = 10_000
+    #: Later wakes further ahead than this many seconds are not held: the reaper's sweep
+    #: wakes those queues at most a reap tick late, which is nothing next to the delay,
+    #: and long backoffs would otherwise fill the table the short ones need.
+    LATER_HORIZON = 300.0
 
     def __init__(self, nc: NATS, subjects: Subjects) -> None:
         super().__init__()
@@ -92,6 +96,8 @@ class WakePublisher(_Coalescer):
         """Ask for a Wake of ``queue`` in ``delay`` seconds (at once when <= 0)."""
         if delay <= 0:
             self.wake(queue)
+            return
+        if delay > self.LATER_HORIZON:
             return
         loop = asyncio.get_running_loop()
         tick = math.ceil((loop.time() + delay) / self.LATER_TICK)

@@ -118,14 +118,16 @@ class Dispatcher:
         logger.info("dispatcher.started instance=%s", self.instance_id)
 
     async def _want_due_queues(self) -> None:
-        """Try to claim every queue with due work, a page of names at a time."""
+        """Try to claim every queue with due work, one after another (a cold start with
+        thousands of queues must not fire thousands of claims at once)."""
         after: str | None = None
         try:
             while self._running:
                 page = await self._broker.due_queues(after=after, limit=MAX_BATCH)
                 for queue in page:
-                    if queue not in self._queues:
-                        self._want(queue, None)
+                    if self._may_claim(queue):
+                        self._claiming[queue] = []
+                        await self._claim(queue)
                 if len(page) < MAX_BATCH:
                     return
                 after = page[-1]
@@ -252,12 +254,16 @@ class Dispatcher:
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
+    def _may_claim(self, queue: str) -> bool:
+        """False while ``queue`` is owned here, being claimed, or was refused a moment ago."""
+        if not self._running or queue in self._queues or queue in self._claiming:
+            return False
+        return self._refused_until.get(queue, 0.0) <= self._now()
+
     def _want(self, queue: str, reg: cluster_pb2.Register | None) -> None:
         """Try to claim ``queue`` in the background, unless a claim is in flight or was
         refused a moment ago."""
-        if not self._running or queue in self._claiming:
-            return
-        if self._refused_until.get(queue, 0.0) > self._now():
+        if not self._may_claim(queue):
             return
         self._claiming[queue] = [reg] if reg is not None else []
         self._spawn(self._claim(queue))

@@ -12,15 +12,24 @@ that started empty, one task at a time):
   1.4-1.5 ms instead of 0.5-0.6 ms per lease until a vacuum removes them.
 
 An ANALYZE (about 90 ms there) makes every session re-plan; a VACUUM (about 60 ms there)
-removes the dead entries. The maintenance service asks for both through
+removes the dead entries. The maintenance service's storage role asks for both through
 :meth:`~conveyor_broker.interface.Broker.upkeep_storage`, with the thresholds below:
-about as eager as autovacuum's defaults, checked every few seconds instead of every
-minute.
+checked every few seconds instead of every minute, and at most once per
+:data:`MIN_INTERVAL`. (Autovacuum's own defaults: ANALYZE after 50 rows plus a tenth of the
+table changed, VACUUM after 50 plus a fifth dead.)
+
+A manual VACUUM does not give way to other lock requests as autovacuum does, so upkeep
+never waits for the table (SKIP_LOCKED), holds the migration lock while it runs (a
+migration waits for it instead of queueing a table lock that would hold up every insert
+and update), and runs without the session's statement timeout (a timeout would cancel it
+every time, redoing the work each check). A run that fails backs off, doubling up to
+:data:`MAX_BACKOFF`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 #: The table the hot path lives in; the others stay small.
 TABLE = "conveyor_tasks"
@@ -32,17 +41,32 @@ MIN_ROWS = 1000
 ANALYZE_SHARE = 0.5
 #: VACUUM once the dead row versions reach this share of the live rows.
 VACUUM_SHARE = 0.2
+#: Least time between two runs that did something: each ANALYZE makes every session
+#: re-plan, and a table with few live rows and a high throughput would otherwise get
+#: one every check.
+MIN_INTERVAL = timedelta(seconds=10)
+#: Longest wait after runs that failed (the wait doubles from MIN_INTERVAL).
+MAX_BACKOFF = timedelta(hours=1)
 
 #: The counters the decision reads, in one round trip. ``planned_rows`` is what the
-#: planner believes (-1 before the first ANALYZE or VACUUM); ``maintainable`` is whether
-#: this role may ANALYZE and VACUUM the table (its owner, a member of the owning role, or
-#: a superuser: anyone else gets a warning and nothing done).
+#: planner believes (-1 before the first ANALYZE or VACUUM); ``vacuums`` and ``analyzes``
+#: count the manual runs that completed (a skipped one does not count); ``maintainable``
+#: is whether this role may ANALYZE and VACUUM the table: a member of the role that owns
+#: it or the database (a superuser is every role's member), or, from PostgreSQL 17, a
+#: holder of MAINTAIN on it. Anyone else would get a warning and nothing done.
 STATS = f"""
 SELECT c.reltuples::float8 AS planned_rows,
        coalesce(s.n_live_tup, 0) AS live_rows,
        coalesce(s.n_dead_tup, 0) AS dead_rows,
        coalesce(s.n_mod_since_analyze, 0) AS changed_rows,
-       pg_has_role(c.relowner, 'USAGE') AS maintainable
+       coalesce(s.vacuum_count, 0) AS vacuums,
+       coalesce(s.analyze_count, 0) AS analyzes,
+       pg_has_role(c.relowner, 'USAGE')
+         OR pg_has_role((SELECT d.datdba FROM pg_database d
+                         WHERE d.datname = current_database()), 'USAGE')
+         OR CASE WHEN current_setting('server_version_num')::int >= 170000
+                 THEN has_table_privilege(c.oid, 'MAINTAIN') ELSE false END
+         AS maintainable
 FROM pg_class c LEFT JOIN pg_stat_all_tables s ON s.relid = c.oid
 WHERE c.oid = '{TABLE}'::regclass
 """
@@ -63,6 +87,8 @@ class TableStats:
     dead_rows: int
     changed_rows: int
     maintainable: bool = True
+    vacuums: int = 0
+    analyzes: int = 0
 
 
 def needs_analyze(stats: TableStats) -> bool:
@@ -88,3 +114,9 @@ def upkeep_statement(stats: TableStats, floor: int) -> str | None:
     if needs_vacuum(stats, floor):
         return VACUUM_ANALYZE if analyze else VACUUM
     return ANALYZE if analyze else None
+
+
+def backoff(failures: int) -> timedelta:
+    """The wait after ``failures`` failed runs in a row (1 or more)."""
+    doubled: timedelta = MIN_INTERVAL * 2 ** min(max(failures - 1, 0), 16)
+    return min(MAX_BACKOFF, doubled)
