@@ -39,13 +39,13 @@ def test_refill_adds_credits_capped_at_capacity() -> None:
 def test_set_credits_follows_the_gateway_reply_clamped() -> None:
     book = CreditBook()
     book.register("g", capacity=5, weight=1, in_flight=0, now=0.0)
-    book.set_credits("g", 2)
+    book.set_credits("g", 2, returned=0)
     assert book.total == 2
-    book.set_credits("g", 99)
+    book.set_credits("g", 99, returned=0)
     assert book.total == 5
-    book.set_credits("g", -1)
+    book.set_credits("g", -1, returned=0)
     assert book.total == 0
-    book.set_credits("unknown", 3)  # ignored
+    book.set_credits("unknown", 3, returned=0)  # ignored
     assert book.total == 0
 
 
@@ -93,12 +93,24 @@ def test_a_registration_older_than_counted_dones_adds_them_back() -> None:
     assert (entry.credits, entry.returned) == (1, 2)
 
 
+def test_a_gateway_that_did_not_answer_gets_nothing_more_but_keeps_its_total() -> None:
+    book = CreditBook()
+    book.register("g", capacity=4, weight=1, in_flight=0, now=0.0, returned=3)
+    book.refill("g", 1, returned=4)
+    book.block("g")
+    assert book.total == 0
+    book.refill("g", 1, returned=4)  # already counted: still nothing
+    assert book.total == 0
+    book.refill("g", 1, returned=5)
+    assert book.total == 1
+
+
 def test_gateways_that_do_not_count_keep_the_old_rules() -> None:
     book = CreditBook()
     book.register("g", capacity=4, weight=1, in_flight=4, now=0.0)
     assert book.refill("g", 2)
     assert book.total == 2
-    book.set_credits("g", 1)
+    book.set_credits("g", 1, returned=0)
     assert book.total == 1
 
 

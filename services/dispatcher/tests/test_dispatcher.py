@@ -55,6 +55,8 @@ class FakeGateway:
         #: Finish every accepted task at once, publishing its Done before the reply (the
         #: order in which the dispatcher may well handle them anyway).
         self.finish_at_once = finish_at_once
+        #: Take dispatch requests without ever answering (a hung api process).
+        self.silent = False
         self.in_flight = 0
         #: Slots given back so far (the running total Done, replies and Register carry).
         self.returned = 0
@@ -109,6 +111,8 @@ class FakeGateway:
     async def _on_dispatch(self, msg: Msg) -> None:
         request = cluster_pb2.DispatchRequest.FromString(msg.data)
         self.requests.append(request)
+        if self.silent:
+            return
         room = self.capacity - self.in_flight
         if self.accept is not None:
             room = min(room, self.accept)
@@ -403,6 +407,39 @@ async def test_a_gateway_that_vanished_is_forgotten_and_its_tasks_released(
     await eventually(lambda: gw.id not in qd.book)
     await eventually(lambda: qd.released == 4 and not qd.cycling)
     assert await count(broker, queue_name, TaskState.PENDING) == 4
+
+
+async def test_a_gateway_that_does_not_answer_gets_nothing_more(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """A dispatch that times out leaves the gateway with no credits until it registers
+    or gives slots back, even one that had given slots back before (counted in its
+    running total)."""
+    d = await dispatchers(dispatch_timeout=0.3)
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=2, finish_at_once=True)
+    await gw.start()
+    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    qd = d.queue(queue_name)
+    assert qd is not None
+    await enqueue(broker, queue_name, 2)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: len(gw.received) == 2 and not qd.cycling)
+    assert gw.returned == 2
+
+    gw.silent = True
+    await enqueue(broker, queue_name, 2)
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: qd.released == 2 and not qd.cycling)
+    asked = len(gw.requests)
+    wakes = qd.wakes
+    await wake(nc, subjects, queue_name)
+    await eventually(lambda: qd.wakes > wakes and not qd.cycling)
+    assert len(gw.requests) == asked
+    assert qd.book.total == 0
 
 
 async def test_a_closing_registration_is_forgotten(

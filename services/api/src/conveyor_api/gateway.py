@@ -813,8 +813,9 @@ class Gateway:
             return False
         stale = self._lease_of.get(task.id)
         if stale is not None:
-            # Leased again since: the old run is over.
-            old = self._free(stale)
+            # Leased again since: the old run is over, and the adopted delivery takes its
+            # slot (nothing is given back).
+            old = self._take(stale)
             if old is not None:
                 self._cancel_on_worker(old, REDELIVERED_REASON)
         held = _Held(task.id, lease_id, task.queue, task.retried, task.deadline)

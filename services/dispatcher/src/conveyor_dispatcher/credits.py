@@ -11,10 +11,10 @@ slots, and with a slot or two per queue (many queues sharing a worker's concurre
 gateway would look full until its next Register, seconds later. So every message carries
 ``returned``, the gateway's running total of slots given back: a Done adds only what is
 beyond the total already counted, and a snapshot (reply or Register) older than that
-total gets the difference added back. (A gateway that sends 0 is not counting: its Dones
-add ``n`` and its snapshots are taken as they are.) What is left wrong is harmless: too
-many credits and the gateway refuses the surplus (the dispatcher releases it at once),
-too few and the next register heals it.
+total gets the difference added back. (A gateway that does not count sends 0 throughout:
+its Dones add ``n``, and since none of them was counted its snapshots are taken as they
+are.) What is left wrong is harmless: too many credits and the gateway refuses the
+surplus (the dispatcher releases it at once), too few and the next register heals it.
 """
 
 from __future__ import annotations
@@ -106,14 +106,23 @@ class CreditBook:
         entry.credits = _clamp(entry.credits + fresh, entry.capacity)
         return True
 
-    def set_credits(self, gateway: str, credits: int, returned: int = 0) -> None:
+    def set_credits(self, gateway: str, credits: int, *, returned: int) -> None:
         """The gateway said how many slots it had free when it had given ``returned`` back
-        in all: the slots of Dones counted since then are added (clamped to 0..capacity)."""
+        in all: the slots of Dones counted since then are added (clamped to 0..capacity).
+        A gateway that does not count sends 0, and as the dispatcher then never counted
+        any of its Dones either, its credits are taken as they are."""
         entry = self._gateways.get(gateway)
         if entry is not None:
             missed = max(0, entry.returned - returned)
             entry.credits = _clamp(credits + missed, entry.capacity)
             entry.returned = max(entry.returned, returned)
+
+    def block(self, gateway: str) -> None:
+        """Send ``gateway`` nothing more until it says otherwise (a Register, a Done): it
+        did not answer a dispatch. What it has given back so far stays counted."""
+        entry = self._gateways.get(gateway)
+        if entry is not None:
+            entry.credits = 0
 
     def expire(self, now: float, max_age: float) -> list[str]:
         """Forget gateways not registered for ``max_age`` seconds; return their names."""

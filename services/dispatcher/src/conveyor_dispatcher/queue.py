@@ -138,7 +138,7 @@ class QueueDispatcher:
         self._kick()
 
     def done(self, msg: cluster_pb2.Done) -> None:
-        """A gateway finished ``n`` tasks: its slots are free again."""
+        """A gateway gave ``n`` slots back (tasks finished, canceled or lost)."""
         if self.book.refill(msg.gateway, msg.n, msg.returned):
             self._kick()
 
@@ -268,20 +268,20 @@ class QueueDispatcher:
         except TimeoutError:  # nats.errors.TimeoutError is one too
             # Slow or dead: send it nothing more until it registers again.
             logger.warning("dispatcher.dispatch_timeout queue=%s gateway=%s", self.queue, gateway)
-            self.book.set_credits(gateway, 0)
+            self.book.block(gateway)
             return list(batch)
         except (DecodeError, nats.errors.Error) as exc:
             logger.warning(
                 "dispatcher.dispatch_failed queue=%s gateway=%s error=%r", self.queue, gateway, exc
             )
-            self.book.set_credits(gateway, 0)
+            self.book.block(gateway)
             return list(batch)
         except Exception:
             # Whatever went wrong, the leased tasks must go back rather than wait for expiry.
             logger.exception("dispatcher.dispatch_error queue=%s gateway=%s", self.queue, gateway)
-            self.book.set_credits(gateway, 0)
+            self.book.block(gateway)
             return list(batch)
-        self.book.set_credits(gateway, reply.credits, reply.returned)
+        self.book.set_credits(gateway, reply.credits, returned=reply.returned)
         accepted = set(reply.accepted)
         return [task for task in batch if task.id not in accepted]
 
