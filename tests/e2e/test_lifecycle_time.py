@@ -172,3 +172,25 @@ async def test_timeouts_deadlines_expiry_and_unique_keys(cluster: Cluster, tmp_p
             check_expiry_and_unique_keys(stack, client, admin),
             check_sdk_cancels_at_timeout_and_deadline(stack, client, admin),
         )
+
+
+async def test_a_delayed_task_starts_when_due_not_at_the_schedulers_next_tick(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The api hints the scheduler when a delayed task falls due. With the scheduler's
+    own pass a minute apart (and the reaper's sweep five), nothing else would promote it
+    in time."""
+    stack = await start_stack(
+        cluster,
+        tmp_path,
+        queues={"time": 1},
+        env={"CONVEYOR_PROMOTE_TICK": "60", "CONVEYOR_REAP_TICK": "300"},
+    )
+    async with AsyncAdminClient(stack.target) as admin, AsyncClient(stack.target) as client:
+        delayed = await client.enqueue("e2e.noop", {}, queue="time", process_in=0.5)
+        assert delayed.state is TaskState.SCHEDULED
+        moved = await client.enqueue("e2e.noop", {}, queue="time", process_in=3600)
+        await admin.reschedule_task(moved.id, soon(0.5))
+        for task in (delayed, moved):
+            done = await wait_state(admin, task.id, C, within=20)
+            assert done.started_at is not None

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import timedelta
 
 from conveyor_api.coalesce import WakePublisher
+from conveyor_broker import FakeClock, NewTask, TaskState
+from conveyor_broker.memory import MemoryBroker
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
@@ -123,4 +126,68 @@ async def test_later_wakes_past_the_cap_are_dropped(nc: NatsClient, subjects: Su
     for n in range(5):
         publisher.wake_later(f"q{n}", 60)
     assert publisher.later_pending == 3
+    await publisher.aclose()
+
+
+async def test_a_later_promote_hint_reaches_the_scheduler_once_due(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    hints: list[float] = []
+
+    async def on_hint(msg: Msg) -> None:
+        assert msg.data == b""
+        hints.append(time.monotonic())
+
+    await nc.subscribe(subjects.promote(), cb=on_hint)
+    await nc.flush()
+    publisher = WakePublisher(nc, subjects)
+    asked = time.monotonic()
+    for _ in range(5):
+        publisher.promote_later(0.3)  # due together: one hint
+    await eventually(lambda: len(hints) == 1, within=5)
+    assert hints[0] - asked >= 0.3
+    publisher.promote()
+    await eventually(lambda: len(hints) == 2, within=5)
+    await publisher.aclose()
+
+
+async def test_when_due_hints_whoever_acts_on_the_task(
+    nc: NatsClient, subjects: Subjects, clock: FakeClock
+) -> None:
+    """PENDING: its queue now; RETRY: its queue when the retry is due; SCHEDULED: the
+    scheduler when it is due; anything else: nobody."""
+    wakes = await listen(nc, subjects)
+    promotes: list[float] = []
+
+    async def on_hint(msg: Msg) -> None:
+        promotes.append(time.monotonic())
+
+    await nc.subscribe(subjects.promote(), cb=on_hint)
+    await nc.flush()
+    broker = MemoryBroker(clock)
+    now = clock.now()
+    soon = timedelta(seconds=0.3)
+    pending = (await broker.enqueue(NewTask("ready", "t"))).task
+    scheduled = (await broker.enqueue(NewTask("later", "t", process_at=now + soon))).task
+    await broker.enqueue(NewTask("retrying", "t"))
+    (first,) = await broker.lease("retrying", 1, timedelta(seconds=30))
+    retry = await broker.fail(first.id, first.lease_id or "", "boom", soon)
+    await broker.enqueue(NewTask("finished", "t"))
+    (second,) = await broker.lease("finished", 1, timedelta(seconds=30))
+    completed = await broker.ack(second.id, second.lease_id or "")
+    assert [t.state for t in (pending, scheduled, retry, completed)] == [
+        TaskState.PENDING,
+        TaskState.SCHEDULED,
+        TaskState.RETRY,
+        TaskState.COMPLETED,
+    ]
+    publisher = WakePublisher(nc, subjects)
+    asked = time.monotonic()
+    for task in (pending, scheduled, retry, completed):
+        publisher.when_due(task, now)
+    await eventually(lambda: wakes.queues() == ["ready"], within=5)
+    await eventually(lambda: len(promotes) == 1 and "retrying" in wakes.queues(), within=5)
+    assert promotes[0] - asked >= 0.3
+    assert dict(wakes.seen)["retrying"] - asked >= 0.3
+    assert wakes.queues() == ["ready", "retrying"]
     await publisher.aclose()

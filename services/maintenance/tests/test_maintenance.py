@@ -305,3 +305,28 @@ async def test_storage_upkeep_can_be_turned_off(
     await eventually(lambda: m.passes[REAPER] >= 3)
     assert m.passes[STORAGE] == 0
     assert not m.leads(STORAGE)
+
+
+async def test_a_promote_hint_runs_the_scheduler_at_once(
+    broker: Broker,
+    clock: FakeClock,
+    nc: NatsClient,
+    subjects: Subjects,
+    wakes: WakeLog,
+    maintenance: Callable[..., Awaitable[Maintenance]],
+) -> None:
+    """The scheduler's tick is a minute here; the hint (sent by the api when a task it
+    stored falls due) makes the leader promote at once."""
+    task = (
+        await broker.enqueue(
+            NewTask(queue="hinted", type="t", process_at=clock.now() + timedelta(seconds=5))
+        )
+    ).task
+    m = await maintenance(promote_tick=60.0)
+    await eventually(lambda: m.passes[SCHEDULER] >= 1)
+    passes = m.passes[SCHEDULER]
+    clock.advance(timedelta(seconds=5))
+    await nc.publish(subjects.promote(), b"")
+    await eventually(lambda: wakes.count("hinted") >= 1)
+    assert (await broker.get_task(task.id)).state is TaskState.PENDING
+    assert m.passes[SCHEDULER] == passes + 1

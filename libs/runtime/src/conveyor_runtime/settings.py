@@ -168,7 +168,12 @@ class DispatcherSettings(CommonSettings):
 class MaintenanceSettings(CommonSettings):
     """services/maintenance: scheduler and reaper (leader-elected)."""
 
-    promote_tick: float = Field(1.0, gt=0, description="Seconds between scheduler passes")
+    promote_tick: float = Field(
+        1.0,
+        gt=0,
+        description="Seconds between scheduler passes (the api's promote hint for a "
+        "delayed task that falls due runs one at once)",
+    )
     reap_tick: float = Field(1.0, gt=0, description="Seconds between reaper passes")
     leader_ttl: float = Field(
         5.0, gt=0, description="Seconds a leadership key lives without a refresh"

@@ -47,6 +47,12 @@ class Subjects:
         """The queue token of a ``<prefix>.q.<queue>.<kind>`` subject."""
         return subject.rsplit(".", 2)[-2]
 
+    # ---- api -> maintenance
+    def promote(self) -> str:
+        """Promote hint (empty body): scheduled tasks fall due now; the scheduler leader
+        runs a pass at once instead of at its next tick."""
+        return f"{self.prefix}.promote"
+
     # ---- per gateway: dispatcher/api -> gateway
     def dispatch(self, gateway: str) -> str:
         """Request/reply ``DispatchRequest`` -> ``DispatchReply``."""

@@ -21,6 +21,7 @@ from conveyor_broker import (
     WebhookWorker,
     WebhookWorkerSpec,
 )
+from conveyor_broker.clock import Clock
 from conveyor_broker.types import CANCELED_WHILE_RUNNING_ERROR
 from conveyor_broker.validation import (
     check_queue,
@@ -146,9 +147,11 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         wakes: WakePublisher,
         registry: SessionRegistry,
         server_version: str,
+        clock: Clock,
         event_gate: EventGate | None = None,
     ) -> None:
         self._broker = broker
+        self._clock = clock
         self._event_gate = event_gate
         self._nc = nc
         self._subjects = subjects
@@ -367,8 +370,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             task = await broker.reschedule_task(task_id, process_at)
         else:
             raise InvalidTask(f"unknown task action {action}")
-        if task.state is TaskState.PENDING:
-            self._wakes.wake(task.queue)
+        self._wakes.when_due(task, self._clock.now())
         return task
 
     async def _single(

@@ -14,7 +14,9 @@ import heapq
 import logging
 import math
 from collections import Counter
+from datetime import datetime
 
+from conveyor_broker import Task, TaskState
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.subjects import Subjects
 from nats.aio.client import Client as NATS
@@ -59,9 +61,14 @@ class WakePublisher(_Coalescer):
     """Publishes ``Wake`` on ``subjects.wake(queue)``, at most one pending per queue.
 
     ``wake_later`` wakes a queue when work in it becomes due (a retry after its backoff),
-    so the retry starts on time instead of at the reaper's next due-queue sweep. Those
-    timers live in this process only: if it dies, the sweep still wakes the queue.
+    so the retry starts on time instead of at the reaper's next due-queue sweep; likewise
+    ``promote_later`` sends the scheduler a promote hint when a scheduled task falls due,
+    so it starts on time instead of at the scheduler's next tick. Those timers live in
+    this process only: if it dies, the sweeps still find the work.
     """
+
+    #: The target of a later promote hint in the timer table (no queue has this name).
+    PROMOTE = ""
 
     #: Later wakes are rounded up to this many seconds, so a burst of retries due at
     #: about the same time shares one timer and one Wake.
@@ -79,8 +86,9 @@ class WakePublisher(_Coalescer):
         self._nc = nc
         self._subjects = subjects
         self._pending: set[str] = set()
-        # Later wakes: a heap of (tick, queue), the same pairs as a set, and one loop
-        # timer for the earliest.
+        self._promote = False
+        # Later wakes: a heap of (tick, queue or PROMOTE), the same pairs as a set, and
+        # one loop timer for the earliest.
         self._later: list[tuple[int, str]] = []
         self._later_keys: set[tuple[int, str]] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -94,18 +102,48 @@ class WakePublisher(_Coalescer):
 
     def wake_later(self, queue: str, delay: float) -> None:
         """Ask for a Wake of ``queue`` in ``delay`` seconds (at once when <= 0)."""
+        self._later_hint(queue, delay)
+
+    def promote(self) -> None:
+        """Send the scheduler a promote hint; a no-op when one is already pending."""
+        if not self._promote:
+            self._promote = True
+            self._schedule()
+
+    def promote_later(self, delay: float) -> None:
+        """Send the scheduler a promote hint in ``delay`` seconds (at once when <= 0)."""
+        self._later_hint(self.PROMOTE, delay)
+
+    def when_due(self, task: Task, now: datetime) -> None:
+        """Hint whoever acts when ``task`` becomes due: its queue's dispatcher for a
+        PENDING task (now) or a RETRY (when its retry is due), the scheduler for a
+        SCHEDULED one (when it is due). Nothing for tasks in any other state."""
+        if task.state is TaskState.PENDING:
+            self.wake(task.queue)
+        elif task.state is TaskState.RETRY:
+            self.wake_later(task.queue, (task.available_at - now).total_seconds())
+        elif task.state is TaskState.SCHEDULED:
+            self.promote_later((task.available_at - now).total_seconds())
+
+    def _now_hint(self, target: str) -> None:
+        if target == self.PROMOTE:
+            self.promote()
+        else:
+            self.wake(target)
+
+    def _later_hint(self, target: str, delay: float) -> None:
         if delay <= 0:
-            self.wake(queue)
+            self._now_hint(target)
             return
         if delay > self.LATER_HORIZON:
             return
         loop = asyncio.get_running_loop()
         tick = math.ceil((loop.time() + delay) / self.LATER_TICK)
-        key = (tick, queue)
+        key = (tick, target)
         if key in self._later_keys:
             return
         if len(self._later_keys) >= self.MAX_LATER:
-            logger.debug("coalesce.later_wake_dropped queue=%s", queue)
+            logger.debug("coalesce.later_hint_dropped target=%r", target)
             return
         self._later_keys.add(key)
         heapq.heappush(self._later, key)
@@ -129,7 +167,7 @@ class WakePublisher(_Coalescer):
         while self._later and self._later[0][0] * self.LATER_TICK <= now:
             key = heapq.heappop(self._later)
             self._later_keys.discard(key)
-            self.wake(key[1])
+            self._now_hint(key[1])
         self._arm(loop)
 
     async def aclose(self) -> None:
@@ -143,18 +181,21 @@ class WakePublisher(_Coalescer):
 
     @property
     def later_pending(self) -> int:
-        """Later wakes not yet due."""
+        """Later wakes and promote hints not yet due."""
         return len(self._later)
 
     def _has_pending(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or self._promote
 
     async def _drain(self) -> None:
         queues = sorted(self._pending)
         self._pending.clear()
+        promote, self._promote = self._promote, False
         for queue in queues:
             body = cluster_pb2.Wake(queue=queue).SerializeToString()
             await self._nc.publish(self._subjects.wake(queue), body)
+        if promote:
+            await self._nc.publish(self._subjects.promote(), b"")
 
 
 class DonePublisher(_Coalescer):

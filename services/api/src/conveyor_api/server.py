@@ -96,7 +96,7 @@ class ApiServer:
             broker,
             window=settings.enqueue_batch_window,
             max_items=settings.enqueue_batch_max,
-            on_commit=lambda results: wake_for(results, self.wakes),
+            on_commit=lambda results: wake_for(results, self.wakes, self.clock),
         )
         self.gateway_config = GatewayConfig(
             lease_ttl=settings.lease_ttl_delta,
@@ -180,6 +180,7 @@ class ApiServer:
             wakes=self.wakes,
             registry=self.registry,
             server_version=__version__,
+            clock=self.clock,
             event_gate=self._event_gate,
         )
         add_service(server, _SERVICES["AdminService"], self._admin)

@@ -16,7 +16,6 @@ from conveyor_broker import (
     EnqueueResult,
     InvalidTask,
     NewTask,
-    TaskState,
 )
 from conveyor_broker.clock import Clock
 from conveyor_broker.validation import check_task_id
@@ -39,11 +38,13 @@ if TYPE_CHECKING:
     _Context = grpc.aio.ServicerContext[Any, Any]
 
 
-def wake_for(results: Sequence[EnqueueResult], wakes: WakePublisher) -> None:
-    """Wake the queues that got a task due now (created and PENDING)."""
+def wake_for(results: Sequence[EnqueueResult], wakes: WakePublisher, clock: Clock) -> None:
+    """Hint the created tasks' due time: their queues' dispatchers for the PENDING ones,
+    the scheduler (when they fall due) for the SCHEDULED ones."""
+    now = clock.now()
     for result in results:
-        if result.created and result.task.state is TaskState.PENDING:
-            wakes.wake(result.task.queue)
+        if result.created:
+            wakes.when_due(result.task, now)
 
 
 class TaskService(service_pb2_grpc.TaskServiceServicer):
@@ -130,7 +131,7 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
             results = await self._broker.enqueue_batch(tasks) if tasks else []
         except Exception as exc:
             await abort_for_error(context, exc)
-        wake_for(results, self._wakes)
+        wake_for(results, self._wakes, self._clock)
         return service_pb2.EnqueueTxResponse(tasks=[task_to_proto(r.task) for r in results])
 
     async def GetTask(

@@ -6,8 +6,9 @@ bucket runs its passes, the others try to claim the key every ``leader_ttl / 2``
 that fails is logged and the next tick tries again: the sweeps are backstops, so a
 skipped one only delays work.
 
-- scheduler, every ``promote_tick``: SCHEDULED tasks that are due become PENDING, and
-  their queues are woken.
+- scheduler, every ``promote_tick`` and at once on a promote hint (which the api sends
+  when a scheduled task it stored falls due): SCHEDULED tasks that are due become
+  PENDING, and their queues are woken.
 - reaper, every ``reap_tick``: expired leases go back to RETRY (their queues are woken),
   pre-dispatch TTLs are enforced, old terminal rows are purged, and every queue with due
   work is woken, which repairs any wake that was lost on the way.
@@ -35,6 +36,8 @@ from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tracing import tracer
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 logger = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -78,6 +81,8 @@ class Maintenance:
         self._limit = min(settings.sweep_limit, MAX_BATCH)
         self._keeper: LeaseKeeper | None = None
         self._loops: list[asyncio.Task[None]] = []
+        self._promote_hint = asyncio.Event()
+        self._hint_sub: Subscription | None = None
         self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0}
 
     # -------------------------------------------------------------- lifecycle
@@ -95,9 +100,15 @@ class Maintenance:
         )
         self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
         await self._keeper.start()
+        self._hint_sub = await self._nc.subscribe(self.subjects.promote(), cb=self._on_promote_hint)
         self._loops = [
             asyncio.create_task(
-                self._lead(SCHEDULER, self.settings.promote_tick, self.scheduler_pass),
+                self._lead(
+                    SCHEDULER,
+                    self.settings.promote_tick,
+                    self.scheduler_pass,
+                    hint=self._promote_hint,
+                ),
                 name="maintenance-scheduler",
             ),
             asyncio.create_task(
@@ -116,6 +127,10 @@ class Maintenance:
 
     async def stop(self) -> None:
         """Stop the loops and give up any role held, so another instance takes over now."""
+        if self._hint_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._hint_sub.unsubscribe()
+            self._hint_sub = None
         for task in self._loops:
             task.cancel()
         for task in self._loops:
@@ -127,12 +142,22 @@ class Maintenance:
             self._keeper = None
         logger.info("maintenance.stopped instance=%s", self.instance_id)
 
+    async def _on_promote_hint(self, _msg: Msg) -> None:
+        self._promote_hint.set()
+
     def _on_lost(self, role: str) -> None:
         logger.warning("maintenance.leadership_lost role=%s instance=%s", role, self.instance_id)
 
     async def _lead(
-        self, role: str, tick: float, run_pass: Callable[[], Awaitable[object]]
+        self,
+        role: str,
+        tick: float,
+        run_pass: Callable[[], Awaitable[object]],
+        *,
+        hint: asyncio.Event | None = None,
     ) -> None:
+        """Run ``role``'s passes every ``tick`` while leading it (and at once when
+        ``hint`` is set), claiming it meanwhile whenever it is free."""
         retry = self.settings.leader_ttl / 2
         while True:
             keeper = self._keeper
@@ -156,7 +181,7 @@ class Maintenance:
                 self.passes[role] += 1
             except Exception:
                 logger.exception("maintenance.pass_failed role=%s", role)
-            await asyncio.sleep(tick)
+            await _rest(tick, hint)
 
     # ---------------------------------------------------------------- passes
 
@@ -264,3 +289,13 @@ class Maintenance:
                 len(to_wake),
             )
         return report
+
+
+async def _rest(tick: float, hint: asyncio.Event | None) -> None:
+    """Wait ``tick`` seconds, or less when ``hint`` is set (which it clears)."""
+    if hint is None:
+        await asyncio.sleep(tick)
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(hint.wait(), tick)
+    hint.clear()
