@@ -4,14 +4,18 @@ of the service it is given to, and the health checks and ports line up."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from click.testing import CliRunner
+from conveyor_api.convert import DISPATCH_OVERHEAD
+from conveyor_broker.validation import MAX_HEADER_LEN, MAX_HEADERS
 from conveyor_cli.main import cli
-from conveyor_runtime.settings import SERVICE_SETTINGS, CommonSettings
+from conveyor_runtime.embedded_nats import find_nats_server
+from conveyor_runtime.settings import SERVICE_SETTINGS, ApiSettings, CommonSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -101,3 +105,24 @@ def test_webhook_endpoints_call_back_the_api() -> None:
     host, _, port = env["CONVEYOR_CALLBACK_ADDRESS"].rpartition(":")
     assert host == "api", "endpoints reach WebhookService on the api"
     assert port == SERVICES["api"]["environment"]["CONVEYOR_PORT"]
+
+
+def test_nats_carries_the_biggest_task_the_api_accepts() -> None:
+    """A dispatch carries a task's payload and headers in one NATS message: the nats
+    service reads deploy/nats.conf, which nats-server accepts and whose max_payload
+    leaves room for CONVEYOR_MAX_PAYLOAD's default plus every header allowed."""
+    nats = SERVICES["nats"]
+    command = nats["command"]
+    path = command[command.index("-c") + 1]
+    [mount] = [v for v in nats["volumes"] if v.endswith(f":{path}:ro")]
+    source = ROOT / mount.split(":")[0]
+    checked = subprocess.run(
+        [find_nats_server(), "-t", "-c", str(source)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stderr
+    [line] = [ln for ln in source.read_text().splitlines() if ln.startswith("max_payload")]
+    value = line.split(":", 1)[1].strip()
+    assert value.endswith("MB")
+    headers = MAX_HEADERS * MAX_HEADER_LEN * 4  # characters, at most 4 bytes each in UTF-8
+    needed = ApiSettings.model_fields["max_payload"].default + headers + DISPATCH_OVERHEAD
+    assert int(value[:-2]) * 1024 * 1024 >= needed

@@ -15,7 +15,9 @@ from conveyor_api.testing import CountingBroker, MakeApi, Recorder, wait_until
 from conveyor_broker import FakeClock, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
-from conveyor_runtime.nats_connect import NatsClient
+from conveyor_runtime.embedded_nats import EmbeddedNats
+from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
+from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
 from google.protobuf.duration_pb2 import Duration
 
@@ -342,3 +344,40 @@ async def test_a_big_batch_lets_worker_sessions_run_while_it_converts(
     # Without the yields every item would see the same tick count.
     assert YIELD_EVERY <= 200
     assert len(set(seen[:1000])) >= 5
+
+
+async def test_a_task_no_nats_message_could_dispatch_is_refused(
+    broker: CountingBroker, clock: FakeClock, subjects: Subjects
+) -> None:
+    """On a NATS server that carries 64 kB a message, a task whose dispatch would not fit
+    is refused at the door (it could never run), naming both sizes; smaller ones pass."""
+    with EmbeddedNats(max_payload=64 * 1024) as server:
+        nc = await connect_nats(server.url, name="test-small")
+        settings = ApiSettings(
+            host="127.0.0.1",
+            port=0,
+            nats_url=server.url,
+            subject_prefix=subjects.prefix,
+            broker="memory",
+            allow_unauthenticated=True,
+        )
+        api = ApiServer(settings, broker, nc, clock)
+        await api.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
+                make_stub: Any = service_pb2_grpc.TaskServiceStub
+                stub = make_stub(channel)
+                kept = await enqueue(stub, new(payload=b"x" * 30_000))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await enqueue(stub, new(payload=b"x" * 70_000))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "65536" in (info.value.details() or "")
+                big_headers = new(headers={f"h{n}": "v" * 4000 for n in range(16)})
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await enqueue(stub, big_headers)
+                assert "max_payload" in (info.value.details() or "")
+            assert await stored_count(broker) == 1
+            assert (await broker.get_task(kept.task.id)).state is TaskState.PENDING
+        finally:
+            await api.stop(grace=1.0)
+            await close_nats(nc)

@@ -1,8 +1,16 @@
-"""CreditBook: registration, refills, replies, expiry and weighted hand-out."""
+"""CreditBook: registration, refills, replies, expiry and weighted hand-out; and how an
+offer is cut into DispatchRequests that fit in a NATS message."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+from conveyor_broker import FakeClock, NewTask, Task
+from conveyor_broker.memory import MemoryBroker
 from conveyor_dispatcher.credits import CreditBook
+from conveyor_dispatcher.queue import split_offer
+from conveyor_protos.v1 import cluster_pb2, task_pb2
+from conveyor_runtime.codec import task_to_envelope
 
 
 def test_register_sets_credits_to_capacity_minus_in_flight() -> None:
@@ -147,3 +155,36 @@ def test_forget_and_expire() -> None:
     assert book.forget("new")
     assert not book.forget("new")
     assert len(book) == 0
+
+
+async def _offer(*sizes: int) -> list[tuple[Task, task_pb2.TaskEnvelope]]:
+    """Leased tasks with payloads of ``sizes`` bytes, in that order, and their envelopes."""
+    broker = MemoryBroker(FakeClock())
+    out = []
+    for size in sizes:
+        await broker.enqueue(NewTask("q", "t", payload=b"x" * size))
+        (task,) = await broker.lease("q", 1, timedelta(seconds=30))
+        out.append((task, task_to_envelope(task)))
+    return out
+
+
+async def test_split_offer_keeps_order_and_every_piece_under_the_limit() -> None:
+    offer = await _offer(300, 300, 300, 5000, 300)
+    ids = [task.id for task, _ in offer]
+    small = offer[0][1].ByteSize() + 8  # an envelope with its framing
+    pieces, oversized = split_offer(offer, 1024 + 4 * small)
+    assert [task.id for task, _ in oversized] == [ids[3]]
+    assert oversized[0][1] > 5000
+    assert [[task.id for task, _ in piece] for piece in pieces] == [[*ids[:3], ids[4]]]
+    limit = 1024 + 2 * small
+    pieces, _ = split_offer(offer, limit)
+    assert [[task.id for task, _ in piece] for piece in pieces] == [ids[:2], [ids[2], ids[4]]]
+    for piece in pieces:
+        request = cluster_pb2.DispatchRequest(
+            queue="q", dispatcher="d" * 64, tasks=[env for _, env in piece]
+        )
+        assert request.ByteSize() <= limit
+
+
+def test_split_offer_of_nothing_is_nothing() -> None:
+    assert split_offer([], 1 << 20) == ([], [])

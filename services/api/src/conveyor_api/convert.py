@@ -23,6 +23,22 @@ class TaskDefaults:
     max_retry: int
     retention: timedelta
     max_payload: int
+    #: The most bytes one NATS message carries (the server's ``max_payload``): a task is
+    #: dispatched in one, so a bigger one could never run. None: no such bound.
+    max_message: int | None = None
+
+
+#: Bytes of a dispatch besides a task's payload, headers, type and queue (ids, times,
+#: options, framing), with room to spare.
+DISPATCH_OVERHEAD = 2048
+
+
+def dispatch_size(task: NewTask) -> int:
+    """About how many bytes the dispatch of ``task`` takes in a NATS message (a little more,
+    never less)."""
+    headers = sum(len(k.encode()) + len(v.encode()) + 8 for k, v in task.headers.items())
+    text = len(task.type.encode()) + len(task.queue.encode()) + len((task.id or "").encode())
+    return len(task.payload) + headers + text + DISPATCH_OVERHEAD
 
 
 _ON_FAILURE_VALUES = frozenset(task_pb2.OnFailure.values())
@@ -53,6 +69,12 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
         # Out-of-range timestamps and durations surface as these from protobuf/datetime.
         raise InvalidTask(f"bad time value: {exc}") from None
     check_new_task(task, max_payload=defaults.max_payload)
+    if defaults.max_message is not None and dispatch_size(task) > defaults.max_message:
+        raise InvalidTask(
+            f"the task takes about {dispatch_size(task)} bytes with its headers, and this "
+            f"cluster's NATS messages carry at most {defaults.max_message}, so it could "
+            "never be dispatched: send less, or raise the nats-server max_payload"
+        )
     check_time_bounds(task, now)
     return task
 

@@ -23,7 +23,7 @@ from nats.aio.subscription import Subscription
 from conveyor_api.admin_service import AdminService
 from conveyor_api.auth import BearerAuthInterceptor, ReadOnlyInterceptor
 from conveyor_api.coalesce import WakePublisher
-from conveyor_api.convert import TaskDefaults
+from conveyor_api.convert import DISPATCH_OVERHEAD, TaskDefaults
 from conveyor_api.decoding import add_service
 from conveyor_api.gateway import Gateway, GatewayConfig, WorkerSpec
 from conveyor_api.group_commit import AckBatcher, EnqueueCommitter
@@ -152,7 +152,18 @@ class ApiServer:
             max_retry=settings.default_max_retry,
             retention=timedelta(seconds=settings.default_retention),
             max_payload=settings.max_payload,
+            max_message=self.nc.max_payload or None,
         )
+        if defaults.max_message is not None and (
+            settings.max_payload + DISPATCH_OVERHEAD > defaults.max_message
+        ):
+            logger.warning(
+                "api.nats_max_payload_below_max_payload max_payload=%d nats_max_payload=%d: "
+                "tasks whose dispatch would not fit in one NATS message are refused; raise "
+                "the nats-server max_payload (see deploy/nats.conf)",
+                settings.max_payload,
+                defaults.max_message,
+            )
         # Registered from the descriptors rather than with the generated add_*_to_server,
         # so an undecodable request gets INVALID_ARGUMENT (see conveyor_api.decoding).
         add_service(

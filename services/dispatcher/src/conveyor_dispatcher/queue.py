@@ -19,7 +19,7 @@ import nats.errors
 from conveyor_broker.errors import LeaseLost
 from conveyor_broker.interface import Broker
 from conveyor_broker.types import Task
-from conveyor_protos.v1 import cluster_pb2
+from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.codec import task_to_envelope
 from conveyor_runtime.subjects import Subjects
 from google.protobuf.message import DecodeError
@@ -248,11 +248,36 @@ class QueueDispatcher:
         return accepted, len(rejected)
 
     async def _send(self, gateway: str, batch: Sequence[Task]) -> list[Task]:
+        """Offer ``batch`` to ``gateway``; returns the tasks it did not accept.
+
+        An offer goes as one DispatchRequest when it fits in a NATS message, else as
+        several, one after another, until the gateway takes less than it was offered. A
+        task too big for any NATS message on its own is archived: no dispatch could ever
+        carry it (see :func:`split_offer`).
+        """
+        envelopes = [(task, task_to_envelope(task)) for task in batch]
+        pieces, oversized = split_offer(envelopes, self._nc.max_payload)
+        if oversized:
+            await self._archive_oversized(oversized)
+        rejected: list[Task] = []
+        for n, piece in enumerate(pieces):
+            left = await self._send_piece(gateway, piece)
+            rejected += left
+            if left:
+                # Full, gone or failing: the rest is not worth offering now.
+                rejected += [task for later in pieces[n + 1 :] for task, _ in later]
+                break
+        return rejected
+
+    async def _send_piece(
+        self, gateway: str, piece: Sequence[tuple[Task, task_pb2.TaskEnvelope]]
+    ) -> list[Task]:
         """One DispatchRequest to ``gateway``; returns the tasks it did not accept."""
+        batch = [task for task, _ in piece]
         request = cluster_pb2.DispatchRequest(
             queue=self.queue,
             dispatcher=self._config.instance_id,
-            tasks=[task_to_envelope(task) for task in batch],
+            tasks=[envelope for _, envelope in piece],
         )
         try:
             msg = await self._nc.request(
@@ -264,26 +289,49 @@ class QueueDispatcher:
         except nats.errors.NoRespondersError:
             logger.info("dispatcher.gateway_gone queue=%s gateway=%s", self.queue, gateway)
             self.book.forget(gateway)
-            return list(batch)
+            return batch
         except TimeoutError:  # nats.errors.TimeoutError is one too
             # Slow or dead: send it nothing more until it registers again.
             logger.warning("dispatcher.dispatch_timeout queue=%s gateway=%s", self.queue, gateway)
             self.book.block(gateway)
-            return list(batch)
+            return batch
         except (DecodeError, nats.errors.Error) as exc:
             logger.warning(
                 "dispatcher.dispatch_failed queue=%s gateway=%s error=%r", self.queue, gateway, exc
             )
             self.book.block(gateway)
-            return list(batch)
+            return batch
         except Exception:
             # Whatever went wrong, the leased tasks must go back rather than wait for expiry.
             logger.exception("dispatcher.dispatch_error queue=%s gateway=%s", self.queue, gateway)
             self.book.block(gateway)
-            return list(batch)
+            return batch
         self.book.set_credits(gateway, reply.credits, returned=reply.returned)
         accepted = set(reply.accepted)
         return [task for task in batch if task.id not in accepted]
+
+    async def _archive_oversized(self, tasks: Sequence[tuple[Task, int]]) -> None:
+        for task, size in tasks:
+            error = (
+                f"cannot dispatch: the task's envelope is {size} bytes and this cluster's "
+                f"NATS messages carry at most {self._nc.max_payload}; raise the nats-server "
+                "max_payload (or lower CONVEYOR_MAX_PAYLOAD), then revive the task"
+            )
+            logger.error(
+                "dispatcher.task_too_big queue=%s task_id=%s bytes=%d", self.queue, task.id, size
+            )
+            try:
+                await self._broker.archive(task.id, task.lease_id or "", error)
+            except LeaseLost:
+                pass
+            except Exception as exc:
+                # Its lease expires and the reaper retries it (and it comes back here).
+                logger.warning(
+                    "dispatcher.archive_failed queue=%s task_id=%s error=%r",
+                    self.queue,
+                    task.id,
+                    exc,
+                )
 
     async def _release(self, tasks: Sequence[Task]) -> None:
         if not tasks:
@@ -305,3 +353,38 @@ class QueueDispatcher:
                     result,
                 )
         self.released += len(tasks)
+
+
+#: Bytes of a DispatchRequest besides its envelopes (queue, dispatcher id) and of each
+#: envelope's own framing, with room to spare.
+_REQUEST_OVERHEAD = 1024
+_ENVELOPE_FRAMING = 8
+
+
+def split_offer(
+    envelopes: Sequence[tuple[Task, task_pb2.TaskEnvelope]], max_message: int
+) -> tuple[list[list[tuple[Task, task_pb2.TaskEnvelope]]], list[tuple[Task, int]]]:
+    """Cut an offer into DispatchRequests of at most ``max_message`` bytes, in order.
+
+    Returns the pieces and the tasks too big for any message on their own, with their
+    envelope's size. (NATS refuses a message over the server's ``max_payload``, 1 MB by
+    default: one lease of big tasks would otherwise never get through.)
+    """
+    room = max_message - _REQUEST_OVERHEAD
+    pieces: list[list[tuple[Task, task_pb2.TaskEnvelope]]] = []
+    oversized: list[tuple[Task, int]] = []
+    piece: list[tuple[Task, task_pb2.TaskEnvelope]] = []
+    used = 0
+    for task, envelope in envelopes:
+        size = envelope.ByteSize() + _ENVELOPE_FRAMING
+        if size > room:
+            oversized.append((task, size))
+            continue
+        if piece and used + size > room:
+            pieces.append(piece)
+            piece, used = [], 0
+        piece.append((task, envelope))
+        used += size
+    if piece:
+        pieces.append(piece)
+    return pieces, oversized
