@@ -602,6 +602,42 @@ async def test_lease_uses_the_due_index_on_a_never_analyzed_table(pg_dsn: str) -
             assert bad not in kinds, (mode, kinds)
 
 
+async def test_lease_many_probes_the_due_index_per_queue_on_a_never_analyzed_table(
+    pg_dsn: str,
+) -> None:
+    """LEASE_MANY, custom plan or generic: one due-index probe per queue asked for."""
+    clock = FakeClock()
+    async with scratch_schema(pg_dsn) as dsn, brokers(dsn, clock, 1) as [broker]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("ALTER TABLE conveyor_tasks SET (autovacuum_enabled = false)")
+            for queue in ("hot", "warm", "cold"):
+                for _ in range(10):
+                    await broker.enqueue_batch([NewTask(queue, "t") for _ in range(1000)])
+            await conn.execute(
+                "PREPARE lease_many_plan(text[], integer[], timestamptz, text[], timestamptz)"
+                " AS " + queries.LEASE_MANY
+            )
+            now = clock.now()
+            plans = {}
+            for mode in ("force_custom_plan", "force_generic_plan"):
+                await conn.execute(f"SET plan_cache_mode = {mode}")
+                raw = await conn.fetchval(
+                    "EXPLAIN (FORMAT JSON) EXECUTE lease_many_plan("
+                    f"ARRAY['hot', 'cold'], ARRAY[50, 50], '{now.isoformat()}', ARRAY['x'], "
+                    f"'{(now + TTL).isoformat()}')"
+                )
+                plans[mode] = _plan_nodes(json.loads(raw)[0]["Plan"])
+        finally:
+            await conn.close()
+    for mode, nodes in plans.items():
+        kinds = [node["Node Type"] for node in nodes]
+        scans = [(node["Node Type"], node.get("Index Name")) for node in nodes]
+        assert ("Index Scan", "conveyor_tasks_due_idx") in scans, (mode, kinds)
+        for bad in ("Seq Scan", "Sort", "Bitmap Heap Scan"):
+            assert bad not in kinds, (mode, kinds)
+
+
 async def test_batch_lease_statements_use_the_primary_key_on_a_never_analyzed_table(
     pg_dsn: str,
 ) -> None:

@@ -622,3 +622,30 @@ async def test_an_offer_too_big_for_one_nats_message_goes_in_pieces(
         finally:
             await d.stop()
             await close_nats(nc)
+
+
+async def test_queues_woken_together_share_lease_round_trips(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+) -> None:
+    d = await dispatchers()
+    queues = [f"q{uuid.uuid4().hex[:10]}" for _ in range(10)]
+    gateways = [FakeGateway(nc, subjects, queue=queue, capacity=2) for queue in queues]
+    for gw in gateways:
+        await gw.start()
+    for queue, gw in zip(queues, gateways, strict=True):
+        await eventually(lambda q=queue, g=gw: (qd := d.queue(q)) is not None and g.id in qd.book)  # type: ignore[misc]
+    for queue in queues:
+        await enqueue(broker, queue, 2)
+    asks = d.leaser.asks
+    rounds = d.leaser.rounds
+    for queue in queues:
+        await nc.publish(subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString())
+    await nc.flush()
+    await eventually(lambda: all(len(gw.received) == 2 for gw in gateways))
+    # However many leases the wakes (and any late re-registration) made, they shared
+    # round trips.
+    assert d.leaser.asks - asks >= 2
+    assert d.leaser.rounds - rounds < d.leaser.asks - asks

@@ -122,6 +122,16 @@ class Broker(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def lease_many(
+        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+    ) -> list[list[Task]]:
+        """:meth:`lease` for several queues in one round trip: ``wants`` pairs a queue
+        with its limit; the result holds each queue's leased tasks, in the order of
+        ``wants``, each list as ``lease`` would return it. Queues must be distinct and the
+        limits add up to at most MAX_BATCH; InvalidTask otherwise (nothing leased).
+        """
+
+    @abc.abstractmethod
     async def extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
         """Set ``lease_expires_at = now + ttl`` and return it. Raises LeaseLost."""
 

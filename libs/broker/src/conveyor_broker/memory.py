@@ -58,6 +58,7 @@ from conveyor_broker.validation import (
     MAX_PAYLOAD,
     MAX_RETRY_CAP,
     check_batch,
+    check_lease_wants,
     check_limit,
     check_queue,
     check_task_id,
@@ -232,24 +233,36 @@ class MemoryBroker(Broker):
             check_queue(queue)
             check_limit(limit, upper=MAX_BATCH)
             _check_ttl("lease ttl", ttl)
-            due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
-            leased: list[Task] = []
-            for task in heapq.nsmallest(limit, due, key=lambda t: (t.available_at, t.id)):
-                leased.append(
-                    self._table.put(
-                        replace(
-                            task,
-                            state=TaskState.ACTIVE,
-                            lease_id=new_id(now),
-                            lease_expires_at=now + ttl,
-                            started_at=now,
-                            progress=None,
-                            updated_at=now,
-                        ),
+            return self._lease(queue, limit, ttl, now)
+
+    async def lease_many(
+        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+    ) -> list[list[Task]]:
+        """Lease for several queues at once (see Broker.lease_many)."""
+        async with self._locked() as now:
+            check_lease_wants(wants, upper=MAX_BATCH)
+            _check_ttl("lease ttl", ttl)
+            return [self._lease(queue, limit, ttl, now) for queue, limit in wants]
+
+    def _lease(self, queue: str, limit: int, ttl: timedelta, now: datetime) -> list[Task]:
+        due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
+        leased: list[Task] = []
+        for task in heapq.nsmallest(limit, due, key=lambda t: (t.available_at, t.id)):
+            leased.append(
+                self._table.put(
+                    replace(
                         task,
-                    )
+                        state=TaskState.ACTIVE,
+                        lease_id=new_id(now),
+                        lease_expires_at=now + ttl,
+                        started_at=now,
+                        progress=None,
+                        updated_at=now,
+                    ),
+                    task,
                 )
-            return leased
+            )
+        return leased
 
     async def extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
         """Set ``lease_expires_at = now + ttl`` and return it. Raises LeaseLost."""

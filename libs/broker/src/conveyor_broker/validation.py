@@ -97,6 +97,22 @@ def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
         raise InvalidTask("a task cannot depend on itself")
 
 
+def check_lease_wants(wants: Sequence[tuple[str, int]], *, upper: int) -> None:
+    """A lease_many request: distinct valid queues, each limit 1..``upper``, and at most
+    ``upper`` in all. Raises InvalidTask."""
+    seen: set[str] = set()
+    total = 0
+    for queue, limit in wants:
+        check_queue(queue)
+        check_limit(limit, upper=upper)
+        if queue in seen:
+            raise InvalidTask(f"queue {queue!r} is asked for twice")
+        seen.add(queue)
+        total += limit
+    if total > upper:
+        raise InvalidTask(f"at most {upper} tasks in one lease, asked for {total}")
+
+
 def check_batch(
     tasks: Sequence[NewTask], *, max_batch: int, max_payload: int = MAX_PAYLOAD
 ) -> None:

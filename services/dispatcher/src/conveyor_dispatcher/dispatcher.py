@@ -33,6 +33,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from conveyor_dispatcher.leases import LeaseBatcher
 from conveyor_dispatcher.queue import QueueConfig, QueueDispatcher
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class Dispatcher:
         self.instance_id = settings.instance_id
         self.subjects = Subjects(settings.subject_prefix)
         self._broker = broker
+        #: Every owned queue leases through it, so their leases share round trips.
+        self.leaser = LeaseBatcher(broker)
         self._nc = nc
         # The broker reads "now" from this clock; the dispatcher's own timers are
         # process-local and use the event loop's monotonic time.
@@ -161,6 +164,7 @@ class Dispatcher:
         for _, qd in queues:
             qd.close()
         await asyncio.gather(*(qd.wait_closed() for _, qd in queues))
+        await self.leaser.aclose()
         if self._keeper is not None:
             await self._keeper.stop(release=True)
             self._keeper = None
@@ -288,6 +292,7 @@ class Dispatcher:
             nc=self._nc,
             subjects=self.subjects,
             config=self._config,
+            leaser=self.leaser,
         )
         try:
             await qd.open()

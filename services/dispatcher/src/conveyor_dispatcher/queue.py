@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NatsClient
 
 from conveyor_dispatcher.credits import CreditBook
+from conveyor_dispatcher.leases import LeaseBatcher
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,13 @@ class QueueDispatcher:
         nc: NatsClient,
         subjects: Subjects,
         config: QueueConfig,
+        leaser: LeaseBatcher | None = None,
     ) -> None:
         self.queue = queue
         self.book = CreditBook()
         self._broker = broker
+        # Shared by every queue of one dispatcher, so their leases go out together.
+        self._leaser = leaser or LeaseBatcher(broker)
         self._nc = nc
         self._subjects = subjects
         self._config = config
@@ -201,7 +205,7 @@ class QueueDispatcher:
                 if want <= 0:
                     break
                 try:
-                    tasks = await self._broker.lease(self.queue, want, self._config.lease_ttl)
+                    tasks = await self._leaser.lease(self.queue, want, self._config.lease_ttl)
                 except Exception as exc:
                     logger.warning("dispatcher.lease_failed queue=%s error=%r", self.queue, exc)
                     await asyncio.sleep(ERROR_BACKOFF)

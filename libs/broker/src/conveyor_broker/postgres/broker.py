@@ -63,6 +63,7 @@ from conveyor_broker.validation import (
     MAX_PAYLOAD,
     MAX_RETRY_CAP,
     check_batch,
+    check_lease_wants,
     check_limit,
     check_queue,
     check_task_id,
@@ -201,6 +202,34 @@ class PostgresBroker(Broker):
         )
         self._emit(self._event(task, previous, now) for task, previous in leased)
         return [task for task, _ in leased]
+
+    async def lease_many(
+        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+    ) -> list[list[Task]]:
+        """Lease for several queues in one statement (see Broker.lease_many)."""
+        now = self._now()
+        check_lease_wants(wants, upper=MAX_BATCH)
+        _check_ttl(ttl)
+        if not wants:
+            return []
+        lease_ids = new_ids(now, sum(limit for _, limit in wants))
+        rows = await self._pool.fetch(
+            queries.LEASE_MANY,
+            [queue for queue, _ in wants],
+            [limit for _, limit in wants],
+            now,
+            lease_ids,
+            now + ttl,
+        )
+        leased = sorted(
+            ((task_from_row(row), TaskState(row["previous_state"])) for row in rows),
+            key=lambda pair: (pair[0].available_at, pair[0].id),
+        )
+        self._emit(self._event(task, previous, now) for task, previous in leased)
+        by_queue: dict[str, list[Task]] = {queue: [] for queue, _ in wants}
+        for task, _ in leased:
+            by_queue[task.queue].append(task)
+        return [by_queue[queue] for queue, _ in wants]
 
     async def extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
         """Set ``lease_expires_at = now + ttl`` and return it. Raises LeaseLost."""

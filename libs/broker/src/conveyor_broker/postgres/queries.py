@@ -212,6 +212,31 @@ WHERE t.id = numbered.id
 RETURNING {T_COLUMNS}, numbered.state AS previous_state
 """
 
+#: LEASE for several queues: $1 queues and $2 their limits (one lateral probe of the due
+#: index per queue), $3 now, $4 lease ids, $5 expiry.
+LEASE_MANY = f"""
+WITH due AS (
+    SELECT d.id, d.state
+    FROM unnest($1::text[], $2::int[]) AS r(queue, n)
+    CROSS JOIN LATERAL (
+        SELECT c.id, c.state FROM conveyor_tasks c
+        WHERE c.queue = r.queue AND c.state IN {LEASABLE} AND c.available_at <= $3
+          AND (c.expires_at IS NULL OR c.expires_at > $3)
+        ORDER BY c.available_at, c.id
+        LIMIT r.n
+        FOR UPDATE SKIP LOCKED
+    ) d
+), numbered AS (
+    SELECT id, state, row_number() OVER () AS n FROM due
+)
+UPDATE conveyor_tasks t
+SET state = 'active', lease_id = ($4::text[])[numbered.n], lease_expires_at = $5,
+    started_at = $3, updated_at = $3, progress = NULL
+FROM numbered
+WHERE t.id = numbered.id
+RETURNING {T_COLUMNS}, numbered.state AS previous_state
+"""
+
 #: The lease query's SELECT alone, for EXPLAIN in tests and diagnostics.
 LEASE_SELECT = f"""
 SELECT id FROM conveyor_tasks

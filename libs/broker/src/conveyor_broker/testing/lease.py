@@ -139,6 +139,64 @@ class LeaseTests:
         lease_ids = [task.lease_id for batch in batches for task in batch]
         assert len(set(lease_ids)) == 60
 
+    async def test_lease_many_leases_each_queue_as_lease_would(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        now = clock.now()
+        a1, a2, a3, b1 = sorted_ids(clock, 4)
+        await broker.enqueue_batch(
+            [
+                new_task(id=a3, process_at=now - timedelta(seconds=5)),
+                new_task(id=a1),
+                new_task(id=a2),
+                new_task(OTHER_QUEUE, id=b1),
+            ]
+        )
+        clock.advance(timedelta(seconds=1))
+        got = await broker.lease_many([(QUEUE, 2), ("empty", 3), (OTHER_QUEUE, 5)], TTL)
+        assert [[t.id for t in tasks] for tasks in got] == [[a3, a1], [], [b1]]
+        later = clock.now()
+        for task in got[0] + got[2]:
+            assert task.state == TaskState.ACTIVE
+            assert task.lease_id is not None
+            assert is_ulid(task.lease_id)
+            assert task.lease_expires_at == later + TTL
+            assert task.started_at == later
+            assert await broker.get_task(task.id) == task
+        assert len({t.lease_id for t in got[0] + got[2]}) == 3
+        assert [t.id for t in await broker.lease(QUEUE, 5, TTL)] == [a2]
+        assert await broker.lease_many([], TTL) == []
+
+    @pytest.mark.parametrize(
+        "wants",
+        [
+            [(QUEUE, 1), (QUEUE, 1)],
+            [(QUEUE, 1), ("a b", 1)],
+            [(QUEUE, 0)],
+            [(QUEUE, MAX_BATCH), (OTHER_QUEUE, 1)],
+        ],
+        ids=["twice", "bad-queue", "zero-limit", "over-max"],
+    )
+    async def test_lease_many_rejects_bad_input_and_leases_nothing(
+        self, broker: Broker, wants: list[tuple[str, int]]
+    ) -> None:
+        await enqueue(broker)
+        with pytest.raises(InvalidTask):
+            await broker.lease_many(wants, TTL)
+        with pytest.raises(InvalidTask):
+            await broker.lease_many([(QUEUE, 1)], timedelta(0))
+        assert (await broker.list_tasks()).tasks[0].state == TaskState.PENDING
+
+    async def test_concurrent_lease_many_never_share_or_lose_a_task(self, broker: Broker) -> None:
+        stored = await broker.enqueue_batch(
+            [new_task(QUEUE if n % 2 else OTHER_QUEUE) for n in range(60)]
+        )
+        wants = [(QUEUE, 2), (OTHER_QUEUE, 2)]
+        rounds = await asyncio.gather(*(broker.lease_many(wants, TTL) for _ in range(20)))
+        leased = [task.id for got in rounds for tasks in got for task in tasks]
+        assert len(leased) == len(set(leased)) == 60
+        assert set(leased) == {r.task.id for r in stored}
+
     async def test_extend_lease(self, broker: Broker, clock: FakeClock) -> None:
         task = await enqueue_and_lease(broker)
         clock.advance(timedelta(seconds=20))
