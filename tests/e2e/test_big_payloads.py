@@ -1,5 +1,5 @@
 """Big payloads through the push path: a dispatch offer whose tasks together exceed what
-one NATS message or one gRPC frame may carry still reaches the worker."""
+one NATS message may carry still reaches the worker."""
 
 from __future__ import annotations
 

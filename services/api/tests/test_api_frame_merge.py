@@ -1,4 +1,5 @@
-"""How the session's writer merges Dispatches frames waiting together (pure logic)."""
+"""How accepted tasks become Dispatches frames: cut at a byte cap per offer, and merged
+when several wait to be written together (pure logic)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections import deque
 
 import pytest
 from conveyor_api import session
+from conveyor_api.gateway import DISPATCHES_MAX_BYTES, _frame_chunks
 from conveyor_api.session import _next_frame
 from conveyor_protos.v1 import service_pb2, task_pb2
 
@@ -57,3 +59,16 @@ def test_a_merged_frame_stays_under_the_byte_cap(monkeypatch: pytest.MonkeyPatch
         ("dispatches", ["2", "3"]),
         ("dispatches", ["4"]),
     ]
+
+
+def test_an_offer_goes_out_in_frames_of_at_most_the_cap_or_one_task() -> None:
+    envelopes = [
+        task_pb2.TaskEnvelope(id=str(n), payload=b"x" * size)
+        for n, size in enumerate([400_000, 400_000, 400_000, 1_500_000, 10])
+    ]
+    chunks = _frame_chunks(envelopes)
+    assert [[e.id for e in chunk] for chunk in chunks] == [["0", "1"], ["2"], ["3"], ["4"]]
+    for chunk in chunks:
+        if len(chunk) > 1:
+            frame = service_pb2.Dispatches(tasks=chunk)
+            assert frame.ByteSize() <= DISPATCHES_MAX_BYTES

@@ -8,7 +8,7 @@ from datetime import timedelta
 from conveyor_broker import FakeClock, NewTask, Task
 from conveyor_broker.memory import MemoryBroker
 from conveyor_dispatcher.credits import CreditBook
-from conveyor_dispatcher.queue import split_offer
+from conveyor_dispatcher.queue import fit_offer, split_offer
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.codec import task_to_envelope
 
@@ -168,23 +168,37 @@ async def _offer(*sizes: int) -> list[tuple[Task, task_pb2.TaskEnvelope]]:
     return out
 
 
-async def test_split_offer_keeps_order_and_every_piece_under_the_limit() -> None:
-    offer = await _offer(300, 300, 300, 5000, 300)
+async def test_fit_offer_sets_apart_what_no_message_could_carry() -> None:
+    offer = await _offer(300, 5000, 300)
     ids = [task.id for task, _ in offer]
     small = offer[0][1].ByteSize() + 8  # an envelope with its framing
-    pieces, oversized = split_offer(offer, 1024 + 4 * small)
-    assert [task.id for task, _ in oversized] == [ids[3]]
+    fit, oversized = fit_offer(offer, 1024 + 3 * small)
+    assert [task.id for task, _ in fit] == [ids[0], ids[2]]
+    assert [task.id for task, _ in oversized] == [ids[1]]
     assert oversized[0][1] > 5000
-    assert [[task.id for task, _ in piece] for piece in pieces] == [[*ids[:3], ids[4]]]
-    limit = 1024 + 2 * small
-    pieces, _ = split_offer(offer, limit)
-    assert [[task.id for task, _ in piece] for piece in pieces] == [ids[:2], [ids[2], ids[4]]]
+
+
+async def test_split_offer_keeps_order_and_every_piece_under_the_target() -> None:
+    offer = await _offer(300, 300, 300, 5000, 300)
+    ids = [task.id for task, _ in offer]
+    small = offer[0][1].ByteSize() + 8
+    target = 1024 + 2 * small
+    pieces = split_offer(offer, target)
+    # The big one goes alone; the others two by two, in order.
+    assert [[task.id for task, _ in piece] for piece in pieces] == [
+        ids[:2],
+        [ids[2]],
+        [ids[3]],
+        [ids[4]],
+    ]
     for piece in pieces:
-        request = cluster_pb2.DispatchRequest(
-            queue="q", dispatcher="d" * 64, tasks=[env for _, env in piece]
-        )
-        assert request.ByteSize() <= limit
+        if len(piece) > 1:
+            request = cluster_pb2.DispatchRequest(
+                queue="q", dispatcher="d" * 64, tasks=[env for _, env in piece]
+            )
+            assert request.ByteSize() <= target
 
 
 def test_split_offer_of_nothing_is_nothing() -> None:
-    assert split_offer([], 1 << 20) == ([], [])
+    assert split_offer([], 1 << 20) == []
+    assert fit_offer([], 1 << 20) == ([], [])

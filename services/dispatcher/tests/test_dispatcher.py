@@ -649,3 +649,35 @@ async def test_queues_woken_together_share_lease_round_trips(
     # round trips.
     assert d.leaser.asks - asks >= 2
     assert d.leaser.rounds - rounds < d.leaser.asks - asks
+
+
+async def test_a_task_too_big_to_dispatch_takes_no_credit(
+    subjects: Subjects, make_settings: Callable[..., DispatcherSettings], clock: FakeClock
+) -> None:
+    """A one-slot gateway: the archived task must not keep its slot, or the next task
+    would wait for a registration (this gateway never sends another)."""
+    broker = MemoryBroker(clock)
+    with EmbeddedNats(max_payload=64 * 1024) as server:
+        nc = await connect_nats(server.url, name="test-small")
+        d = Dispatcher(make_settings(nats_url=server.url), broker, nc, clock)
+        await d.start()
+        try:
+            gw = FakeGateway(nc, subjects, queue=QUEUE, capacity=1)
+            await gw.start()
+            await eventually(lambda: (qd := d.queue(QUEUE)) is not None and gw.id in qd.book)
+            big = await broker.enqueue(NewTask(queue=QUEUE, type="t", payload=b"y" * 100_000))
+            await wake(nc, subjects, QUEUE)
+
+            async def archived() -> bool:
+                return (await broker.get_task(big.task.id)).state is TaskState.ARCHIVED
+
+            await eventually(archived)
+            qd = d.queue(QUEUE)
+            assert qd is not None
+            assert qd.dispatched == 0
+            small = await broker.enqueue(NewTask(queue=QUEUE, type="t", payload=b"x"))
+            await wake(nc, subjects, QUEUE)
+            await eventually(lambda: gw.accepted_ids == [small.task.id])
+        finally:
+            await d.stop()
+            await close_nats(nc)

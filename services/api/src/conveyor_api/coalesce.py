@@ -76,6 +76,9 @@ class WakePublisher(_Coalescer):
     #: Most distinct (queue, tick) later wakes held; past it they are dropped (the
     #: reaper's sweep wakes those queues).
     MAX_LATER = 10_000
+    #: Most promote hints held (their own share of MAX_LATER, so a stream of delayed tasks
+    #: cannot crowd out retries' wakes); past it the scheduler's own tick finds them.
+    MAX_LATER_PROMOTES = 1_000
     #: Later wakes further ahead than this many seconds are not held: the reaper's sweep
     #: wakes those queues at most a reap tick late, which is nothing next to the delay,
     #: and long backoffs would otherwise fill the table the short ones need.
@@ -93,6 +96,7 @@ class WakePublisher(_Coalescer):
         self._later_keys: set[tuple[int, str]] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_tick: int | None = None
+        self._later_promotes = 0
 
     def wake(self, queue: str) -> None:
         """Ask for a Wake of ``queue``; a no-op when one is already pending."""
@@ -142,10 +146,15 @@ class WakePublisher(_Coalescer):
         key = (tick, target)
         if key in self._later_keys:
             return
-        if len(self._later_keys) >= self.MAX_LATER:
+        promote = target == self.PROMOTE
+        full = len(self._later_keys) >= self.MAX_LATER or (
+            promote and self._later_promotes >= self.MAX_LATER_PROMOTES
+        )
+        if full:
             logger.debug("coalesce.later_hint_dropped target=%r", target)
             return
         self._later_keys.add(key)
+        self._later_promotes += promote
         heapq.heappush(self._later, key)
         self._arm(loop)
 
@@ -167,6 +176,7 @@ class WakePublisher(_Coalescer):
         while self._later and self._later[0][0] * self.LATER_TICK <= now:
             key = heapq.heappop(self._later)
             self._later_keys.discard(key)
+            self._later_promotes -= key[1] == self.PROMOTE
             self._now_hint(key[1])
         self._arm(loop)
 
@@ -177,6 +187,7 @@ class WakePublisher(_Coalescer):
         self._timer = self._timer_tick = None
         self._later.clear()
         self._later_keys.clear()
+        self._later_promotes = 0
         await super().aclose()
 
     @property

@@ -6,6 +6,7 @@ maps it straight to INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -23,9 +24,10 @@ class TaskDefaults:
     max_retry: int
     retention: timedelta
     max_payload: int
-    #: The most bytes one NATS message carries (the server's ``max_payload``): a task is
+    #: The most bytes one NATS message carries (the connected server's ``max_payload``,
+    #: read at each call: a reconnect may reach a server with another limit): a task is
     #: dispatched in one, so a bigger one could never run. None: no such bound.
-    max_message: int | None = None
+    max_message: Callable[[], int] | None = None
 
 
 #: Bytes of a dispatch besides a task's payload, headers, type and queue (ids, times,
@@ -69,12 +71,14 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
         # Out-of-range timestamps and durations surface as these from protobuf/datetime.
         raise InvalidTask(f"bad time value: {exc}") from None
     check_new_task(task, max_payload=defaults.max_payload)
-    if defaults.max_message is not None and dispatch_size(task) > defaults.max_message:
-        raise InvalidTask(
-            f"the task takes about {dispatch_size(task)} bytes with its headers, and this "
-            f"cluster's NATS messages carry at most {defaults.max_message}, so it could "
-            "never be dispatched: send less, or raise the nats-server max_payload"
-        )
+    if defaults.max_message is not None:
+        limit = defaults.max_message()
+        if limit and dispatch_size(task) > limit:
+            raise InvalidTask(
+                f"the task takes about {dispatch_size(task)} bytes with its headers, and "
+                f"this cluster's NATS messages carry at most {limit}, so it could never be "
+                "dispatched: send less, or raise the nats-server max_payload"
+            )
     check_time_bounds(task, now)
     return task
 

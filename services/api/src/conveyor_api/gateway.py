@@ -378,9 +378,12 @@ class Gateway:
             accepted.append(env.id)
             room -= 1
         if batched:
-            # One frame for the whole offer: each stream write costs tens of microseconds
-            # on both ends, far more than the envelopes it carries.
-            self._send(service_pb2.ServerFrame(dispatches=service_pb2.Dispatches(tasks=batched)))
+            # One frame for the whole offer (each stream write costs tens of microseconds
+            # on both ends, far more than the envelopes it carries), cut at
+            # DISPATCHES_MAX_BYTES so no worker gets a message bigger than that or than one
+            # task alone.
+            for chunk in _frame_chunks(batched):
+                self._send(service_pb2.ServerFrame(dispatches=service_pb2.Dispatches(tasks=chunk)))
         return accepted
 
     async def _on_dispatch(self, msg: Msg) -> None:
@@ -928,3 +931,27 @@ class Gateway:
             labels=dict(self.spec.labels),
             connected_at=codec.timestamp(self.connected_at),
         )
+
+
+#: The most bytes of tasks in one Dispatches frame (a single bigger task goes alone), so
+#: a worker's receive limit need only fit the largest task.
+DISPATCHES_MAX_BYTES = 1024 * 1024
+
+
+def _frame_chunks(
+    envelopes: list[task_pb2.TaskEnvelope],
+) -> list[list[task_pb2.TaskEnvelope]]:
+    """``envelopes`` in order, in runs of at most DISPATCHES_MAX_BYTES."""
+    chunks: list[list[task_pb2.TaskEnvelope]] = []
+    chunk: list[task_pb2.TaskEnvelope] = []
+    used = 0
+    for envelope in envelopes:
+        size = envelope.ByteSize() + 8
+        if chunk and used + size > DISPATCHES_MAX_BYTES:
+            chunks.append(chunk)
+            chunk, used = [], 0
+        chunk.append(envelope)
+        used += size
+    if chunk:
+        chunks.append(chunk)
+    return chunks

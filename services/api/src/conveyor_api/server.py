@@ -152,17 +152,15 @@ class ApiServer:
             max_retry=settings.default_max_retry,
             retention=timedelta(seconds=settings.default_retention),
             max_payload=settings.max_payload,
-            max_message=self.nc.max_payload or None,
+            max_message=lambda: self.nc.max_payload,
         )
-        if defaults.max_message is not None and (
-            settings.max_payload + DISPATCH_OVERHEAD > defaults.max_message
-        ):
+        if self.nc.max_payload and settings.max_payload + DISPATCH_OVERHEAD > self.nc.max_payload:
             logger.warning(
                 "api.nats_max_payload_below_max_payload max_payload=%d nats_max_payload=%d: "
                 "tasks whose dispatch would not fit in one NATS message are refused; raise "
                 "the nats-server max_payload (see deploy/nats.conf)",
                 settings.max_payload,
-                defaults.max_message,
+                self.nc.max_payload,
             )
         # Registered from the descriptors rather than with the generated add_*_to_server,
         # so an undecodable request gets INVALID_ARGUMENT (see conveyor_api.decoding).

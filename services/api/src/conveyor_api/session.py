@@ -34,7 +34,7 @@ from conveyor_protos.v1 import service_pb2, service_pb2_grpc
 from conveyor_runtime.codec import duration
 
 from conveyor_api.decoding import Undecodable, malformed_message
-from conveyor_api.gateway import Gateway, GatewayConfig, WorkerSpec
+from conveyor_api.gateway import DISPATCHES_MAX_BYTES, Gateway, GatewayConfig, WorkerSpec
 from conveyor_api.semver import at_least
 
 logger = logging.getLogger(__name__)
@@ -133,8 +133,8 @@ class FrameWriter:
 
 #: Dispatches frames waiting together are written as one, up to this many bytes: each
 #: stream write costs tens of microseconds on both ends, and with many queues each
-#: dispatch offer carries a task or two. (Far below a worker's receive limit.)
-MERGE_MAX_BYTES = 1024 * 1024
+#: dispatch offer carries a task or two.
+MERGE_MAX_BYTES = DISPATCHES_MAX_BYTES
 
 
 def _next_frame(frames: deque[service_pb2.ServerFrame]) -> service_pb2.ServerFrame:

@@ -117,6 +117,11 @@ class CreditBook:
             entry.credits = _clamp(credits + missed, entry.capacity)
             entry.returned = max(entry.returned, returned)
 
+    def credits_of(self, gateway: str) -> int:
+        """The credits of ``gateway`` (0 when it is not registered)."""
+        entry = self._gateways.get(gateway)
+        return entry.credits if entry is not None else 0
+
     def block(self, gateway: str) -> None:
         """Send ``gateway`` nothing more until it says otherwise (a Register, a Done): it
         did not answer a dispatch. What it has given back so far stays counted."""

@@ -234,37 +234,45 @@ class QueueDispatcher:
     async def _dispatch(self, tasks: Sequence[Task]) -> tuple[int, int]:
         """Send ``tasks`` to gateways by weight; release what nobody accepted.
 
-        Returns (accepted, released).
+        A task too big for any NATS message is archived first (see :func:`split_offer`):
+        it takes no credit and counts as neither accepted nor released. Returns
+        (accepted, released).
         """
-        shares = self.book.take(len(tasks))
-        plan: list[tuple[str, Sequence[Task]]] = []
+        offer, oversized = fit_offer(
+            [(task, task_to_envelope(task)) for task in tasks], self._nc.max_payload
+        )
+        if oversized:
+            await self._archive_oversized(oversized)
+        shares = self.book.take(len(offer))
+        plan: list[tuple[str, Sequence[tuple[Task, task_pb2.TaskEnvelope]]]] = []
         start = 0
         for gateway, count in shares.items():
-            plan.append((gateway, tasks[start : start + count]))
+            plan.append((gateway, offer[start : start + count]))
             start += count
         # Credits can shrink while the lease runs (a gateway closed): those tasks go back.
-        leftover = list(tasks[start:])
+        leftover = [task for task, _ in offer[start:]]
         results = await asyncio.gather(*(self._send(gw, batch) for gw, batch in plan))
         rejected = leftover + [task for batch in results for task in batch]
         await self._release(rejected)
-        accepted = len(tasks) - len(rejected)
+        accepted = len(offer) - len(rejected)
         self.dispatched += accepted
         return accepted, len(rejected)
 
-    async def _send(self, gateway: str, batch: Sequence[Task]) -> list[Task]:
+    async def _send(
+        self, gateway: str, batch: Sequence[tuple[Task, task_pb2.TaskEnvelope]]
+    ) -> list[Task]:
         """Offer ``batch`` to ``gateway``; returns the tasks it did not accept.
 
-        An offer goes as one DispatchRequest when it fits in a NATS message, else as
-        several, one after another, until the gateway takes less than it was offered. A
-        task too big for any NATS message on its own is archived: no dispatch could ever
-        carry it (see :func:`split_offer`).
+        The offer goes as one DispatchRequest when it is small, else as several of about
+        PIECE_BYTES (or the NATS server's max_payload, when smaller), one after another,
+        while the queue is still dispatched and the gateway still has room.
         """
-        envelopes = [(task, task_to_envelope(task)) for task in batch]
-        pieces, oversized = split_offer(envelopes, self._nc.max_payload)
-        if oversized:
-            await self._archive_oversized(oversized)
+        pieces = split_offer(batch, min(PIECE_BYTES, self._nc.max_payload))
         rejected: list[Task] = []
         for n, piece in enumerate(pieces):
+            if n and (self._stopped() or self.book.credits_of(gateway) <= 0):
+                rejected += [task for later in pieces[n:] for task, _ in later]
+                break
             left = await self._send_piece(gateway, piece)
             rejected += left
             if left:
@@ -363,27 +371,47 @@ class QueueDispatcher:
 #: envelope's own framing, with room to spare.
 _REQUEST_OVERHEAD = 1024
 _ENVELOPE_FRAMING = 8
+#: An offer bigger than this goes to its gateway as several DispatchRequests (a bigger
+#: task alone in one): each is quick to send and answer, and each becomes a Dispatches
+#: frame of about this size at most.
+PIECE_BYTES = 1024 * 1024
+
+_Offer = list[tuple[Task, task_pb2.TaskEnvelope]]
+
+
+def _size(envelope: task_pb2.TaskEnvelope) -> int:
+    return envelope.ByteSize() + _ENVELOPE_FRAMING
+
+
+def fit_offer(
+    envelopes: Sequence[tuple[Task, task_pb2.TaskEnvelope]], max_message: int
+) -> tuple[_Offer, list[tuple[Task, int]]]:
+    """Set apart the tasks too big for a NATS message of ``max_message`` bytes (the
+    server's ``max_payload``) on their own; returns the rest, in order, and those with
+    their envelope's size. No dispatch could ever carry one of them."""
+    room = max_message - _REQUEST_OVERHEAD
+    fit: _Offer = []
+    oversized: list[tuple[Task, int]] = []
+    for task, envelope in envelopes:
+        size = _size(envelope)
+        if size > room:
+            oversized.append((task, size))
+        else:
+            fit.append((task, envelope))
+    return fit, oversized
 
 
 def split_offer(
-    envelopes: Sequence[tuple[Task, task_pb2.TaskEnvelope]], max_message: int
-) -> tuple[list[list[tuple[Task, task_pb2.TaskEnvelope]]], list[tuple[Task, int]]]:
-    """Cut an offer into DispatchRequests of at most ``max_message`` bytes, in order.
-
-    Returns the pieces and the tasks too big for any message on their own, with their
-    envelope's size. (NATS refuses a message over the server's ``max_payload``, 1 MB by
-    default: one lease of big tasks would otherwise never get through.)
-    """
-    room = max_message - _REQUEST_OVERHEAD
-    pieces: list[list[tuple[Task, task_pb2.TaskEnvelope]]] = []
-    oversized: list[tuple[Task, int]] = []
-    piece: list[tuple[Task, task_pb2.TaskEnvelope]] = []
+    envelopes: Sequence[tuple[Task, task_pb2.TaskEnvelope]], target: int
+) -> list[_Offer]:
+    """Cut an offer into pieces of about ``target`` bytes, in order (a task bigger than
+    that makes a piece of its own)."""
+    room = target - _REQUEST_OVERHEAD
+    pieces: list[_Offer] = []
+    piece: _Offer = []
     used = 0
     for task, envelope in envelopes:
-        size = envelope.ByteSize() + _ENVELOPE_FRAMING
-        if size > room:
-            oversized.append((task, size))
-            continue
+        size = _size(envelope)
         if piece and used + size > room:
             pieces.append(piece)
             piece, used = [], 0
@@ -391,4 +419,4 @@ def split_offer(
         used += size
     if piece:
         pieces.append(piece)
-    return pieces, oversized
+    return pieces

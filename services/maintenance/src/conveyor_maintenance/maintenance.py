@@ -47,6 +47,8 @@ REAPER = "reaper"
 STORAGE = "storage"
 #: Most promote rounds in one scheduler pass (each takes up to sweep_limit tasks).
 MAX_PROMOTE_ROUNDS = 10
+#: Least seconds between the end of one scheduler pass and a pass a promote hint asks for.
+HINT_GAP = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,8 @@ class Maintenance:
                     logger.exception("maintenance.claim_failed role=%s", role)
                     elected = False
                 if not elected:
+                    if hint is not None:
+                        hint.clear()  # the leader acts on it, not us
                     await asyncio.sleep(retry)
                     continue
                 logger.info(
@@ -292,10 +296,20 @@ class Maintenance:
 
 
 async def _rest(tick: float, hint: asyncio.Event | None) -> None:
-    """Wait ``tick`` seconds, or less when ``hint`` is set (which it clears)."""
+    """Wait ``tick`` seconds, or less when ``hint`` is set (which it clears), but at least
+    HINT_GAP: a stream of hints (an api process sends up to one per 10 ms) must not turn
+    into a stream of passes."""
     if hint is None:
         await asyncio.sleep(tick)
         return
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    # asyncio.timeout, not wait_for: on Python 3.11 a cancellation that lands as
+    # wait_for times out can come out as its TimeoutError, and be swallowed here.
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(hint.wait(), tick)
+        async with asyncio.timeout(tick):
+            await hint.wait()
+    waited = loop.time() - began
+    if waited < HINT_GAP:
+        await asyncio.sleep(HINT_GAP - waited)
     hint.clear()
