@@ -23,6 +23,10 @@ def _server(nc: NatsClient) -> str:
     return url.netloc if url is not None else "?"
 
 
+#: Seconds a draining close waits for pending messages before it closes anyway.
+DRAIN_TIMEOUT = 5.0
+
+
 async def connect_nats(
     url: str,
     *,
@@ -57,6 +61,9 @@ async def connect_nats(
         max_reconnect_attempts=-1,
         reconnect_time_wait=reconnect_wait,  # type: ignore[arg-type]
         connect_timeout=connect_timeout,  # type: ignore[arg-type]
+        # A drain at shutdown waits for every subscription's pending messages; they are
+        # hints, so a stop waits this long at most (the client's default is 30 s).
+        drain_timeout=DRAIN_TIMEOUT,  # type: ignore[arg-type]
         error_cb=on_error,
         disconnected_cb=on_disconnected,
         reconnected_cb=on_reconnected,
