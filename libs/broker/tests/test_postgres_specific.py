@@ -561,6 +561,16 @@ def _plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     return nodes
 
 
+def assert_walks_the_due_index(plans: dict[str, list[dict[str, Any]]]) -> None:
+    """Every plan (by plan cache mode) scans the due index, and nothing else at all."""
+    for mode, nodes in plans.items():
+        kinds = [node["Node Type"] for node in nodes]
+        scans = [(node["Node Type"], node.get("Index Name")) for node in nodes]
+        assert ("Index Scan", "conveyor_tasks_due_idx") in scans, (mode, kinds)
+        for bad in ("Seq Scan", "Sort", "Bitmap Heap Scan"):
+            assert bad not in kinds, (mode, kinds)
+
+
 async def test_lease_uses_the_due_index_on_a_never_analyzed_table(pg_dsn: str) -> None:
     """Enqueue 50k tasks into an empty, never-analyzed table, then plan the lease both as a
     custom plan (values known) and as a generic one (as a reused prepared statement)."""
@@ -594,12 +604,7 @@ async def test_lease_uses_the_due_index_on_a_never_analyzed_table(pg_dsn: str) -
                 plans[mode] = _plan_nodes(json.loads(raw)[0]["Plan"])
         finally:
             await conn.close()
-    for mode, nodes in plans.items():
-        kinds = [node["Node Type"] for node in nodes]
-        scans = [(node["Node Type"], node.get("Index Name")) for node in nodes]
-        assert ("Index Scan", "conveyor_tasks_due_idx") in scans, (mode, kinds)
-        for bad in ("Seq Scan", "Sort", "Bitmap Heap Scan"):
-            assert bad not in kinds, (mode, kinds)
+    assert_walks_the_due_index(plans)
 
 
 async def test_lease_many_probes_the_due_index_per_queue_on_a_never_analyzed_table(
@@ -630,12 +635,7 @@ async def test_lease_many_probes_the_due_index_per_queue_on_a_never_analyzed_tab
                 plans[mode] = _plan_nodes(json.loads(raw)[0]["Plan"])
         finally:
             await conn.close()
-    for mode, nodes in plans.items():
-        kinds = [node["Node Type"] for node in nodes]
-        scans = [(node["Node Type"], node.get("Index Name")) for node in nodes]
-        assert ("Index Scan", "conveyor_tasks_due_idx") in scans, (mode, kinds)
-        for bad in ("Seq Scan", "Sort", "Bitmap Heap Scan"):
-            assert bad not in kinds, (mode, kinds)
+    assert_walks_the_due_index(plans)
 
 
 async def test_batch_lease_statements_use_the_primary_key_on_a_never_analyzed_table(

@@ -191,31 +191,44 @@ ON CONFLICT DO NOTHING
 
 # -------------------------------------------------------------------------------- lease
 
-#: Lease up to $3 due tasks of queue $1 at now $2, handing out the lease ids $4 and
-#: expiry $5. The CTE locks with SKIP LOCKED so concurrent leasers never collide.
-LEASE = f"""
-WITH due AS (
-    SELECT id, state FROM conveyor_tasks
-    WHERE queue = $1 AND state IN {LEASABLE} AND available_at <= $2
-      AND (expires_at IS NULL OR expires_at > $2)
-    ORDER BY available_at, id
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
+
+def _lease(due: str, now: str, lease_ids: str, expiry: str) -> str:
+    """A lease statement: ``due`` selects (id, state) of the rows to lease, locked with
+    SKIP LOCKED so concurrent leasers never collide; each becomes ACTIVE with the next of
+    the lease ids."""
+    return f"""
+WITH due AS ({due}
 ), numbered AS (
     SELECT id, state, row_number() OVER () AS n FROM due
 )
 UPDATE conveyor_tasks t
-SET state = 'active', lease_id = ($4::text[])[numbered.n], lease_expires_at = $5,
-    started_at = $2, updated_at = $2, progress = NULL
+SET state = 'active', lease_id = ({lease_ids}::text[])[numbered.n],
+    lease_expires_at = {expiry}, started_at = {now}, updated_at = {now}, progress = NULL
 FROM numbered
 WHERE t.id = numbered.id
 RETURNING {T_COLUMNS}, numbered.state AS previous_state
 """
 
+
+#: Lease up to $3 due tasks of queue $1 at now $2, handing out the lease ids $4 and
+#: expiry $5.
+LEASE = _lease(
+    f"""
+    SELECT id, state FROM conveyor_tasks
+    WHERE queue = $1 AND state IN {LEASABLE} AND available_at <= $2
+      AND (expires_at IS NULL OR expires_at > $2)
+    ORDER BY available_at, id
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED""",
+    now="$2",
+    lease_ids="$4",
+    expiry="$5",
+)
+
 #: LEASE for several queues: $1 queues and $2 their limits (one lateral probe of the due
 #: index per queue), $3 now, $4 lease ids, $5 expiry.
-LEASE_MANY = f"""
-WITH due AS (
+LEASE_MANY = _lease(
+    f"""
     SELECT d.id, d.state
     FROM unnest($1::text[], $2::int[]) AS r(queue, n)
     CROSS JOIN LATERAL (
@@ -225,17 +238,11 @@ WITH due AS (
         ORDER BY c.available_at, c.id
         LIMIT r.n
         FOR UPDATE SKIP LOCKED
-    ) d
-), numbered AS (
-    SELECT id, state, row_number() OVER () AS n FROM due
+    ) d""",
+    now="$3",
+    lease_ids="$4",
+    expiry="$5",
 )
-UPDATE conveyor_tasks t
-SET state = 'active', lease_id = ($4::text[])[numbered.n], lease_expires_at = $5,
-    started_at = $3, updated_at = $3, progress = NULL
-FROM numbered
-WHERE t.id = numbered.id
-RETURNING {T_COLUMNS}, numbered.state AS previous_state
-"""
 
 #: The lease query's SELECT alone, for EXPLAIN in tests and diagnostics.
 LEASE_SELECT = f"""
