@@ -575,9 +575,8 @@ class Gateway:
             await self._broker.archive(held.task_id, held.lease_id, deadline_error(error))
             return
         task = await self._broker.fail(held.task_id, held.lease_id, error, delay)
-        if task.state is TaskState.RETRY:
-            # Wake the queue when the retry is due rather than at the reaper's next sweep.
-            self._wakes.wake_later(held.queue, delay.total_seconds())
+        # A retry wakes its queue when due rather than at the reaper's next sweep.
+        self._wakes.when_due(task, self._config.clock.now())
 
     def _on_overrun(self, lease_id: str, bound: AttemptBound) -> None:
         # The worker kept the attempt past its bound without a Result: stop it there,

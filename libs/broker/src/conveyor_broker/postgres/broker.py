@@ -196,6 +196,10 @@ class PostgresBroker(Broker):
         _check_ttl(ttl)
         lease_ids = new_ids(now, limit)
         rows = await self._pool.fetch(queries.LEASE, queue, now, limit, lease_ids, now + ttl)
+        return self._leased(rows, now)
+
+    def _leased(self, rows: Iterable[asyncpg.Record], now: datetime) -> list[Task]:
+        """The tasks a lease statement returned, in lease order; their events emitted."""
         leased = sorted(
             ((task_from_row(row), TaskState(row["previous_state"])) for row in rows),
             key=lambda pair: (pair[0].available_at, pair[0].id),
@@ -221,13 +225,8 @@ class PostgresBroker(Broker):
             lease_ids,
             now + ttl,
         )
-        leased = sorted(
-            ((task_from_row(row), TaskState(row["previous_state"])) for row in rows),
-            key=lambda pair: (pair[0].available_at, pair[0].id),
-        )
-        self._emit(self._event(task, previous, now) for task, previous in leased)
         by_queue: dict[str, list[Task]] = {queue: [] for queue, _ in wants}
-        for task, _ in leased:
+        for task in self._leased(rows, now):
             by_queue[task.queue].append(task)
         return [by_queue[queue] for queue, _ in wants]
 
