@@ -5,7 +5,7 @@ RUN pip install --no-cache-dir "uv>=0.5"
 WORKDIR /src
 ENV UV_PYTHON_DOWNLOADS=never UV_COMPILE_BYTECODE=1 UV_LINK_MODE=copy
 COPY . .
-RUN uv sync --frozen --all-packages --no-dev --no-editable
+RUN uv sync --frozen --no-dev --no-editable
 
 FROM python:3.11-slim
 RUN useradd --system --uid 10001 conveyor

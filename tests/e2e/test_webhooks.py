@@ -1,6 +1,6 @@
 """Webhook workers through real processes: api, dispatcher, maintenance and webhook service
 processes on a real Postgres and a private nats-server; the HTTP endpoint is a real aiohttp
-server in the test process (:class:`conveyor_webhook.testing.Endpoint`). Registrations go
+server in the test process (:class:`conveyor_testkit.webhooks.Endpoint`). Registrations go
 through the SDK's admin client, tasks through the SDK's client, callbacks through
 :mod:`conveyor.webhooks`. Every wait is on a condition with a timeout."""
 
@@ -40,8 +40,8 @@ from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import LeaseClaims, mint_lease_token
+from conveyor_testkit.webhooks import Delivery, Endpoint, rpc
 from conveyor_webhook import ROLE
-from conveyor_webhook.testing import Delivery, Endpoint, rpc
 
 from tests.e2e.harness import ROOT, Cluster, Proc, port_open, wait_for
 from tests.e2e.lifecycle import wait_state

@@ -21,7 +21,7 @@ from conveyor_runtime.events import (
 )
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 
 TIMEOUT = 10.0
@@ -184,12 +184,12 @@ async def test_gate_publishes_only_while_someone_watches(
         assert not gate.open
 
         await announce_watch(nc, subjects)
-        await eventually(lambda: gate.open, within=TIMEOUT)
+        await wait_until(lambda: gate.open, within=TIMEOUT)
         watched = (await broker.enqueue(NewTask(queue="emails", type="send"))).task
-        await eventually(lambda: any(e.task_id == watched.id for _, e in unpack(got)))
+        await wait_until(lambda: any(e.task_id == watched.id for _, e in unpack(got)))
 
         # The TTL lapses with no further announcement.
-        await eventually(lambda: not gate.open, within=TIMEOUT)
+        await wait_until(lambda: not gate.open, within=TIMEOUT)
         after = (await broker.enqueue(NewTask(queue="emails", type="send"))).task
         await publisher.stop()  # flushes anything buffered
         await nc.flush()

@@ -12,7 +12,7 @@ from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, LeaseKeeper, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
 
 TIMEOUT = 10.0
 
@@ -81,7 +81,7 @@ async def test_an_unrefreshed_key_expires_and_can_be_claimed_by_another(
     taker = KeyLease(kv, "q", "live-node")
     assert not await taker.claim()
 
-    await eventually(taker.claim)
+    await wait_until(taker.claim)
     assert await taker.holder() == "live-node"
     # The old owner finds out on its next refresh.
     assert not await dead.refresh()
@@ -104,7 +104,7 @@ async def test_keeper_refreshes_so_the_key_outlives_its_ttl(
         async def refreshed_past_ttl() -> bool:
             return ((await kv.get("reaper")).revision or 0) >= first_revision + 4
 
-        await eventually(refreshed_past_ttl)
+        await wait_until(refreshed_past_ttl)
         assert keeper.holds("reaper")
         assert not await KeyLease(kv, "reaper", "node-b").claim()
         assert lost == []

@@ -11,12 +11,13 @@ import grpc
 import pytest
 from conveyor_api import ApiServer
 from conveyor_api.session import HELLO_TIMEOUT
-from conveyor_api.testing import CountingBroker, MakeApi
 from conveyor_broker import FakeClock
 from conveyor_protos.v1 import service_pb2_grpc
 from conveyor_runtime.nats_connect import NatsClient, connect_nats
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.brokers import CountingBroker
+from conveyor_testkit.stream import MakeApi
 
 TOKEN = "s3cret-token"
 

@@ -11,7 +11,6 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
-from conveyor_api.testing import CountingBroker, MakeApi, Recorder, WorkerStream, dispatch
 from conveyor_broker import FakeClock, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
@@ -19,6 +18,8 @@ from conveyor_runtime import codec
 from conveyor_runtime.events import EventPublisher
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.brokers import CountingBroker
+from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
 
 TTL = timedelta(seconds=30)
 TOKEN = "s3cret-token"

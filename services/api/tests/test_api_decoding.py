@@ -11,12 +11,14 @@ import pytest
 from conveyor_api import ApiServer
 from conveyor_api.decoding import Undecodable, add_service, malformed_message, tolerant_deserializer
 from conveyor_api.session import MALFORMED_FRAME
-from conveyor_api.testing import CountingBroker, MakeApi, Recorder, dispatch, wait_until
 from conveyor_broker import NewTask, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import codec
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.brokers import CountingBroker
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.stream import MakeApi, Recorder, dispatch
 from google.protobuf.descriptor import MethodDescriptor
 
 TOKEN = "s3cret-token"

@@ -18,19 +18,14 @@ from conveyor_api.attempt_bounds import (
     deadline_error,
     retry_misses_deadline,
 )
-from conveyor_api.testing import (
-    CountingBroker,
-    MakeApi,
-    Recorder,
-    WorkerStream,
-    dispatch,
-    wait_until,
-)
 from conveyor_broker import FakeClock, NewTask, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import codec
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.brokers import CountingBroker
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
 
 TTL = timedelta(seconds=30)
 GRACE = 0.05

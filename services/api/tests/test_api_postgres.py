@@ -12,7 +12,6 @@ from typing import Any
 import asyncpg
 import grpc
 import pytest
-from conveyor_api.testing import MakeApi, Recorder, WorkerStream, dispatch, wait_until
 from conveyor_broker import EnqueueResult, FakeClock, NewTask, TaskState
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing.schemas import DATA_TABLES, migrated_schema
@@ -20,6 +19,8 @@ from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_
 from conveyor_runtime import codec
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
 
 pytestmark = pytest.mark.postgres
 

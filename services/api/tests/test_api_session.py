@@ -12,20 +12,15 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
-from conveyor_api.testing import (
-    CountingBroker,
-    MakeApi,
-    Recorder,
-    WorkerStream,
-    dispatch,
-    wait_until,
-)
 from conveyor_broker import FakeClock, NewTask, TaskState
 from conveyor_broker.ids import is_ulid
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import codec
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.brokers import CountingBroker
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
 
 TTL = timedelta(seconds=30)
 

@@ -11,7 +11,6 @@ import grpc
 import pytest
 from conveyor_api import ApiServer
 from conveyor_api.task_service import YIELD_EVERY
-from conveyor_api.testing import CountingBroker, MakeApi, Recorder, wait_until
 from conveyor_broker import FakeClock, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
@@ -19,6 +18,9 @@ from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.brokers import CountingBroker
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.stream import MakeApi, Recorder
 from google.protobuf.duration_pb2 import Duration
 
 MAX_PAYLOAD = 1024 * 1024

@@ -13,7 +13,7 @@ from conveyor_broker.memory import MemoryBroker
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 
 
@@ -46,7 +46,7 @@ async def test_a_later_wake_goes_out_once_due_and_not_before(
     publisher.wake_later("slow", 0.6)
     publisher.wake_later("fast", 0.2)
     assert publisher.later_pending == 2
-    await eventually(lambda: wakes.queues() == ["fast", "slow"], within=5)
+    await wait_until(lambda: wakes.queues() == ["fast", "slow"], within=5)
     received = dict(wakes.seen)
     assert received["fast"] - asked >= 0.2
     assert received["slow"] - asked >= 0.6
@@ -65,7 +65,7 @@ async def test_later_wakes_due_in_the_same_tick_share_one_wake(
     # 51 requests in a few microseconds share a tick or two; a pause of the test
     # process between two of them could add one more, not dozens.
     assert publisher.later_pending < 10
-    await eventually(lambda: "other" in wakes.queues() and "q" in wakes.queues(), within=5)
+    await wait_until(lambda: "other" in wakes.queues() and "q" in wakes.queues(), within=5)
     await nc.flush()
     assert wakes.queues().count("q") <= 2
     await publisher.aclose()
@@ -79,7 +79,7 @@ async def test_a_due_or_past_later_wake_is_an_immediate_wake(
     publisher.wake_later("now", 0)
     publisher.wake_later("past", -5)
     assert publisher.later_pending == 0
-    await eventually(lambda: sorted(wakes.queues()) == ["now", "past"], within=5)
+    await wait_until(lambda: sorted(wakes.queues()) == ["now", "past"], within=5)
     await publisher.aclose()
 
 
@@ -89,7 +89,7 @@ async def test_an_earlier_wake_rearms_the_timer(nc: NatsClient, subjects: Subjec
     publisher = WakePublisher(nc, subjects)
     publisher.wake_later("late", 30)
     publisher.wake_later("soon", 0.1)
-    await eventually(lambda: wakes.queues() == ["soon"], within=5)
+    await wait_until(lambda: wakes.queues() == ["soon"], within=5)
     assert publisher.later_pending == 1
     await publisher.aclose()
 
@@ -105,7 +105,7 @@ async def test_closing_drops_later_wakes(nc: NatsClient, subjects: Subjects) -> 
     await asyncio.sleep(0)  # let a wrongly kept timer's callback be scheduled
     other = WakePublisher(nc, subjects)
     other.wake_later("probe", 0.4)
-    await eventually(lambda: "probe" in wakes.queues(), within=5)
+    await wait_until(lambda: "probe" in wakes.queues(), within=5)
     assert "dropped" not in wakes.queues()
     await other.aclose()
 
@@ -145,11 +145,11 @@ async def test_a_later_promote_hint_reaches_the_scheduler_once_due(
     for _ in range(5):
         publisher.promote_later(0.3)  # due together: one hint (two if a tick edge fell
     assert publisher.later_pending <= 2  # between the calls)
-    await eventually(lambda: publisher.later_pending == 0 and len(hints) >= 1, within=5)
+    await wait_until(lambda: publisher.later_pending == 0 and len(hints) >= 1, within=5)
     assert hints[0] - asked >= 0.3
     sent = len(hints)
     publisher.promote()
-    await eventually(lambda: len(hints) == sent + 1, within=5)
+    await wait_until(lambda: len(hints) == sent + 1, within=5)
     await publisher.aclose()
 
 
@@ -199,7 +199,7 @@ async def test_when_due_hints_whoever_acts_on_the_task(
     asked = time.monotonic()
     for task in (pending, scheduled, retry, completed):
         publisher.when_due(task, now)
-    await eventually(lambda: len(promotes) == 1 and "retrying" in wakes.queues(), within=5)
+    await wait_until(lambda: len(promotes) == 1 and "retrying" in wakes.queues(), within=5)
     assert promotes[0] - asked >= 0.3
     assert dict(wakes.seen)["retrying"] - asked >= 0.3
     assert wakes.queues() == ["ready", "retrying"]

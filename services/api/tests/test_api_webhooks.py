@@ -13,7 +13,6 @@ import asyncpg
 import grpc
 import pytest
 from conveyor_api import ApiServer
-from conveyor_api.testing import CountingBroker, MakeApi
 from conveyor_broker import Broker, FakeClock, WebhookWorker, WebhookWorkerSpec
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing.schemas import migrated_schema
@@ -21,6 +20,8 @@ from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import LeaseClaims, mint_lease_token
+from conveyor_testkit.brokers import CountingBroker
+from conveyor_testkit.stream import MakeApi
 from google.protobuf.duration_pb2 import Duration
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription

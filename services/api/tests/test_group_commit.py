@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import pytest
 from conveyor_api.group_commit import AckBatcher, EnqueueCommitter
-from conveyor_api.testing import CountingBroker
 from conveyor_broker import (
     MAX_BATCH,
     AckItem,
@@ -19,6 +18,7 @@ from conveyor_broker import (
     NewTask,
     TaskState,
 )
+from conveyor_testkit.brokers import CountingBroker
 
 _TTL = timedelta(seconds=30)
 

@@ -24,7 +24,7 @@ from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -209,11 +209,11 @@ async def test_a_wake_dispatches_leased_tasks_to_a_registered_gateway(
     d = await dispatchers()
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
     await gw.start()
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
 
     ids = await enqueue(broker, queue_name, 3)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: len(gw.received) == 3)
+    await wait_until(lambda: len(gw.received) == 3)
 
     assert sorted(gw.accepted_ids) == sorted(ids)
     assert len(gw.requests) == 1  # one DispatchRequest carried the whole batch
@@ -245,7 +245,7 @@ async def test_a_starting_dispatcher_claims_queues_with_due_work_unprompted(
     ids = await enqueue(broker, queue_name, 2)
     await wake(nc, subjects, queue_name)
     d = await dispatchers()
-    await eventually(lambda: len(gw.received) == 2)
+    await wait_until(lambda: len(gw.received) == 2)
     assert sorted(gw.accepted_ids) == sorted(ids)
     assert queue_name in d.owned
 
@@ -263,10 +263,10 @@ async def test_a_done_handled_before_the_reply_it_follows_keeps_its_credit(
     d = await dispatchers()
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=1, finish_at_once=True)
     await gw.start()
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
     ids = await enqueue(broker, queue_name, 6)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: len(gw.received) == 6)
+    await wait_until(lambda: len(gw.received) == 6)
     assert sorted(gw.accepted_ids) == sorted(ids)
     assert [len(r.tasks) for r in gw.requests] == [1] * 6
 
@@ -281,7 +281,7 @@ async def test_tasks_the_gateway_does_not_accept_are_released_at_once(
     d = await dispatchers()
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10, accept=2)
     await gw.start()
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
 
     await enqueue(broker, queue_name, 5)
     await wake(nc, subjects, queue_name)
@@ -293,7 +293,7 @@ async def test_tasks_the_gateway_does_not_accept_are_released_at_once(
         )
 
     # The fake clock never moves, so these are explicit releases, not lease expiry.
-    await eventually(settled)
+    await wait_until(settled)
     assert len(gw.requests) == 1
     assert len(gw.requests[0].tasks) == 5
     assert len(gw.received) == 2
@@ -316,14 +316,14 @@ async def test_done_refills_credits_and_dispatches_more(
     await gw.start()
     await enqueue(broker, queue_name, 5)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: len(gw.received) == 2)
+    await wait_until(lambda: len(gw.received) == 2)
     assert await count(broker, queue_name, TaskState.PENDING) == 3
 
     for expected in (4, 5):
         for env in gw.received[-2:]:
             await broker.ack(env.id, env.lease_id)
         await gw.done(2)
-        await eventually(lambda expected=expected: len(gw.received) == expected)  # type: ignore[misc]
+        await wait_until(lambda expected=expected: len(gw.received) == expected)  # type: ignore[misc]
     assert await count(broker, queue_name, TaskState.PENDING) == 0
     assert len(set(gw.accepted_ids)) == 5
 
@@ -340,11 +340,11 @@ async def test_tasks_are_split_between_gateways_by_weight(
     light = FakeGateway(nc, subjects, queue=queue_name, capacity=100, weight=1)
     await heavy.start()
     await light.start()
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and len(qd.book) == 2)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and len(qd.book) == 2)
 
     await enqueue(broker, queue_name, 40)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: len(heavy.received) + len(light.received) == 40)
+    await wait_until(lambda: len(heavy.received) + len(light.received) == 40)
 
     assert (len(heavy.received), len(light.received)) == (30, 10)
     # Each gateway got its share in one request.
@@ -362,7 +362,7 @@ async def test_pause_stops_dispatch_and_resume_restarts_it(
     d = await dispatchers()
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
     await gw.start()
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
     qd = d.queue(queue_name)
     assert qd is not None
 
@@ -373,19 +373,19 @@ async def test_pause_stops_dispatch_and_resume_restarts_it(
 
     await broker.set_queue_paused(queue_name, True)
     await control()
-    await eventually(lambda: qd.paused)
+    await wait_until(lambda: qd.paused)
 
     await enqueue(broker, queue_name, 3)
     wakes = qd.wakes
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: qd.wakes > wakes)
+    await wait_until(lambda: qd.wakes > wakes)
     assert not qd.cycling
     assert gw.received == []
     assert await count(broker, queue_name, TaskState.PENDING) == 3
 
     await broker.set_queue_paused(queue_name, False)
     await control()
-    await eventually(lambda: len(gw.received) == 3)
+    await wait_until(lambda: len(gw.received) == 3)
     assert await count(broker, queue_name, TaskState.ACTIVE) == 3
 
 
@@ -399,15 +399,15 @@ async def test_a_gateway_that_vanished_is_forgotten_and_its_tasks_released(
     d = await dispatchers()
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
     await gw.start()
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
     qd = d.queue(queue_name)
     assert qd is not None
     await gw.stop_answering()
 
     await enqueue(broker, queue_name, 4)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: gw.id not in qd.book)
-    await eventually(lambda: qd.released == 4 and not qd.cycling)
+    await wait_until(lambda: gw.id not in qd.book)
+    await wait_until(lambda: qd.released == 4 and not qd.cycling)
     assert await count(broker, queue_name, TaskState.PENDING) == 4
 
 
@@ -424,22 +424,22 @@ async def test_a_gateway_that_does_not_answer_gets_nothing_more(
     d = await dispatchers(dispatch_timeout=0.3)
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=2, finish_at_once=True)
     await gw.start()
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
     qd = d.queue(queue_name)
     assert qd is not None
     await enqueue(broker, queue_name, 2)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: len(gw.received) == 2 and not qd.cycling)
+    await wait_until(lambda: len(gw.received) == 2 and not qd.cycling)
     assert gw.returned == 2
 
     gw.silent = True
     await enqueue(broker, queue_name, 2)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: qd.released == 2 and not qd.cycling)
+    await wait_until(lambda: qd.released == 2 and not qd.cycling)
     asked = len(gw.requests)
     wakes = qd.wakes
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: qd.wakes > wakes and not qd.cycling)
+    await wait_until(lambda: qd.wakes > wakes and not qd.cycling)
     assert len(gw.requests) == asked
     assert qd.book.total == 0
 
@@ -453,9 +453,9 @@ async def test_a_closing_registration_is_forgotten(
     d = await dispatchers()
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
     await gw.start()
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
     await gw.register(closing=True)
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and len(qd.book) == 0)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and len(qd.book) == 0)
 
 
 async def test_only_one_instance_owns_a_queue_and_the_other_takes_over_on_stop(
@@ -470,23 +470,23 @@ async def test_only_one_instance_owns_a_queue_and_the_other_takes_over_on_stop(
     second = await dispatchers(owner_ttl=60.0)
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
     await gw.start()
-    await eventually(lambda: queue_name in first.owned | second.owned)
+    await wait_until(lambda: queue_name in first.owned | second.owned)
     owner, other = (first, second) if queue_name in first.owned else (second, first)
     assert queue_name not in other.owned
-    await eventually(lambda: other.claims_refused > 0 or queue_name in other.owned)
+    await wait_until(lambda: other.claims_refused > 0 or queue_name in other.owned)
     assert queue_name not in other.owned
 
     await enqueue(broker, queue_name, 2)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: len(gw.received) == 2)
+    await wait_until(lambda: len(gw.received) == 2)
     assert {r.dispatcher for r in gw.requests} == {owner.instance_id}
 
     await owner.stop()
-    await eventually(lambda: queue_name in other.owned)
-    await eventually(lambda: (qd := other.queue(queue_name)) is not None and gw.id in qd.book)
+    await wait_until(lambda: queue_name in other.owned)
+    await wait_until(lambda: (qd := other.queue(queue_name)) is not None and gw.id in qd.book)
     await enqueue(broker, queue_name, 2)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: len(gw.received) == 4)
+    await wait_until(lambda: len(gw.received) == 4)
     assert gw.requests[-1].dispatcher == other.instance_id
 
 
@@ -505,7 +505,7 @@ async def test_an_owner_that_dies_is_replaced_once_its_key_expires(
     await doomed.start()
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
     await gw.start()
-    await eventually(lambda: queue_name in doomed.owned)
+    await wait_until(lambda: queue_name in doomed.owned)
     survivor = await dispatchers(owner_ttl=1.0)
 
     # The doomed instance's connection drops: no release, no owner_changed.
@@ -517,10 +517,10 @@ async def test_an_owner_that_dies_is_replaced_once_its_key_expires(
         await gw.register()
         return queue_name in survivor.owned
 
-    await eventually(survivor_took_over)
+    await wait_until(survivor_took_over)
     await enqueue(broker, queue_name, 1)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: len(gw.received) == 1)
+    await wait_until(lambda: len(gw.received) == 1)
     assert gw.requests[-1].dispatcher == survivor.instance_id
     await doomed.stop()
 
@@ -535,19 +535,19 @@ async def test_losing_the_key_stops_dispatch_at_once(
     d = await dispatchers(owner_ttl=1.5)
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
     await gw.start()
-    await eventually(lambda: queue_name in d.owned)
+    await wait_until(lambda: queue_name in d.owned)
 
     # Someone else takes the key (as if ours had expired during a partition).
     kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=1.5)
     await kv.delete(queue_name)
     intruder = KeyLease(kv, queue_name, "intruder")
     assert await intruder.claim()
-    await eventually(lambda: queue_name not in d.owned)
+    await wait_until(lambda: queue_name not in d.owned)
 
     await enqueue(broker, queue_name, 2)
     refused = d.claims_refused
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: d.claims_refused > refused)
+    await wait_until(lambda: d.claims_refused > refused)
     assert gw.received == []
     assert await count(broker, queue_name, TaskState.PENDING) == 2
 
@@ -561,9 +561,9 @@ async def test_an_idle_queue_is_given_up(
     d = await dispatchers(idle_timeout=0.3, register_tick=0.1)
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
     await gw.start()
-    await eventually(lambda: queue_name in d.owned)
+    await wait_until(lambda: queue_name in d.owned)
     # The gateway never re-registers: its registration expires, then the queue idles out.
-    await eventually(lambda: queue_name not in d.owned)
+    await wait_until(lambda: queue_name not in d.owned)
     kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=2.0)
     assert await KeyLease(kv, queue_name, "someone").holder() is None
 
@@ -580,10 +580,10 @@ async def test_malformed_messages_are_ignored(
     await nc.publish(subjects.done(queue_name), b"\xff\xff")
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=1)
     await gw.start()
-    await eventually(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
     await enqueue(broker, queue_name, 1)
     await wake(nc, subjects, queue_name)
-    await eventually(lambda: len(gw.received) == 1)
+    await wait_until(lambda: len(gw.received) == 1)
 
 
 async def test_an_offer_too_big_for_one_nats_message_goes_in_pieces(
@@ -601,13 +601,13 @@ async def test_an_offer_too_big_for_one_nats_message_goes_in_pieces(
         try:
             gw = FakeGateway(nc, subjects, queue=QUEUE, capacity=10)
             await gw.start()
-            await eventually(lambda: (qd := d.queue(QUEUE)) is not None and gw.id in qd.book)
+            await wait_until(lambda: (qd := d.queue(QUEUE)) is not None and gw.id in qd.book)
             small = await broker.enqueue_batch(
                 [NewTask(queue=QUEUE, type="t", payload=b"x" * 20_000) for _ in range(5)]
             )
             big = await broker.enqueue(NewTask(queue=QUEUE, type="t", payload=b"y" * 100_000))
             await wake(nc, subjects, QUEUE)
-            await eventually(lambda: len(gw.received) == 5)
+            await wait_until(lambda: len(gw.received) == 5)
             assert sorted(gw.accepted_ids) == sorted(r.task.id for r in small)
             assert len(gw.requests) >= 2
             assert all(r.ByteSize() <= 64 * 1024 for r in gw.requests)
@@ -615,7 +615,7 @@ async def test_an_offer_too_big_for_one_nats_message_goes_in_pieces(
             async def archived() -> bool:
                 return (await broker.get_task(big.task.id)).state is TaskState.ARCHIVED
 
-            await eventually(archived)
+            await wait_until(archived)
             error = (await broker.get_task(big.task.id)).last_error or ""
             assert "cannot dispatch" in error
             assert "max_payload" in error
@@ -636,7 +636,7 @@ async def test_queues_woken_together_share_lease_round_trips(
     for gw in gateways:
         await gw.start()
     for queue, gw in zip(queues, gateways, strict=True):
-        await eventually(lambda q=queue, g=gw: (qd := d.queue(q)) is not None and g.id in qd.book)  # type: ignore[misc]
+        await wait_until(lambda q=queue, g=gw: (qd := d.queue(q)) is not None and g.id in qd.book)  # type: ignore[misc]
     for queue in queues:
         await enqueue(broker, queue, 2)
     asks = d.leaser.asks
@@ -644,7 +644,7 @@ async def test_queues_woken_together_share_lease_round_trips(
     for queue in queues:
         await nc.publish(subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString())
     await nc.flush()
-    await eventually(lambda: all(len(gw.received) == 2 for gw in gateways))
+    await wait_until(lambda: all(len(gw.received) == 2 for gw in gateways))
     # However many leases the wakes (and any late re-registration) made, they shared
     # round trips.
     assert d.leaser.asks - asks >= 2
@@ -664,20 +664,20 @@ async def test_a_task_too_big_to_dispatch_takes_no_credit(
         try:
             gw = FakeGateway(nc, subjects, queue=QUEUE, capacity=1)
             await gw.start()
-            await eventually(lambda: (qd := d.queue(QUEUE)) is not None and gw.id in qd.book)
+            await wait_until(lambda: (qd := d.queue(QUEUE)) is not None and gw.id in qd.book)
             big = await broker.enqueue(NewTask(queue=QUEUE, type="t", payload=b"y" * 100_000))
             await wake(nc, subjects, QUEUE)
 
             async def archived() -> bool:
                 return (await broker.get_task(big.task.id)).state is TaskState.ARCHIVED
 
-            await eventually(archived)
+            await wait_until(archived)
             qd = d.queue(QUEUE)
             assert qd is not None
             assert qd.dispatched == 0
             small = await broker.enqueue(NewTask(queue=QUEUE, type="t", payload=b"x"))
             await wake(nc, subjects, QUEUE)
-            await eventually(lambda: gw.accepted_ids == [small.task.id])
+            await wait_until(lambda: gw.accepted_ids == [small.task.id])
         finally:
             await d.stop()
             await close_nats(nc)

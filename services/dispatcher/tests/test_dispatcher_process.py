@@ -15,7 +15,7 @@ from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 
 pytestmark = pytest.mark.postgres
@@ -72,20 +72,20 @@ async def test_dispatcher_process_dispatches_and_hands_over_on_sigterm(
             await nc.flush()
             return len(owner_changes) > 0
 
-        await eventually(claimed, within=30)
+        await wait_until(claimed, within=30)
 
         await migrate(fresh_pg_dsn)
         broker = await PostgresBroker.connect(fresh_pg_dsn, max_size=2)
         task = (await broker.enqueue(NewTask(queue=queue, type="t"))).task
         await nc.publish(subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString())
-        await eventually(lambda: received == [task.id])
+        await wait_until(lambda: received == [task.id])
 
         claims = len(owner_changes)
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(15):
             assert await proc.wait() == 0
         # The stopping owner deleted its key and told the gateways to re-register.
-        await eventually(lambda: len(owner_changes) > claims)
+        await wait_until(lambda: len(owner_changes) > claims)
         kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=30)
         assert await KeyLease(kv, queue, "anyone").holder() is None
     finally:

@@ -13,7 +13,7 @@ from conveyor_broker.interface import MAX_BATCH
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.types import Task
 from conveyor_dispatcher.leases import LeaseBatcher
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
 
 TTL = timedelta(seconds=30)
 
@@ -118,7 +118,7 @@ async def test_tasks_leased_for_a_caller_that_left_meanwhile_go_back(
     broker.hold = asyncio.Event()
     gone = asyncio.ensure_future(leaser.lease("a", 3, TTL))
     kept = asyncio.ensure_future(leaser.lease("b", 1, TTL))
-    await eventually(lambda: broker.calls == ["lease_many"])  # in flight
+    await wait_until(lambda: broker.calls == ["lease_many"])  # in flight
     gone.cancel()
     broker.hold.set()
     assert len(await kept) == 1

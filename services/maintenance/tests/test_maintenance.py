@@ -23,7 +23,7 @@ from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 
 TIMEOUT = 10.0
@@ -109,12 +109,12 @@ async def test_a_due_scheduled_task_is_promoted_and_its_queue_woken(
     ).task
     assert task.state is TaskState.SCHEDULED
     m = await maintenance()
-    await eventually(lambda: m.passes[SCHEDULER] >= 2)
+    await wait_until(lambda: m.passes[SCHEDULER] >= 2)
     assert (await broker.get_task(task.id)).state is TaskState.SCHEDULED
     assert wakes.count("later") == 0
 
     clock.advance(timedelta(hours=1))
-    await eventually(lambda: wakes.count("later") >= 1)
+    await wait_until(lambda: wakes.count("later") >= 1)
     assert (await broker.get_task(task.id)).state is TaskState.PENDING
 
 
@@ -127,7 +127,7 @@ async def test_an_expired_lease_is_reaped_into_retry_and_its_queue_woken(
     await broker.enqueue(NewTask(queue="work", type="t"))
     (leased,) = await broker.lease("work", 1, timedelta(seconds=30))
     m = await maintenance()
-    await eventually(lambda: m.passes[REAPER] >= 2)
+    await wait_until(lambda: m.passes[REAPER] >= 2)
     assert (await broker.get_task(leased.id)).state is TaskState.ACTIVE
     assert wakes.count("work") == 0
 
@@ -136,12 +136,12 @@ async def test_an_expired_lease_is_reaped_into_retry_and_its_queue_woken(
     async def reaped() -> bool:
         return (await broker.get_task(leased.id)).state is TaskState.RETRY
 
-    await eventually(reaped)
+    await wait_until(reaped)
     stored = await broker.get_task(leased.id)
     assert stored.retried == 1
     assert stored.last_error == LEASE_EXPIRED_ERROR
     assert stored.lease_id is None
-    await eventually(lambda: wakes.count("work") >= 1)
+    await wait_until(lambda: wakes.count("work") >= 1)
 
 
 async def test_the_pending_sweep_wakes_every_queue_with_due_work(
@@ -153,7 +153,7 @@ async def test_the_pending_sweep_wakes_every_queue_with_due_work(
     await broker.enqueue(NewTask(queue="alpha", type="t"))
     await broker.enqueue(NewTask(queue="beta", type="t"))
     await maintenance()
-    await eventually(lambda: wakes.count("alpha") >= 1 and wakes.count("beta") >= 1)
+    await wait_until(lambda: wakes.count("alpha") >= 1 and wakes.count("beta") >= 1)
 
 
 async def test_the_pending_sweep_pages_through_due_queues_without_counting_tasks(
@@ -186,7 +186,7 @@ async def test_the_pending_sweep_pages_through_due_queues_without_counting_tasks
     # archive_expired ran first, and the expired task's queue has nothing due anyway.
     assert report.archived == 1
     assert report.woken == frozenset(due)
-    await eventually(lambda: all(wakes.count(queue) == 1 for queue in due))
+    await wait_until(lambda: all(wakes.count(queue) == 1 for queue in due))
     assert wakes.count("expiring") == wakes.count("scheduled") == 0
 
 
@@ -221,15 +221,15 @@ async def test_one_leader_per_role_and_a_survivor_takes_over(
     first = await maintenance()
     second = await maintenance()
     for role in (SCHEDULER, REAPER):
-        await eventually(lambda role=role: first.leads(role) or second.leads(role))  # type: ignore[misc]
+        await wait_until(lambda role=role: first.leads(role) or second.leads(role))  # type: ignore[misc]
         assert not (first.leads(role) and second.leads(role))
     leader = first if first.leads(REAPER) else second
     follower = second if leader is first else first
     passes = dict(follower.passes)
 
     await leader.stop()
-    await eventually(lambda: follower.leads(SCHEDULER) and follower.leads(REAPER))
-    await eventually(lambda: follower.passes[REAPER] > passes[REAPER])
+    await wait_until(lambda: follower.leads(SCHEDULER) and follower.leads(REAPER))
+    await wait_until(lambda: follower.passes[REAPER] > passes[REAPER])
 
 
 async def test_a_failing_pass_is_logged_and_the_next_tick_retries(
@@ -259,7 +259,7 @@ async def test_a_failing_pass_is_logged_and_the_next_tick_retries(
     try:
         with caplog.at_level(logging.ERROR, logger="conveyor_maintenance"):
             await m.start()
-            await eventually(lambda: wakes.count("blip") >= 1)
+            await wait_until(lambda: wakes.count("blip") >= 1)
         assert flaky.failures == 0
         assert (await flaky.get_task(task.id)).state is TaskState.PENDING
     finally:
@@ -274,14 +274,14 @@ async def test_the_storage_role_vacuums_the_task_table_after_a_burst(
     """Postgres gets an ANALYZE and a VACUUM once a burst has gone through; the memory
     broker has nothing to keep up, and its passes say so."""
     m = await maintenance()
-    await eventually(lambda: m.passes[STORAGE] >= 2)
+    await wait_until(lambda: m.passes[STORAGE] >= 2)
     for _ in range(2):
         await broker.enqueue_batch([NewTask(queue="burst", type="t") for _ in range(1000)])
     while leased := await broker.lease("burst", 100, timedelta(seconds=30)):
         await broker.ack_batch([AckItem(t.id, t.lease_id or "") for t in leased])
     if not isinstance(broker, PostgresBroker):
         passes = m.passes[STORAGE]
-        await eventually(lambda: m.passes[STORAGE] >= passes + 2)
+        await wait_until(lambda: m.passes[STORAGE] >= passes + 2)
         assert await m.storage_pass() == StorageUpkeep()
         return
 
@@ -295,14 +295,14 @@ async def test_the_storage_role_vacuums_the_task_table_after_a_burst(
         )
         return row is not None and None not in (row["last_vacuum"], row["last_analyze"])
 
-    await eventually(vacuumed, within=30)
+    await wait_until(vacuumed, within=30)
 
 
 async def test_storage_upkeep_can_be_turned_off(
     broker: Broker, maintenance: Callable[..., Awaitable[Maintenance]]
 ) -> None:
     m = await maintenance(storage_upkeep=False)
-    await eventually(lambda: m.passes[REAPER] >= 3)
+    await wait_until(lambda: m.passes[REAPER] >= 3)
     assert m.passes[STORAGE] == 0
     assert not m.leads(STORAGE)
 
@@ -323,10 +323,10 @@ async def test_a_promote_hint_runs_the_scheduler_at_once(
         )
     ).task
     m = await maintenance(promote_tick=60.0)
-    await eventually(lambda: m.passes[SCHEDULER] >= 1)
+    await wait_until(lambda: m.passes[SCHEDULER] >= 1)
     passes = m.passes[SCHEDULER]
     clock.advance(timedelta(seconds=5))
     await nc.publish(subjects.promote(), b"")
-    await eventually(lambda: wakes.count("hinted") >= 1)
+    await wait_until(lambda: wakes.count("hinted") >= 1)
     assert (await broker.get_task(task.id)).state is TaskState.PENDING
     assert m.passes[SCHEDULER] == passes + 1

@@ -15,7 +15,7 @@ from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 
 pytestmark = pytest.mark.postgres
@@ -58,7 +58,7 @@ async def test_maintenance_process_wakes_due_queues_and_stops_on_sigterm(
             stderr=log,
         )
     try:
-        await eventually(lambda: "forgotten" in woken, within=30)
+        await wait_until(lambda: "forgotten" in woken, within=30)
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(15):
             assert await proc.wait() == 0

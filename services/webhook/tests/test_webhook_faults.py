@@ -3,7 +3,7 @@ failed lease extension at park time keeps the latest expiry the gateway knows.
 
 The broker is a MemoryBroker that raises on the calls a test names (a real broker
 otherwise), with a real dispatcher, endpoint and nats-server (the ``rig`` of
-:mod:`conveyor_webhook.fixtures`, on that broker).
+:mod:`conveyor_testkit.fixtures`, on that broker).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import pytest
 from conveyor_broker import FakeClock, Task, TaskState
 from conveyor_broker.memory import MemoryBroker
 from conveyor_protos.v1 import cluster_pb2, service_pb2
-from conveyor_runtime.testing import eventually
-from conveyor_webhook.fixtures import (  # noqa: F401  (pytest fixtures)
+from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
     dispatcher_fixture,
     endpoint_fixture,
     managers_fixture,
     rig_fixture,
 )
-from conveyor_webhook.testing import Rig, rpc
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.webhooks import Rig, rpc
 
 Reply = cluster_pb2.WebhookCallbackReply
 
@@ -109,7 +109,7 @@ async def test_a_failed_extension_at_park_time_keeps_the_latest_known_expiry(
     rig.endpoint.hold(rpc("accepted"))
     gateway = await rig.start_gateway()
     task_id = await rig.submit()
-    await eventually(lambda: gateway.open_deliveries == 1)
+    await wait_until(lambda: gateway.open_deliveries == 1)
     (delivery,) = rig.endpoint.deliveries
     dispatched = (await broker.get_task(task_id)).lease_expires_at
     assert dispatched is not None
@@ -122,7 +122,7 @@ async def test_a_failed_extension_at_park_time_keeps_the_latest_known_expiry(
     # ...then the endpoint accepts while the single-lease extension fails.
     broker.failing.add("extend_lease")
     rig.endpoint.release.set()
-    await eventually(lambda: gateway.parked == 1)
+    await wait_until(lambda: gateway.parked == 1)
 
     assert gateway.parked_until(delivery.lease_id) == beaten
     clock.advance(timedelta(seconds=25))  # past the dispatch's expiry, not the heartbeat's

@@ -4,7 +4,7 @@ its callbacks, sent here over NATS as the api would) finish them in the broker.
 
 The broker runs on a FakeClock: leases never lapse by themselves, and retry delays are
 exact. Tests marked with ``memory_only`` skip the Postgres run where it adds nothing.
-The fixtures (``rig`` and the parts it bundles) are in :mod:`conveyor_webhook.fixtures`.
+The fixtures (``rig`` and the parts it bundles) are in :mod:`conveyor_testkit.fixtures`.
 """
 
 from __future__ import annotations
@@ -24,16 +24,15 @@ from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
 from conveyor_runtime.webhook_auth import verify_delivery, verify_lease_token
-from conveyor_webhook import WebhookConfig, WebhookGateway, Wiring
-from conveyor_webhook.fixtures import (  # noqa: F401  (pytest fixtures)
+from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
     dispatcher_fixture,
     endpoint_fixture,
     managers_fixture,
     rig_fixture,
 )
-from conveyor_webhook.testing import (
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.webhooks import (
     Delivery,
     Endpoint,
     Rig,
@@ -42,6 +41,7 @@ from conveyor_webhook.testing import (
     rpc_error,
     status,
 )
+from conveyor_webhook import WebhookConfig, WebhookGateway, Wiring
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError
 
@@ -83,7 +83,7 @@ async def test_a_task_is_posted_signed_and_acked_on_success(rig: Rig) -> None:
     assert params["callback"] == "api.test:50051"
     claims = verify_lease_token(params["lease_token"], [NEWEST])
     assert (claims.worker, claims.task_id, claims.lease_id) == (NAME, task_id, call["id"])
-    await eventually(lambda: gateway.gateway.in_flight == 0)
+    await wait_until(lambda: gateway.gateway.in_flight == 0)
 
 
 async def test_failure_retries_after_the_endpoints_retry_after(rig: Rig) -> None:
@@ -374,7 +374,7 @@ async def test_the_bulk_heartbeat_extends_open_deliveries_but_not_parked_ones(ri
     gateway, parked = await rig.accepted_delivery()
     rig.endpoint.hold(rpc("success"))
     open_id = await rig.submit()
-    await eventually(lambda: gateway.open_deliveries == 1)
+    await wait_until(lambda: gateway.open_deliveries == 1)
     parked_before = (await rig.broker.get_task(parked.task_id)).lease_expires_at
     rig.clock.advance(timedelta(seconds=10))
 
@@ -430,7 +430,7 @@ async def test_open_deliveries_are_heartbeaten_every_third_of_the_lease_ttl(rig:
     rig.endpoint.hold(rpc("success"))
     gateway = await rig.start_gateway(manager_options={"lease_ttl": 0.3})
     task_id = await rig.submit()
-    await eventually(lambda: gateway.open_deliveries == 1)
+    await wait_until(lambda: gateway.open_deliveries == 1)
     rig.clock.advance(timedelta(seconds=60))  # the broker's time; the heartbeat runs on its own
 
     await rig.wait_lease(task_id, rig.clock.now() + timedelta(seconds=0.3))
@@ -446,14 +446,14 @@ async def test_an_operator_cancel_aborts_the_open_request(rig: Rig) -> None:
     rig.endpoint.hold(rpc("success"))
     gateway = await rig.start_gateway()
     task_id = await rig.submit()
-    await eventually(lambda: gateway.open_deliveries == 1)
+    await wait_until(lambda: gateway.open_deliveries == 1)
 
     task = await rig.broker.cancel_task(task_id)  # what AdminService does, then it broadcasts
     assert task.state == TaskState.ARCHIVED
     broadcast = cluster_pb2.CancelBroadcast(task_id=task_id, reason="canceled")
     await rig.nc.publish(rig.subjects.cancel(), broadcast.SerializeToString())
 
-    await eventually(lambda: gateway.open_deliveries == 0)
+    await wait_until(lambda: gateway.open_deliveries == 0)
     assert gateway.gateway.in_flight == 0
     assert len(rig.endpoint.deliveries) == 1
 
@@ -479,7 +479,7 @@ async def test_the_breaker_announces_zero_capacity_then_probes_then_closes(rig: 
         return any(r.gateway == gateway.id and r.capacity == capacity for r in announced)
 
     # Transport failures open it: capacity 0 on the queue, announced at once.
-    await eventually(lambda: announced_capacity(0))
+    await wait_until(lambda: announced_capacity(0))
     assert gateway.gateway.concurrency == 0
     assert gateway.gateway.free(QUEUE) == 0
     for task_id in failing:
@@ -489,7 +489,7 @@ async def test_the_breaker_announces_zero_capacity_then_probes_then_closes(rig: 
     # After the cooldown: a single probe slot, whatever the registration's concurrency.
     rig.endpoint.hold(rpc("success"))
     later = [await rig.submit() for _ in range(2)]
-    await eventually(lambda: announced_capacity(1) and gateway.open_deliveries == 1)
+    await wait_until(lambda: announced_capacity(1) and gateway.open_deliveries == 1)
     assert gateway.gateway.concurrency == 1
     states = sorted([await rig.state_of(t) for t in later], key=lambda s: s.value)
     assert states == sorted([TaskState.ACTIVE, TaskState.PENDING], key=lambda s: s.value)
@@ -509,7 +509,7 @@ async def test_parked_deliveries_do_not_block_the_breakers_probe(rig: Rig) -> No
         manager_options={"breaker_threshold": 1, "breaker_cooldown": 0.5}, concurrency=4
     )
     await rig.submit()
-    await eventually(lambda: gateway.parked == 1)
+    await wait_until(lambda: gateway.parked == 1)
 
     # A transport failure opens the breaker: no synchronous slot, the parked one kept.
     rig.endpoint.answer = status(503)
@@ -522,7 +522,7 @@ async def test_parked_deliveries_do_not_block_the_breakers_probe(rig: Rig) -> No
     rig.endpoint.answer = rpc("success")
     probe = await rig.submit()
     await rig.wait_state(probe, TaskState.COMPLETED)
-    await eventually(lambda: gateway.gateway.concurrency == 4)  # closed again
+    await wait_until(lambda: gateway.gateway.concurrency == 4)  # closed again
     assert gateway.parked == 1
 
 
@@ -534,7 +534,7 @@ async def test_no_connection_pool_limit_holds_deliveries_back(rig: Rig) -> None:
     gateway = await rig.start_gateway(concurrency=many)
     ids = [await rig.submit() for _ in range(many)]
 
-    await eventually(lambda: len(rig.endpoint.deliveries) == many)
+    await wait_until(lambda: len(rig.endpoint.deliveries) == many)
     assert gateway.open_deliveries == many
     rig.endpoint.release.set()
     for task_id in ids:

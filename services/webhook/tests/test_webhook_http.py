@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.webhooks import Delivery, Endpoint, rpc
 from conveyor_webhook.http import open_session, signed_by
-from conveyor_webhook.testing import Delivery, Endpoint, rpc
 
 CALL = b'{"jsonrpc": "2.0", "id": "x", "method": "conveyor.task", "params": {}}'
 
@@ -28,7 +28,7 @@ async def test_a_request_is_signed_once_it_has_a_connection() -> None:
 
         first_seen: list[bool] = []
         first = asyncio.create_task(post("sig-1", first_seen))
-        await eventually(lambda: len(endpoint.deliveries) == 1)
+        await wait_until(lambda: len(endpoint.deliveries) == 1)
         second_seen: list[bool] = []
         second = asyncio.create_task(post("sig-2", second_seen))
         # The second waits for the pool's only connection, unsigned so far.

@@ -2,7 +2,7 @@
 
 Reconciles are driven by calling :meth:`WebhookManager.reconcile` (the tick is a minute),
 with a real dispatcher, endpoint, broker and nats-server (the ``rig`` of
-:mod:`conveyor_webhook.fixtures`).
+:mod:`conveyor_testkit.fixtures`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from conveyor_runtime.nats_connect import NatsClient, close_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
 from conveyor_runtime.webhook_auth import verify_lease_token
-from conveyor_webhook import ROLE, WebhookGateway, WebhookManager
-from conveyor_webhook.fixtures import (  # noqa: F401  (pytest fixtures)
+from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
     dispatcher_fixture,
     endpoint_fixture,
     managers_fixture,
     rig_fixture,
 )
-from conveyor_webhook.testing import Delivery, Endpoint, Managers, Rig, register, rpc
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.webhooks import Delivery, Endpoint, Managers, Rig, register, rpc
+from conveyor_webhook import ROLE, WebhookGateway, WebhookManager
 from nats.errors import NoRespondersError
 
 QUEUE = "hooks"
@@ -47,7 +47,7 @@ async def test_pausing_stops_deliveries_and_resuming_starts_them_again(rig: Rig)
     await manager.settled()
     assert gateway.gateway.closed
     # Its closing registration took it out of the dispatcher's book: nothing is sent.
-    await eventually(lambda: not rig.knows(gateway))
+    await wait_until(lambda: not rig.knows(gateway))
     second = await rig.submit()
     assert await rig.state_of(second) == TaskState.PENDING
 
@@ -66,7 +66,7 @@ async def test_deleting_a_registration_drains_its_gateway(rig: Rig) -> None:
     await manager.reconcile()
     assert manager.gateways == {}
     await manager.settled()
-    await eventually(lambda: not rig.knows(gateway))
+    await wait_until(lambda: not rig.knows(gateway))
 
 
 @memory_only
@@ -77,7 +77,7 @@ async def test_a_registration_without_a_secret_gets_no_gateway(
     await register(broker, endpoint.url, "paused-one", paused=True)
     await register(broker, endpoint.url, "signed")
     manager = await managers()
-    await eventually(lambda: manager.leading)
+    await wait_until(lambda: manager.leading)
     await manager.reconcile()
     assert set(manager.gateways) == {"signed"}
 
@@ -108,7 +108,7 @@ async def test_changed_queues_restart_the_gateway(rig: Rig) -> None:
     assert old.gateway.closed
     assert dict(new.gateway.spec.queues) == {"invoices": 1}
     assert new.gateway.spec.concurrency == 2
-    await eventually(lambda: not rig.knows(old))
+    await wait_until(lambda: not rig.knows(old))
     task_id = await rig.submit("invoices")
     await rig.wait_state(task_id, TaskState.COMPLETED)
 
@@ -134,7 +134,7 @@ async def test_a_drain_waits_for_open_deliveries_and_leaves_parked_ones_running(
     parked = await rig.park(gateway)
     rig.endpoint.hold(rpc("success", result=b"finished during the drain"))
     running = await rig.submit()
-    await eventually(lambda: gateway.open_deliveries == 1)
+    await wait_until(lambda: gateway.open_deliveries == 1)
 
     await rig.broker.set_webhook_worker_paused(NAME, True)
     await manager.reconcile()  # the drain goes on in the background
@@ -231,7 +231,7 @@ async def test_a_slow_drain_does_not_hold_up_other_registrations(rig: Rig) -> No
         manager, gateway = await rig.start()
         slow.hold(rpc("success"))
         await rig.submit()
-        await eventually(lambda: gateway.open_deliveries == 1)
+        await wait_until(lambda: gateway.open_deliveries == 1)
         await rig.broker.set_webhook_worker_paused(NAME, True)
         await manager.reconcile()
         assert manager.draining == {NAME}
@@ -263,7 +263,7 @@ async def test_a_second_manager_runs_no_gateway_while_the_first_leads(rig: Rig) 
     # The first one stops (giving the role up): the second takes over.
     await first.stop()
     assert first.gateways == {}
-    await eventually(lambda: second.leading and NAME in second.gateways)
+    await wait_until(lambda: second.leading and NAME in second.gateways)
     task_id = await rig.submit()
     await rig.wait_state(task_id, TaskState.COMPLETED)
 
@@ -278,13 +278,13 @@ async def test_losing_leadership_drains_every_gateway(rig: Rig) -> None:
     await kv.delete(ROLE)
     assert await KeyLease(kv, ROLE, "usurper").claim()
 
-    await eventually(lambda: not manager.leading and gateway.gateway.closed)
+    await wait_until(lambda: not manager.leading and gateway.gateway.closed)
     assert manager.gateways == {}
-    await eventually(lambda: not rig.knows(gateway))
+    await wait_until(lambda: not rig.knows(gateway))
     # Not released: the parked delivery's endpoint is still working on it.
     assert await still_leased(rig, parked)
     # Only the leader answers callbacks.
-    await eventually(lambda: manager.answering == frozenset())
+    await wait_until(lambda: manager.answering == frozenset())
 
 
 class GatedNats(NatsClient):

@@ -19,9 +19,9 @@ from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
+from conveyor_testkit.polling import wait_until
+from conveyor_testkit.webhooks import Endpoint, register, rpc, submit
 from conveyor_webhook import ROLE
-from conveyor_webhook.testing import Endpoint, register, rpc, submit
 
 
 @pytest.mark.postgres
@@ -66,7 +66,7 @@ async def test_webhook_process_delivers_and_stops_on_sigterm(
                 task = await broker.get_task(task_id)
                 return task.state == TaskState.COMPLETED and task.result == b"done"
 
-            await eventually(completed, within=30, interval=0.2)
+            await wait_until(completed, within=30, interval=0.2)
             proc.send_signal(signal.SIGTERM)
             async with asyncio.timeout(15):
                 assert await proc.wait() == 0
@@ -94,7 +94,7 @@ async def test_conveyor_dev_runs_the_webhook_manager(nats_url: str) -> None:
         async def leads() -> bool:
             return await KeyLease(kv, ROLE, "anyone").holder() == "dev"
 
-        await eventually(leads, within=30)
+        await wait_until(leads, within=30)
         stop.set()
         await dev
         # Stopping dev gave the role up.

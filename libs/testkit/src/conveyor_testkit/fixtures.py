@@ -1,19 +1,17 @@
 """Pytest fixtures for the webhook service's tests: a real endpoint, a real dispatcher and
-WebhookManagers, all in the test's process, and the :class:`~conveyor_webhook.testing.Rig`
+WebhookManagers, all in the test's process, and the :class:`~conveyor_testkit.webhooks.Rig`
 bundling them with the ``broker``, ``nc``, ``subjects``, ``clock`` and ``nats_url``
 fixtures of the workspace's root conftest (a test module may override any of those).
 
 A test module takes them by importing them (they are not in a conftest, whose module name
 every test folder would share)::
 
-    from conveyor_webhook.fixtures import (  # noqa: F401  (pytest fixtures)
+    from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
         dispatcher_fixture,
         endpoint_fixture,
         managers_fixture,
         rig_fixture,
     )
-
-Needs pytest and conveyor-dispatcher, which only the workspace's tests have.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
 
-from conveyor_webhook.testing import Endpoint, Managers, Rig
+from conveyor_testkit.webhooks import Endpoint, Managers, Rig
 
 __all__ = ["dispatcher_fixture", "endpoint_fixture", "managers_fixture", "rig_fixture"]
 

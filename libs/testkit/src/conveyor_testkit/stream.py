@@ -1,6 +1,5 @@
-"""Test helpers for driving an api server by hand: a raw worker stream, a stand-in
-dispatcher, and a NATS recorder. Used by this package's tests and by anyone testing
-against the server without the SDK.
+"""Driving an api server by hand, without the SDK: a raw worker stream, a recorder of NATS
+messages, and a stand-in dispatcher.
 
 Nothing here sleeps for time: waits poll a condition until a timeout.
 """
@@ -8,13 +7,10 @@ Nothing here sleeps for time: waits poll a condition until a timeout.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
-from conveyor_broker import AckItem, EnqueueResult, FakeClock, NewTask
-from conveyor_broker.memory import MemoryBroker
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime.subjects import Subjects
 from google.protobuf.message import Message
@@ -22,50 +18,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from conveyor_testkit.polling import wait_until
+
 if TYPE_CHECKING:
     from conveyor_api.server import ApiServer
 
 M = TypeVar("M", bound=Message)
 
-#: Starts an ApiServer with settings overrides (the ``make_api`` fixture).
+#: Starts an ApiServer with settings overrides (the api tests' ``make_api`` fixture).
 MakeApi = Callable[..., Awaitable["ApiServer"]]
-
-
-class CountingBroker(MemoryBroker):
-    """A MemoryBroker that counts the batch calls the api makes."""
-
-    def __init__(self, clock: FakeClock) -> None:
-        super().__init__(clock)
-        self.enqueue_batch_sizes: list[int] = []
-        self.ack_batch_sizes: list[int] = []
-
-    async def enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
-        self.enqueue_batch_sizes.append(len(tasks))
-        return await super().enqueue_batch(tasks)
-
-    async def ack_batch(self, items: Sequence[AckItem]) -> list[bool]:
-        self.ack_batch_sizes.append(len(items))
-        return await super().ack_batch(items)
-
-
-async def wait_until(
-    condition: Callable[[], bool] | Callable[[], Awaitable[bool]],
-    *,
-    within: float = 5.0,
-    interval: float = 0.01,
-    message: str = "condition",
-) -> None:
-    """Poll ``condition`` until it is true; TimeoutError after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        outcome = condition()
-        if not isinstance(outcome, bool):
-            outcome = await outcome
-        if outcome:
-            return
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"{message} not met within {within}s")
-        await asyncio.sleep(interval)  # polling interval, not a wait for time to pass
 
 
 class WorkerStream:

@@ -1,7 +1,7 @@
-"""Test helpers for the webhook service: a real HTTP endpoint that records deliveries and
-answers as told, plus shortcuts to register a worker and submit tasks, and a :class:`Rig`
-bundling one registration under test with everything around it. Used by this package's
-tests and by anyone testing an integration without a real endpoint.
+"""Testing the webhook service: a real HTTP endpoint that records deliveries and answers as
+told, shortcuts to register a worker and submit tasks, and a :class:`Rig` bundling one
+registration under test with everything around it (its pytest fixtures are in
+:mod:`conveyor_testkit.fixtures`).
 
 Nothing here sleeps for time: waits poll a condition until a timeout.
 """
@@ -31,11 +31,11 @@ from conveyor_broker.clock import Clock
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.testing import eventually
-from nats.aio.client import Client as NATS
-
 from conveyor_webhook.gateway import WebhookGateway
 from conveyor_webhook.manager import WebhookManager
+from nats.aio.client import Client as NATS
+
+from conveyor_testkit.polling import wait_until
 
 
 @dataclass
@@ -170,11 +170,11 @@ async def running_gateway(
 ) -> WebhookGateway:
     """Wait until ``manager`` leads, reconcile (and let drains finish), and wait until
     ``dispatcher`` (the owner of ``queue``) has the gateway of ``name`` in its book."""
-    await eventually(lambda: manager.leading)
+    await wait_until(lambda: manager.leading)
     await manager.reconcile()
     await manager.settled()
     gateway = manager.gateways[name]
-    await eventually(lambda: _knows(dispatcher, queue, gateway.id))
+    await wait_until(lambda: _knows(dispatcher, queue, gateway.id))
     return gateway
 
 
@@ -311,7 +311,7 @@ class Rig:
         answer = self.endpoint.answer
         self.endpoint.answer = rpc("accepted")
         task_id = await self.submit()
-        await eventually(lambda: gateway.parked == 1)
+        await wait_until(lambda: gateway.parked == 1)
         self.endpoint.answer = answer
         [delivery] = [d for d in self.endpoint.deliveries if d.task_id == task_id]
         return delivery
@@ -336,7 +336,7 @@ class Rig:
         async def reached() -> bool:
             return await self.state_of(task_id) == state
 
-        await eventually(reached)
+        await wait_until(reached)
 
     async def wait_lease(self, task_id: str, expires: datetime) -> None:
         """Wait until the task's lease expires at ``expires`` (extended by a heartbeat)."""
@@ -344,7 +344,7 @@ class Rig:
         async def extended() -> bool:
             return (await self.broker.get_task(task_id)).lease_expires_at == expires
 
-        await eventually(extended)
+        await wait_until(extended)
 
     async def callback(
         self,
