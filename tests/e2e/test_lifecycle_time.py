@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 from conveyor import AlreadyExists, AsyncAdminClient, AsyncClient, InvalidArgument, TaskState
-from conveyor_api.attempt_bounds import DEADLINE_EXCEEDED_ERROR, SERVER_TIMEOUT_ERROR
 from conveyor_broker.types import EXPIRED_ERROR
+from conveyor_gateway.attempt_bounds import DEADLINE_EXCEEDED_ERROR, SERVER_TIMEOUT_ERROR
 from conveyor_testkit.stream import WorkerStream
 
 from tests.e2e.harness import Cluster, wait_for

@@ -7,8 +7,7 @@ from collections import deque
 
 import pytest
 from conveyor_api import session
-from conveyor_api.gateway import DISPATCHES_MAX_BYTES, _frame_chunks
-from conveyor_api.session import _next_frame
+from conveyor_api.session import DISPATCHES_MAX_BYTES, _next_frame, frame_chunks
 from conveyor_protos.v1 import service_pb2, task_pb2
 
 
@@ -66,7 +65,7 @@ def test_an_offer_goes_out_in_frames_of_at_most_the_cap_or_one_task() -> None:
         task_pb2.TaskEnvelope(id=str(n), payload=b"x" * size)
         for n, size in enumerate([400_000, 400_000, 400_000, 1_500_000, 10])
     ]
-    chunks = _frame_chunks(envelopes)
+    chunks = frame_chunks(envelopes)
     assert [[e.id for e in chunk] for chunk in chunks] == [["0", "1"], ["2"], ["3"], ["4"]]
     for chunk in chunks:
         if len(chunk) > 1:

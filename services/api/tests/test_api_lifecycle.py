@@ -10,7 +10,8 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
-from conveyor_api.attempt_bounds import (
+from conveyor_broker import FakeClock, NewTask, TaskState
+from conveyor_gateway.attempt_bounds import (
     DEADLINE_EXCEEDED_ERROR,
     SERVER_TIMEOUT_ERROR,
     AttemptBound,
@@ -18,7 +19,6 @@ from conveyor_api.attempt_bounds import (
     deadline_error,
     retry_misses_deadline,
 )
-from conveyor_broker import FakeClock, NewTask, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import codec
 from conveyor_runtime.nats_connect import NatsClient
@@ -152,10 +152,10 @@ async def test_a_result_in_time_disarms_the_bound(
     task = NewTask(queue="q", type="t", timeout=timedelta(seconds=0.3))
     env = await deliver(broker, nc, subjects, worker, task)
     stream, gateway = worker
-    assert len(api.registry.gateways[gateway]._timers) == 1
+    assert api.registry.gateways[gateway].timed == 1
     await stream.result(env, service_pb2.OUTCOME_SUCCESS, result=b"ok")
     await wait_state(broker, env.id, TaskState.COMPLETED)
-    assert len(api.registry.gateways[gateway]._timers) == 0
+    assert api.registry.gateways[gateway].timed == 0
 
 
 async def test_a_failure_whose_retry_misses_the_deadline_is_archived(

@@ -1,67 +1,13 @@
-"""Pure logic of the api: capacity split, version checks, Hello validation, auth parsing."""
+"""Pure logic of the api: version checks, Hello validation, auth parsing."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
-from conveyor_api import split_capacity
 from conveyor_api.auth import BearerAuthInterceptor, _bearer
 from conveyor_api.semver import at_least, parse_version
 from conveyor_api.session import HelloRejected, check_hello
 from conveyor_protos.v1 import service_pb2
-from hypothesis import given
-from hypothesis import strategies as st
-
-
-def test_split_capacity_follows_weights() -> None:
-    assert split_capacity(10, {"a": 1, "b": 1}) == {"a": 5, "b": 5}
-    assert split_capacity(10, {"a": 9, "b": 1}) == {"a": 9, "b": 1}
-    assert split_capacity(4, {"a": 3, "b": 1}) == {"a": 3, "b": 1}
-    assert split_capacity(7, {"only": 5}) == {"only": 7}
-
-
-def test_split_capacity_gives_every_queue_a_slot() -> None:
-    assert split_capacity(3, {"big": 100, "x": 1, "y": 1}) == {"big": 1, "x": 1, "y": 1}
-    assert split_capacity(10, {"big": 1000, "small": 1}) == {"big": 9, "small": 1}
-    # Fewer slots than queues: one each; the gateway's session cap keeps the total.
-    assert split_capacity(2, {"a": 1, "b": 1, "c": 1}) == {"a": 1, "b": 1, "c": 1}
-
-
-def test_split_capacity_breaks_ties_deterministically() -> None:
-    assert split_capacity(3, {"b": 1, "a": 1}) == {"a": 2, "b": 1}
-
-
-@pytest.mark.parametrize(
-    ("concurrency", "weights"),
-    [(0, {"a": 1}), (1, {}), (3, {"a": 0}), (3, {"a": -1})],
-)
-def test_split_capacity_rejects_bad_input(concurrency: int, weights: dict[str, int]) -> None:
-    with pytest.raises(ValueError, match=r"."):
-        split_capacity(concurrency, weights)
-
-
-@given(
-    st.integers(min_value=1, max_value=500),
-    st.dictionaries(
-        st.text(alphabet="abcdefgh", min_size=1, max_size=4),
-        st.integers(min_value=1, max_value=50),
-        min_size=1,
-        max_size=8,
-    ),
-)
-def test_split_capacity_properties(concurrency: int, weights: dict[str, int]) -> None:
-    slots = split_capacity(concurrency, weights)
-    assert set(slots) == set(weights)
-    assert all(n >= 1 for n in slots.values())
-    if concurrency >= len(weights):
-        assert sum(slots.values()) == concurrency
-        total = sum(weights.values())
-        ideal = {q: concurrency * w / total for q, w in weights.items()}
-        if all(share >= 1 for share in ideal.values()):
-            # No floor-at-one lift needed: every queue is within one slot of its share.
-            assert all(abs(slots[q] - ideal[q]) < 1 for q in weights)
-    else:
-        assert sum(slots.values()) == len(weights)
 
 
 def test_parse_version() -> None:
@@ -144,5 +90,5 @@ def test_bearer_parsing_and_constant_time_check() -> None:
 def test_public_names() -> None:
     import conveyor_api
 
-    assert conveyor_api.__all__ == ["ApiServer", "__version__", "split_capacity"]
+    assert conveyor_api.__all__ == ["ApiServer", "__version__"]
     assert conveyor_api.__version__ == "0.1.0"

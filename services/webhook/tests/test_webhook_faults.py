@@ -116,7 +116,7 @@ async def test_a_failed_extension_at_park_time_keeps_the_latest_known_expiry(
 
     # The gateway's own heartbeat extends the open delivery's lease...
     clock.advance(timedelta(seconds=10))
-    gateway.gateway.on_frame(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
+    gateway.gateway.on_heartbeat()
     beaten = dispatched + timedelta(seconds=10)
     await rig.wait_lease(task_id, beaten)
     # ...then the endpoint accepts while the single-lease extension fails.

@@ -16,11 +16,9 @@ from datetime import timedelta
 
 import pytest
 from aiohttp import web
-from conveyor_api.coalesce import WakePublisher
-from conveyor_api.gateway import GatewayConfig
-from conveyor_api.group_commit import AckBatcher
 from conveyor_broker import Broker, FakeClock, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
+from conveyor_gateway import AckBatcher, GatewayConfig, WakePublisher
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
@@ -378,7 +376,7 @@ async def test_the_bulk_heartbeat_extends_open_deliveries_but_not_parked_ones(ri
     parked_before = (await rig.broker.get_task(parked.task_id)).lease_expires_at
     rig.clock.advance(timedelta(seconds=10))
 
-    gateway.gateway.on_frame(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
+    gateway.gateway.on_heartbeat()
 
     await rig.wait_lease(open_id, rig.clock.now() + timedelta(seconds=30))
     assert (await rig.broker.get_task(parked.task_id)).lease_expires_at == parked_before

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from conveyor_api.capacity import split_capacity
 from conveyor_api.server import ApiServer
 from conveyor_api.version import __version__
 
-__all__ = ["ApiServer", "__version__", "split_capacity"]
+__all__ = ["ApiServer", "__version__"]

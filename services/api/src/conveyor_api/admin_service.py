@@ -29,6 +29,7 @@ from conveyor_broker.validation import (
     check_webhook_name,
     check_webhook_worker,
 )
+from conveyor_gateway import WakePublisher
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime.codec import (
     decode_events,
@@ -45,7 +46,6 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from conveyor_api.broker_status import abort_for_error
-from conveyor_api.coalesce import WakePublisher
 from conveyor_api.convert import state_filter
 from conveyor_api.session import SessionRegistry
 

@@ -10,6 +10,14 @@ from typing import Any
 import grpc
 from conveyor_broker import Broker
 from conveyor_broker.clock import Clock, SystemClock
+from conveyor_gateway import (
+    AckBatcher,
+    EnqueueCommitter,
+    Gateway,
+    GatewayConfig,
+    WakePublisher,
+    WorkerSpec,
+)
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.events import EventGate
 from conveyor_runtime.settings import ApiSettings
@@ -22,11 +30,8 @@ from nats.aio.subscription import Subscription
 
 from conveyor_api.admin_service import AdminService
 from conveyor_api.auth import BearerAuthInterceptor, ReadOnlyInterceptor
-from conveyor_api.coalesce import WakePublisher
 from conveyor_api.convert import DISPATCH_OVERHEAD, TaskDefaults
 from conveyor_api.decoding import add_service
-from conveyor_api.gateway import Gateway, GatewayConfig, WorkerSpec
-from conveyor_api.group_commit import AckBatcher, EnqueueCommitter
 from conveyor_api.semver import parse_version
 from conveyor_api.session import HELLO_TIMEOUT, FrameWriter, SessionRegistry, WorkerService
 from conveyor_api.task_service import TaskService, wake_for
@@ -138,7 +143,7 @@ class ApiServer:
             config=self.gateway_config,
             acks=self.acks,
             wakes=self.wakes,
-            send=writer.send,
+            transport=writer,
             connected_at=self.clock.now(),
         )
 

@@ -1,6 +1,7 @@
-"""WorkerService.Session: the handshake, the frame writer, and the session's lifetime.
+"""WorkerService.Session: the handshake, the frame writer (the session's transport), and
+the session's lifetime.
 
-The contract is /work/notes/protocol-contract.md (docs/protocol.md). Choices made here:
+The contract is docs/protocol.md. Choices made here:
 
 - Hello problems end the stream before anything is leased: INVALID_ARGUMENT for a missing
   or malformed Hello (or none within ``hello_timeout``), FAILED_PRECONDITION for a version
@@ -12,7 +13,9 @@ The contract is /work/notes/protocol-contract.md (docs/protocol.md). Choices mad
 - A frame whose bytes are not a WorkerFrame at all (see :mod:`conveyor_api.decoding`) ends
   the stream with INVALID_ARGUMENT, naming the frame type: the peer's encoding is broken,
   so nothing more it sends can be trusted. Its tasks are released as on any other end.
-- Every server frame goes through one writer task, so frames never interleave.
+- Every server frame goes through one writer task, so frames never interleave. The tasks
+  a dispatch offer brought go out as one Dispatches frame when the worker's Hello set
+  ``accepts_dispatches`` (cut at DISPATCHES_MAX_BYTES), else as one Dispatch frame each.
 - However the stream ends (worker half-close, cancel, broken connection, server shutdown)
   the gateway releases everything it still holds at once.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -30,11 +33,11 @@ from conveyor_broker import InvalidTask
 from conveyor_broker.clock import Clock
 from conveyor_broker.ids import new_id
 from conveyor_broker.validation import check_queue
-from conveyor_protos.v1 import service_pb2, service_pb2_grpc
+from conveyor_gateway import Gateway, GatewayConfig, WorkerSpec
+from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime.codec import duration
 
 from conveyor_api.decoding import Undecodable, malformed_message
-from conveyor_api.gateway import DISPATCHES_MAX_BYTES, Gateway, GatewayConfig, WorkerSpec
 from conveyor_api.semver import at_least
 
 logger = logging.getLogger(__name__)
@@ -101,15 +104,17 @@ def check_hello(hello: service_pb2.Hello, server_version: str, min_sdk_version: 
         worker_id=hello.worker_id,
         sdk_version=hello.sdk_version,
         batch_types=tuple(hello.batch_types),
-        accepts_dispatches=hello.accepts_dispatches,
     )
 
 
 class FrameWriter:
-    """The one coroutine that writes to a session's stream."""
+    """The one coroutine that writes to a session's stream, and the session's
+    :class:`~conveyor_gateway.transport.Transport`: ``batches`` when the worker takes a
+    dispatch's tasks in one Dispatches frame."""
 
-    def __init__(self, context: _Context) -> None:
+    def __init__(self, context: _Context, *, batches: bool = False) -> None:
         self._context = context
+        self._batches = batches
         self._frames: deque[service_pb2.ServerFrame] = deque()
         self._ready = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -120,6 +125,25 @@ class FrameWriter:
         self._frames.append(frame)
         self._ready.set()
 
+    def dispatch(self, tasks: Sequence[task_pb2.TaskEnvelope]) -> None:
+        """Queue the tasks of one dispatch offer: in Dispatches frames of at most
+        DISPATCHES_MAX_BYTES (a bigger task alone) for a worker that takes them, else in
+        one Dispatch frame each."""
+        if not self._batches:
+            for env in tasks:
+                self.send(service_pb2.ServerFrame(dispatch=service_pb2.Dispatch(task=env)))
+            return
+        # One frame for the whole offer (each stream write costs tens of microseconds on
+        # both ends, far more than the envelopes it carries), cut at DISPATCHES_MAX_BYTES
+        # so no worker gets a message bigger than that or than one task alone.
+        for chunk in frame_chunks(tasks):
+            self.send(service_pb2.ServerFrame(dispatches=service_pb2.Dispatches(tasks=chunk)))
+
+    def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
+        """Queue a Cancel frame."""
+        cancel = service_pb2.Cancel(task_id=task_id, lease_id=lease_id, reason=reason)
+        self.send(service_pb2.ServerFrame(cancel=cancel))
+
     async def _run(self) -> None:
         # A dispatch queues a burst of frames at once: write them back to back, waking
         # only when the queue runs dry (an asyncio.Queue costs a future per frame).
@@ -129,6 +153,30 @@ class FrameWriter:
             self._ready.clear()
             while frames:
                 await self._context.write(_next_frame(frames))
+
+
+#: The most bytes of tasks in one Dispatches frame (a single bigger task goes alone), so
+#: a worker's receive limit need only fit the largest task.
+DISPATCHES_MAX_BYTES = 1024 * 1024
+
+
+def frame_chunks(
+    envelopes: Sequence[task_pb2.TaskEnvelope],
+) -> list[list[task_pb2.TaskEnvelope]]:
+    """``envelopes`` in order, in runs of at most DISPATCHES_MAX_BYTES."""
+    chunks: list[list[task_pb2.TaskEnvelope]] = []
+    chunk: list[task_pb2.TaskEnvelope] = []
+    used = 0
+    for envelope in envelopes:
+        size = envelope.ByteSize() + 8
+        if chunk and used + size > DISPATCHES_MAX_BYTES:
+            chunks.append(chunk)
+            chunk, used = [], 0
+        chunk.append(envelope)
+        used += size
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 #: Dispatches frames waiting together are written as one, up to this many bytes: each
@@ -258,7 +306,7 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
             logger.info("session.rejected code=%s reason=%s", exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)
         session_id = new_id(self._clock.now())
-        writer = FrameWriter(context)
+        writer = FrameWriter(context, batches=hello.accepts_dispatches)
         writer.send(self._welcome(session_id))
         gateway = self._make_gateway(session_id, spec, writer)
         stop = self._registry.add(gateway)
@@ -326,10 +374,28 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
                 return True
             if not isinstance(frame, service_pb2.WorkerFrame):
                 return False
-            if frame.WhichOneof("frame") == "hello":
-                logger.warning("session.second_hello_ignored session=%s", gateway.id)
-                continue
-            gateway.on_frame(frame)
+            _hand_over(gateway, frame)
+
+
+def _hand_over(gateway: Gateway, frame: service_pb2.WorkerFrame) -> None:
+    """Hand one worker frame after Hello to ``gateway``. A frame that has no place there is
+    logged and ignored, so one bad frame cannot cost the session its tasks."""
+    kind = frame.WhichOneof("frame")
+    if kind == "result":
+        gateway.on_results((frame.result,))
+    elif kind == "batch_result":
+        gateway.on_results(frame.batch_result.results)
+    elif kind == "heartbeat":
+        gateway.on_heartbeat()
+    elif kind == "progress":
+        progress = frame.progress
+        gateway.on_progress(progress.task_id, progress.lease_id, bytes(progress.progress))
+    elif kind == "credit":
+        gateway.on_credit(frame.credit.queue)
+    elif kind == "hello":
+        logger.warning("session.second_hello_ignored session=%s", gateway.id)
+    else:
+        logger.warning("gateway.unexpected_frame gateway=%s kind=%s", gateway.id, kind)
 
 
 def _consume_exception(task: asyncio.Task[Any]) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from conveyor_broker import Broker, InvalidTask, WebhookWorkerNotFound
 from conveyor_broker.validation import check_webhook_name
+from conveyor_gateway.outcomes import BROKER_UNAVAILABLE, FINAL_OUTCOMES
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime.codec import set_timestamp
 from conveyor_runtime.subjects import Subjects
@@ -41,21 +42,9 @@ if TYPE_CHECKING:
 CALLBACK_TIMEOUT = 5.0
 #: The one message for every token problem: it says nothing about which check failed.
 INVALID_TOKEN = "invalid lease token"
-#: The message of a STATUS_INVALID reply with which the webhook gateway says its broker
-#: call failed (nothing changed): the call ends UNAVAILABLE, for the endpoint to retry.
-BROKER_UNAVAILABLE = "broker unavailable: retry"
 #: Longest retry_after a ReportResult may ask for.
 MAX_RETRY_AFTER = timedelta(days=30)
 _NANOS = 1_000_000_000
-#: Outcomes a ReportResult may carry.
-_OUTCOMES = frozenset(
-    {
-        service_pb2.OUTCOME_SUCCESS,
-        service_pb2.OUTCOME_FAILURE,
-        service_pb2.OUTCOME_SKIP_RETRY,
-        service_pb2.OUTCOME_RELEASE,
-    }
-)
 _Reply = cluster_pb2.WebhookCallbackReply
 
 
@@ -66,7 +55,7 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
     one is INVALID_ARGUMENT and nothing changes, so the endpoint can report a failure
     instead. So is a ``retry_after`` that is negative, not a valid Duration, or longer
     than :data:`MAX_RETRY_AFTER`. A gateway whose broker call failed answers
-    :data:`BROKER_UNAVAILABLE`: the call ends UNAVAILABLE (retry).
+    :data:`~conveyor_gateway.outcomes.BROKER_UNAVAILABLE`: the call ends UNAVAILABLE (retry).
     """
 
     def __init__(
@@ -201,7 +190,7 @@ def _callback(claims: LeaseClaims) -> cluster_pb2.WebhookCallback:
 
 def _check_result(request: service_pb2.WebhookReportResultRequest, max_result: int) -> str | None:
     """What is wrong with a ReportResult's fields, or None."""
-    if request.outcome not in _OUTCOMES:
+    if request.outcome not in FINAL_OUTCOMES:
         return (
             "outcome must be OUTCOME_SUCCESS, OUTCOME_FAILURE, OUTCOME_SKIP_RETRY or "
             f"OUTCOME_RELEASE, got {request.outcome}"

@@ -12,8 +12,8 @@ callback gets a reply, a broker failure included, so the api never waits for a t
 - ``STATUS_LEASE_LOST``: the task is gone, not ACTIVE, or under another lease;
 - ``STATUS_INVALID`` with the reason: a malformed callback, an outcome that is not final,
   a result over this service's ``max_result``, a task on a queue the registration does
-  not serve; and :data:`BROKER_UNAVAILABLE` when the broker failed (the api turns that one
-  into UNAVAILABLE: retry).
+  not serve; and :data:`~conveyor_gateway.outcomes.BROKER_UNAVAILABLE` when the broker
+  failed (the api turns that one into UNAVAILABLE: retry).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from collections.abc import Awaitable, Callable, Container
 from datetime import timedelta
 from typing import Protocol
 
-from conveyor_api.gateway import Gateway
-from conveyor_api.webhook_service import BROKER_UNAVAILABLE
 from conveyor_broker import (
     Broker,
     InvalidTask,
@@ -35,6 +33,7 @@ from conveyor_broker import (
     TaskState,
     WebhookWorker,
 )
+from conveyor_gateway.outcomes import BROKER_UNAVAILABLE
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime import codec
 from google.protobuf.message import DecodeError
@@ -46,7 +45,6 @@ from conveyor_webhook.response import OUTCOMES
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "BROKER_UNAVAILABLE",
     "CallbackResponder",
     "NotServed",
     "Resolve",
@@ -115,7 +113,7 @@ def result_problem(callback: cluster_pb2.WebhookCallback, max_result: int) -> St
 
 class Resolve(Protocol):
     """Applies a stream Result of a task on ``queue``: False when the lease is lost,
-    ValueError when the queue is not served (:meth:`conveyor_api.gateway.Gateway.resolve`)."""
+    ValueError when the queue is not served (:meth:`conveyor_gateway.gateway.Gateway.resolve`)."""
 
     def __call__(self, result: service_pb2.Result, *, queue: str) -> Awaitable[bool]: ...
 
@@ -212,33 +210,23 @@ async def respond(name: str, msg: Msg, handle: Handler) -> None:
             logger.warning("webhook.callback_reply_failed worker=%s error=%r", name, exc)
 
 
-def _ignore(frame: service_pb2.ServerFrame) -> None:
-    """A responder has no worker to send frames to."""
-
-
 class CallbackResponder:
     """Answers the callbacks of one registration while no gateway of it runs (paused,
     restarting, not started yet, left without a secret): a heartbeat extends the lease in
-    the broker, a result gets the outcome mapping of a running gateway, both scoped to
-    the callback's lease. It holds nothing and counts nothing.
+    the broker, a result gets the outcome mapping of a running gateway
+    (:class:`~conveyor_gateway.outcomes.Outcomes`), both scoped to the callback's lease.
+    It holds nothing and counts nothing.
     """
 
     def __init__(self, worker: WebhookWorker, wiring: Wiring) -> None:
         self.name = worker.name
         self._broker = wiring.broker
         self._config = wiring.config
-        self._wiring = wiring
+        self._outcomes = wiring.outcomes(f"whcb-{worker.name}")
         self.worker = worker
-        self._resolver = self._make_resolver(worker)
-
-    def _make_resolver(self, worker: WebhookWorker) -> Gateway:
-        # Never started: its resolve() makes only the lease-scoped broker call.
-        return self._wiring.gateway("whcb", worker, _ignore)
 
     def refresh(self, worker: WebhookWorker) -> None:
         """Take the stored registration (its queues decide which tasks it answers for)."""
-        if dict(worker.queues) != dict(self.worker.queues):
-            self._resolver = self._make_resolver(worker)
         self.worker = worker
 
     async def handle_callback(self, callback: cluster_pb2.WebhookCallback) -> Status:
@@ -259,7 +247,10 @@ class CallbackResponder:
         return await apply_result(
             self.name,
             callback,
-            self._resolver.resolve,
+            self._resolve,
             self._config.gateway.max_result,
             via="responder",
         )
+
+    async def _resolve(self, result: service_pb2.Result, *, queue: str) -> bool:
+        return await self._outcomes.resolve(result, queue=queue, served=self.worker.queues)

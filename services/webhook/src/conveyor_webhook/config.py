@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 
-from conveyor_api.coalesce import WakePublisher
-from conveyor_api.gateway import Gateway, GatewayConfig, SendFrame, WorkerSpec
-from conveyor_api.group_commit import AckBatcher
 from conveyor_broker import Broker, WebhookWorker
 from conveyor_broker.ids import new_id
+from conveyor_gateway import (
+    AckBatcher,
+    Gateway,
+    GatewayConfig,
+    Outcomes,
+    Transport,
+    WakePublisher,
+    WorkerSpec,
+)
+from conveyor_gateway.leases import OnExtended
 from conveyor_runtime.subjects import Subjects
 from nats.aio.client import Client as NATS
 
@@ -30,7 +38,7 @@ class WebhookConfig:
 @dataclass(frozen=True, slots=True)
 class Wiring:
     """The connections every webhook gateway and callback responder of a manager share:
-    the broker, NATS, the subjects, the config, and the api's ack and wake batchers."""
+    the broker, NATS, the subjects, the config, and the ack and wake batchers."""
 
     broker: Broker
     nc: NATS
@@ -40,10 +48,15 @@ class Wiring:
     wakes: WakePublisher
 
     def gateway(
-        self, kind: str, worker: WebhookWorker, send: SendFrame, *, accepts_dispatches: bool = False
+        self,
+        worker: WebhookWorker,
+        transport: Transport,
+        *,
+        heartbeat_skips: Container[str] = frozenset(),
+        on_extended: OnExtended | None = None,
     ) -> Gateway:
-        """A new (not started) api Gateway serving registration ``worker``, with the id
-        ``<kind>-<name>-<ulid>``, sending its frames to ``send``."""
+        """A new (not started) Gateway serving registration ``worker`` through
+        ``transport``, with the id ``wh-<name>-<ulid>``."""
         now = self.config.gateway.clock.now()
         spec = WorkerSpec(
             queues=dict(worker.queues),
@@ -51,10 +64,9 @@ class Wiring:
             labels={"webhook": worker.name},
             worker_id=f"webhook:{worker.name}",
             sdk_version=f"conveyor-webhook/{__version__}",
-            accepts_dispatches=accepts_dispatches,
         )
         return Gateway(
-            f"{kind}-{worker.name}-{new_id(now)}",
+            f"wh-{worker.name}-{new_id(now)}",
             spec,
             broker=self.broker,
             nc=self.nc,
@@ -62,6 +74,15 @@ class Wiring:
             config=self.config.gateway,
             acks=self.acks,
             wakes=self.wakes,
-            send=send,
+            transport=transport,
             connected_at=now,
+            heartbeat_skips=heartbeat_skips,
+            on_extended=on_extended,
+        )
+
+    def outcomes(self, name: str) -> Outcomes:
+        """The outcome mapping of a gateway, for Results no running gateway holds (logged
+        as ``name``)."""
+        return Outcomes(
+            name, broker=self.broker, acks=self.acks, wakes=self.wakes, config=self.config.gateway
         )

@@ -1,16 +1,17 @@
-"""WebhookGateway: the api's :class:`~conveyor_api.gateway.Gateway` with an HTTP transport.
+"""WebhookGateway: a :class:`~conveyor_gateway.gateway.Gateway` whose worker is an HTTP
+endpoint.
 
 One per active webhook registration. The Gateway does everything it does for a stream
 worker (capacity registration, credits, holding, outcome transitions, lease extension);
-this class is its ``send`` callable and its callback surface:
+this class is its :class:`~conveyor_gateway.transport.Transport` and its callback surface:
 
-- A Dispatch/Dispatches frame becomes one signed HTTP delivery per task, all concurrent
-  (its own aiohttp session: :mod:`conveyor_webhook.http`). The answer
-  (:mod:`conveyor_webhook.response`) becomes a Result fed to the Gateway like a stream
-  Result; ``accepted`` parks the delivery instead (asynchronous mode), or fails the
+- A dispatch becomes one signed HTTP delivery per task, all concurrent (its own aiohttp
+  session: :mod:`conveyor_webhook.http`). The answer (:mod:`conveyor_webhook.response`)
+  becomes a Result fed to the Gateway like a stream Result; ``accepted`` parks the
+  delivery instead (asynchronous mode, :mod:`conveyor_webhook.parking`), or fails the
   attempt when no callback address is configured (the endpoint could never report).
-- A Cancel frame (lease lost, attempt overran, admin cancel) cancels that task's HTTP
-  request if it is still in flight.
+- A cancel (lease lost, attempt overran, admin cancel) cancels that task's HTTP request
+  if it is still in flight, and stops watching it if it was parked.
 - While any synchronous delivery is open, the Gateway's heartbeat runs every
   ``lease_ttl / 3``; it skips parked deliveries, whose leases only the endpoint's
   Heartbeat callbacks extend. A parked delivery whose last known lease expiry passes is
@@ -33,8 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
-from dataclasses import dataclass
+from collections.abc import Coroutine, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -56,6 +56,7 @@ from conveyor_webhook.callbacks import (
 from conveyor_webhook.config import WebhookConfig, Wiring
 from conveyor_webhook.delivery import delivery_body, delivery_headers
 from conveyor_webhook.http import open_session, signed_by
+from conveyor_webhook.parking import ParkedDeliveries
 from conveyor_webhook.response import (
     Accepted,
     Broken,
@@ -105,13 +106,6 @@ def as_result(reply: Finished | Broken, task_id: str, lease_id: str) -> service_
     return result
 
 
-@dataclass(frozen=True, slots=True)
-class _Parked:
-    task_id: str
-    #: The latest lease expiry this gateway knows of.
-    expires: datetime
-
-
 class WebhookGateway:
     """Serves one webhook registration: deliveries, callbacks, circuit breaker."""
 
@@ -125,12 +119,12 @@ class WebhookGateway:
         self._clock = config.gateway.clock
         self._http: aiohttp.ClientSession | None = None
         self._max_body = config.gateway.max_result * 4 // 3 + RESPONSE_HEADROOM
-        self.gateway = wiring.gateway("wh", worker, self._send, accepts_dispatches=True)
-        self.gateway.track_lease_expiry()
+        self._parked = ParkedDeliveries(self._clock, self._on_lapse_due)
+        self.gateway = wiring.gateway(
+            worker, self, heartbeat_skips=self._parked, on_extended=self._parked.note_extended
+        )
         self.breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown)
         self._deliveries: dict[str, asyncio.Task[None]] = {}  # lease id -> open delivery
-        self._parked: dict[str, _Parked] = {}  # lease id -> the parked delivery
-        self._parked_timers: dict[str, asyncio.TimerHandle] = {}
         self._breaker_timer: asyncio.TimerHandle | None = None
         self._beat: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -151,8 +145,9 @@ class WebhookGateway:
 
     @property
     def parked(self) -> int:
-        """Deliveries the endpoint accepted and has not finished yet."""
-        return len(self._parked)
+        """Deliveries the endpoint accepted and has not finished yet (whose lease expiry
+        this gateway knows)."""
+        return self._parked.watched
 
     def parked_until(self, lease_id: str) -> datetime | None:
         """The lease expiry this gateway knows of for parked ``lease_id`` (None: not
@@ -259,17 +254,25 @@ class WebhookGateway:
 
     # ------------------------------------------------------------- transport
 
-    def _send(self, frame: service_pb2.ServerFrame) -> None:
-        kind = frame.WhichOneof("frame")
-        if kind == "dispatches":
-            for env in frame.dispatches.tasks:
-                self._open(env)
-        elif kind == "dispatch":
-            self._open(frame.dispatch.task)
-        elif kind == "cancel":
-            self._on_cancel(frame.cancel)
-        else:
-            logger.debug("webhook.frame_ignored worker=%s kind=%s", self.name, kind)
+    def dispatch(self, tasks: Sequence[task_pb2.TaskEnvelope]) -> None:
+        """(Transport) Deliver each of ``tasks`` in an HTTP request of its own."""
+        for env in tasks:
+            self._open(env)
+
+    def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
+        """(Transport) The Gateway holds ``lease_id`` no more: abort its HTTP request if
+        it is still in flight, and stop watching it if it was parked."""
+        if self._parked.forget(lease_id):
+            self._apply_cap()
+        task = self._deliveries.pop(lease_id, None)
+        if task is not None:
+            task.cancel()
+            logger.info(
+                "webhook.delivery_canceled worker=%s task=%s reason=%s",
+                self.name,
+                task_id,
+                reason,
+            )
 
     def _open(self, env: task_pb2.TaskEnvelope) -> None:
         lease_id = env.lease_id
@@ -279,6 +282,8 @@ class WebhookGateway:
         def closed(done: asyncio.Task[None]) -> None:
             if self._deliveries.get(lease_id) is done:
                 del self._deliveries[lease_id]
+            if lease_id not in self._parked:
+                self._parked.forget(lease_id)  # what the heartbeat told of its lease
             if not done.cancelled() and done.exception() is not None:
                 logger.error(
                     "webhook.delivery_crashed worker=%s task=%s",
@@ -289,35 +294,20 @@ class WebhookGateway:
                 # Fail the attempt rather than hold (and keep extending) its lease.
                 crashed = Broken(f"webhook delivery failed: {done.exception()!r}")
                 if not self.gateway.closed:
-                    result = as_result(crashed, env.id, lease_id)
-                    self.gateway.on_frame(service_pb2.WorkerFrame(result=result))
+                    self.gateway.on_results((as_result(crashed, env.id, lease_id),))
 
         task.add_done_callback(closed)
         if self._beat is None or self._beat.done():
             self._beat = asyncio.get_running_loop().create_task(self._beat_loop())
 
-    def _on_cancel(self, cancel: service_pb2.Cancel) -> None:
-        if self._forget_parked(cancel.lease_id):
-            self._apply_cap()
-        task = self._deliveries.pop(cancel.lease_id, None)
-        if task is not None:
-            task.cancel()
-            logger.info(
-                "webhook.delivery_canceled worker=%s task=%s reason=%s",
-                self.name,
-                cancel.task_id,
-                cancel.reason,
-            )
-
     async def _beat_loop(self) -> None:
         # The bulk heartbeat extends every held lease that is not parked: exactly the
         # open synchronous deliveries.
         interval = self._config.gateway.lease_ttl.total_seconds() / 3
-        heartbeat = service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat())
         while self._deliveries:
             await asyncio.sleep(interval)
             if self._deliveries and not self.gateway.closed:
-                self.gateway.on_frame(heartbeat)
+                self.gateway.on_heartbeat()
 
     async def _deliver(self, env: task_pb2.TaskEnvelope) -> None:
         ticket = self.breaker.ticket(asyncio.get_running_loop().time())
@@ -335,8 +325,7 @@ class WebhookGateway:
                 env.id,
                 reply_.error,
             )
-        result = as_result(reply_, env.id, env.lease_id)
-        self.gateway.on_frame(service_pb2.WorkerFrame(result=result))
+        self.gateway.on_results((as_result(reply_, env.id, env.lease_id),))
 
     async def _post(self, env: task_pb2.TaskEnvelope, worker: WebhookWorker) -> Reply:
         http = self._http
@@ -393,7 +382,7 @@ class WebhookGateway:
         if self._retired:
             return
         cap = self.breaker.cap(asyncio.get_running_loop().time())
-        self.gateway.cap_concurrency(cap, over_parked=True)
+        self.gateway.cap_concurrency(cap, kept=self._parked.leases)
 
     def _apply_breaker(self) -> None:
         if self._retired:
@@ -413,14 +402,16 @@ class WebhookGateway:
     # --------------------------------------------------------- async (parked)
 
     async def _park(self, env: task_pb2.TaskEnvelope) -> None:
-        if not self.gateway.park(env.lease_id):
+        lease_id = env.lease_id
+        if not self.gateway.holds_lease(lease_id):
             return  # finished (by a callback) or canceled meanwhile
+        self._parked.park(lease_id)
         self._apply_cap()
         # The endpoint gets a full lease from the moment it accepted.
         try:
-            expires = await self.gateway.extend_held(env.id, env.lease_id)
+            expires = await self.gateway.extend_held(env.id, lease_id)
         except LeaseLost:
-            return  # the Gateway dropped it
+            return  # the Gateway dropped it (and canceled it here)
         except Exception:
             logger.exception("webhook.park_extend_failed worker=%s task=%s", self.name, env.id)
             # The latest expiry known: the dispatch's, or a heartbeat's since.
@@ -429,43 +420,28 @@ class WebhookGateway:
                 if env.HasField("lease_expires_at")
                 else self._clock.now()
             ]
-            extended = self.gateway.known_expiry(env.lease_id)
+            extended = self._parked.extended_until(lease_id)
             if extended is not None:
                 known.append(extended)
             expires = max(known)
         if expires is None:
-            return  # finished (by a callback) meanwhile
-        self._watch_parked(env.lease_id, env.id, expires)
+            if self._parked.forget(lease_id):  # finished (by a callback) meanwhile
+                self._apply_cap()
+            return
+        self._watch_parked(lease_id, env.id, expires)
         logger.info("webhook.delivery_accepted worker=%s task=%s", self.name, env.id)
 
     def _watch_parked(self, lease_id: str, task_id: str, expires: datetime) -> bool:
         """Keep an eye on parked ``lease_id`` until ``expires``; False when it is no
         longer parked here (or this gateway is retired)."""
-        if self._retired or not self.gateway.is_parked(lease_id):
-            self._forget_parked(lease_id)
+        if self._retired or lease_id not in self._parked or not self.gateway.holds_lease(lease_id):
+            self._parked.forget(lease_id)
             return False
-        self._parked[lease_id] = _Parked(task_id, expires)
-        old = self._parked_timers.pop(lease_id, None)
-        if old is not None:
-            old.cancel()
-        delay = max(0.0, (expires - self._clock.now()).total_seconds())
-        self._parked_timers[lease_id] = asyncio.get_running_loop().call_later(
-            delay, self._on_parked_timer, lease_id
-        )
+        self._parked.watch(lease_id, task_id, expires)
         return True
 
-    def _forget_parked(self, lease_id: str) -> bool:
-        handle = self._parked_timers.pop(lease_id, None)
-        if handle is not None:
-            handle.cancel()
-        return self._parked.pop(lease_id, None) is not None
-
     def _let_parked_go(self) -> None:
-        for handle in self._parked_timers.values():
-            handle.cancel()
-        self._parked_timers.clear()
-        self._parked.clear()
-        left = self.gateway.forget_parked()
+        left = sum(self.gateway.forget(lease_id) for lease_id in self._parked.clear())
         if left:
             logger.info(
                 "webhook.parked_left_running worker=%s gateway=%s count=%d",
@@ -474,8 +450,7 @@ class WebhookGateway:
                 left,
             )
 
-    def _on_parked_timer(self, lease_id: str) -> None:
-        self._parked_timers.pop(lease_id, None)
+    def _on_lapse_due(self, lease_id: str) -> None:
         self._spawn(self._lapse(lease_id))
 
     async def _lapse(self, lease_id: str) -> None:
@@ -485,8 +460,8 @@ class WebhookGateway:
         parked = self._parked.get(lease_id)
         if parked is None:
             return False
-        if not self.gateway.is_parked(lease_id):
-            self._forget_parked(lease_id)
+        if not self.gateway.holds_lease(lease_id):
+            self._parked.forget(lease_id)
             return False
         if self._clock.now() < parked.expires:
             self._watch_parked(lease_id, parked.task_id, parked.expires)
@@ -508,8 +483,15 @@ class WebhookGateway:
         ):
             self._watch_parked(lease_id, parked.task_id, task.lease_expires_at)
             return False
-        self._forget_parked(lease_id)
-        dropped = await self.gateway.drop_parked(lease_id, STOPPED_HEARTBEATING)
+        self._parked.forget(lease_id)
+        dropped = await self.gateway.fail_held(lease_id, STOPPED_HEARTBEATING)
+        if dropped:
+            logger.info(
+                "webhook.parked_lease_lapsed worker=%s task=%s lease=%s",
+                self.name,
+                parked.task_id,
+                lease_id,
+            )
         self._apply_cap()
         return dropped
 
@@ -540,14 +522,15 @@ class WebhookGateway:
             # Not ours (made before a restart, say): take it on as parked when it is a
             # live task of a queue we serve.
             task = await live_task(self._broker, callback, self.gateway.capacity)
-            if self.serving and self.gateway.adopt_parked(task):
+            if self.serving and self.gateway.adopt(task):
+                self._parked.park(lease_id)
                 self._apply_cap()
                 expires = await self.gateway.extend_held(task_id, lease_id)
             if expires is None:
                 expires = await self._broker.extend_lease(
                     task_id, lease_id, self._config.gateway.lease_ttl
                 )
-        if self.gateway.is_parked(lease_id):
+        if lease_id in self._parked:
             self._watch_parked(lease_id, task_id, expires)
         if callback.heartbeat.progress:
             await self._broker.set_progress(task_id, lease_id, callback.heartbeat.progress)
@@ -564,7 +547,7 @@ class WebhookGateway:
         finally:
             # Resolved (or failed in the broker): the Gateway holds it no more.
             lease_id = result.lease_id
-            if not self.gateway.is_parked(lease_id) and self._forget_parked(lease_id):
+            if not self.gateway.holds_lease(lease_id) and self._parked.forget(lease_id):
                 self._apply_cap()
         # A synchronous request still open for this delivery has nothing left to say.
         open_ = self._deliveries.pop(result.lease_id, None)

@@ -39,11 +39,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor_api.coalesce import WakePublisher
-from conveyor_api.gateway import GatewayConfig
-from conveyor_api.group_commit import AckBatcher
 from conveyor_broker import Broker, WebhookWorker
 from conveyor_broker.clock import Clock, SystemClock
+from conveyor_gateway import AckBatcher, GatewayConfig, WakePublisher
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import WebhookSettings

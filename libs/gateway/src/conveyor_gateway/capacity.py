@@ -1,4 +1,5 @@
-"""How a worker's concurrency is shared out across the queues it serves."""
+"""How a worker's concurrency is shared out across the queues it serves, and how a cap on
+it (a circuit breaker's, say) shares out what is left."""
 
 from __future__ import annotations
 
@@ -41,3 +42,32 @@ def split_capacity(concurrency: int, weights: Mapping[str, int]) -> dict[str, in
         worst = max(candidates, key=lambda q: slots[q] - ideal[q])
         slots[worst] -= 1
     return slots
+
+
+def capped_slots(
+    cap: int | None,
+    concurrency: int,
+    weights: Mapping[str, int],
+    kept: Mapping[str, int],
+) -> tuple[int, dict[str, int]]:
+    """The concurrency in force and the slots per queue of a worker of ``concurrency``
+    whose queues have ``weights``, when it may hold at most ``cap`` tasks (None: no cap).
+
+    ``kept`` counts, per queue, held tasks that keep their slots on top of ``cap``: each
+    queue gets its kept tasks plus its share of ``cap``, never more than its uncapped
+    split. A cap of 0 with nothing kept gives every queue 0 slots; a cap (plus the kept
+    tasks) that reaches ``concurrency`` gives the uncapped split.
+    """
+    if cap is not None and cap < 0:
+        raise ValueError(f"cap must be >= 0, got {cap}")
+    full = split_capacity(concurrency, weights)
+    n_kept = sum(kept.values())
+    if cap is None or min(cap + n_kept, concurrency) == concurrency:
+        return concurrency, full
+    if n_kept:
+        share = split_capacity(cap, weights) if cap else {}
+        slots = {q: min(full[q], kept.get(q, 0) + share.get(q, 0)) for q in full}
+        return cap + n_kept, slots
+    if cap == 0:
+        return 0, dict.fromkeys(full, 0)
+    return cap, split_capacity(cap, weights)

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import pytest
-from conveyor_api.group_commit import AckBatcher, EnqueueCommitter
 from conveyor_broker import (
     MAX_BATCH,
     AckItem,
@@ -18,6 +17,7 @@ from conveyor_broker import (
     NewTask,
     TaskState,
 )
+from conveyor_gateway.group_commit import AckBatcher, EnqueueCommitter
 from conveyor_testkit.brokers import CountingBroker
 
 _TTL = timedelta(seconds=30)

@@ -7,9 +7,9 @@ import asyncio
 import time
 from datetime import timedelta
 
-from conveyor_api.coalesce import WakePublisher
 from conveyor_broker import FakeClock, NewTask, TaskState
 from conveyor_broker.memory import MemoryBroker
+from conveyor_gateway.hints import WakePublisher
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects

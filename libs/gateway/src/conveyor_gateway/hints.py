@@ -42,7 +42,7 @@ class _Coalescer(abc.ABC):
             try:
                 await self._drain()
             except Exception:
-                logger.exception("coalesce.publish_failed")
+                logger.exception("hints.publish_failed")
 
     @abc.abstractmethod
     def _has_pending(self) -> bool: ...
@@ -151,7 +151,7 @@ class WakePublisher(_Coalescer):
             promote and self._later_promotes >= self.MAX_LATER_PROMOTES
         )
         if full:
-            logger.debug("coalesce.later_hint_dropped target=%r", target)
+            logger.debug("hints.later_hint_dropped target=%r", target)
             return
         self._later_keys.add(key)
         self._later_promotes += promote

@@ -1,0 +1,27 @@
+"""Conveyor's gateway: serves one worker in the cluster, whether a stream session (the
+api) or a webhook registration (the webhook service) reached through its own
+:class:`Transport`. Also what both services share around it: the outcome mapping
+(:class:`Outcomes`), group commit (:class:`AckBatcher`, :class:`EnqueueCommitter`) and the
+hints to dispatchers and the scheduler (:class:`WakePublisher`)."""
+
+from __future__ import annotations
+
+from conveyor_gateway.capacity import split_capacity
+from conveyor_gateway.config import GatewayConfig, WorkerSpec
+from conveyor_gateway.gateway import Gateway
+from conveyor_gateway.group_commit import AckBatcher, EnqueueCommitter
+from conveyor_gateway.hints import WakePublisher
+from conveyor_gateway.outcomes import Outcomes
+from conveyor_gateway.transport import Transport
+
+__all__ = [
+    "AckBatcher",
+    "EnqueueCommitter",
+    "Gateway",
+    "GatewayConfig",
+    "Outcomes",
+    "Transport",
+    "WakePublisher",
+    "WorkerSpec",
+    "split_capacity",
+]

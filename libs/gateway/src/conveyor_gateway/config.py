@@ -1,0 +1,36 @@
+"""What a gateway is told: the worker it serves and the server's settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from conveyor_broker import Backoff
+from conveyor_broker.clock import Clock, SystemClock
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker declared (in its Hello, or in its webhook registration)."""
+
+    queues: Mapping[str, int]
+    concurrency: int
+    labels: Mapping[str, str] = field(default_factory=dict)
+    worker_id: str = ""
+    sdk_version: str = ""
+    batch_types: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Server settings a gateway needs."""
+
+    lease_ttl: timedelta
+    register_tick: float
+    max_result: int
+    backoff: Backoff = field(default_factory=Backoff)
+    #: How long past an attempt's timeout or deadline the worker may still report.
+    timeout_grace: timedelta = timedelta(seconds=5)
+    #: Wall time, for deadlines (the broker's clock in production).
+    clock: Clock = field(default_factory=SystemClock)

@@ -1,0 +1,259 @@
+"""How much work a gateway takes, and what it tells the dispatchers about it.
+
+The worker's concurrency is split across its queues by weight
+(:func:`~conveyor_gateway.capacity.split_capacity`). A dispatched task is accepted only
+while its queue has a free slot *and* the gateway as a whole is under the concurrency in
+force, whatever the dispatcher believes; so a stale or doubled dispatcher can never
+overload a worker.
+
+The dispatcher of each queue hears of the slots three ways: a ``Register`` per queue
+(at start, every ``register_tick``, when the queue's owner changes, when the concurrency
+is capped, and a closing one at the end), the ``DispatchReply`` to each offer, and a
+``Done`` as soon as a slot is given back (:class:`~conveyor_gateway.hints.DonePublisher`).
+All three carry the running total of slots given back on the queue, so the dispatcher can
+tell which Dones a reply already accounts for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Collection, Coroutine
+from typing import Any
+
+from conveyor_protos.v1 import cluster_pb2, task_pb2
+from conveyor_runtime.subjects import Subjects
+from google.protobuf.message import DecodeError
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from conveyor_gateway.capacity import capped_slots, split_capacity
+from conveyor_gateway.config import WorkerSpec
+from conveyor_gateway.hints import DonePublisher
+from conveyor_gateway.holdings import Holdings
+from conveyor_gateway.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+#: Why a worker is told to drop a task it holds when the same task is dispatched again.
+REDELIVERED_REASON = "task was delivered again under a new lease"
+
+
+class Credits:
+    """The slots of gateway ``gateway_id``: what it accepts of a dispatch offer (holding
+    it in ``holdings`` and handing it to ``transport``) and what it announces."""
+
+    def __init__(
+        self,
+        gateway_id: str,
+        spec: WorkerSpec,
+        *,
+        holdings: Holdings,
+        transport: Transport,
+        nc: NATS,
+        subjects: Subjects,
+        register_tick: float,
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+    ) -> None:
+        self._id = gateway_id
+        self._spec = spec
+        #: The worker's own slots per queue.
+        self.capacity = split_capacity(spec.concurrency, spec.queues)
+        # The concurrency in force and the per-queue slots announced: the worker's own,
+        # unless cap() lowered them.
+        self.limit = spec.concurrency
+        self._slots = self.capacity
+        self._holdings = holdings
+        self._held = holdings.by_lease
+        self._per_queue = holdings.per_queue
+        self._transport = transport
+        self._nc = nc
+        self._subjects = subjects
+        self._register_tick = register_tick
+        self._spawn = spawn
+        #: Slots given back (a Done per queue, coalesced).
+        self.done = DonePublisher(nc, subjects, gateway_id)
+        self._subs: list[Subscription] = []
+        self._ticker: asyncio.Task[None] | None = None
+        self._started = False
+        #: True once the gateway began closing: it takes nothing from then on.
+        self.closed = False
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Subscribe to dispatch offers and owner changes, then announce the slots on
+        every queue and keep re-announcing them."""
+        self._subs.append(
+            await self._nc.subscribe(self._subjects.dispatch(self._id), cb=self._on_dispatch)
+        )
+        for queue in sorted(self.capacity):
+            self._subs.append(
+                await self._nc.subscribe(
+                    self._subjects.owner_changed(queue), cb=self._on_owner_changed
+                )
+            )
+        # The dispatch subscription must be known to the server before a dispatcher
+        # hears about us, or its first request finds no responder.
+        await self._nc.flush()
+        self._started = True
+        for queue in sorted(self.capacity):
+            await self.register(queue)
+        self._ticker = asyncio.get_running_loop().create_task(self._register_loop())
+
+    async def stop(self) -> None:
+        """Stop announcing and taking offers, and say goodbye on every queue (a closing
+        Register). :attr:`closed` must be set already."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # the connection may already be gone
+                logger.debug("gateway.unsubscribe_failed gateway=%s error=%r", self._id, exc)
+        self._subs.clear()
+        for queue in sorted(self.capacity):
+            await self.register(queue, closing=True)
+
+    # ----------------------------------------------------------------- slots
+
+    def free(self, queue: str) -> int:
+        """Slots the gateway can still take on ``queue``."""
+        if self.closed or queue not in self.capacity:
+            return 0
+        by_queue = self._slots[queue] - self._per_queue[queue]
+        overall = self.limit - len(self._held)
+        return max(0, min(by_queue, overall))
+
+    def cap(self, cap: int | None, *, kept: Collection[str] = ()) -> None:
+        """Hold at most ``cap`` tasks (None: the worker's full concurrency) from now on,
+        the held leases in ``kept`` keeping their slots on top (see
+        :func:`~conveyor_gateway.capacity.capped_slots`). Tasks already held are kept.
+        When the announced slots change, they are re-announced at once."""
+        held = self._held
+        on_top = Counter(held[lease_id].queue for lease_id in kept if lease_id in held)
+        limit, slots = capped_slots(cap, self._spec.concurrency, self._spec.queues, on_top)
+        if limit == self.limit and slots == self._slots:
+            return
+        self.limit = limit
+        self._slots = slots
+        logger.info("gateway.concurrency_capped gateway=%s concurrency=%d", self._id, limit)
+        if self._started and not self.closed:
+            self._spawn(self._register_all())
+
+    # -------------------------------------------------------------- dispatch
+
+    def accept(self, request: cluster_pb2.DispatchRequest) -> list[str]:
+        """Take what fits of a dispatch offer, hold it, and hand it to the transport (one
+        call for the whole offer). Returns the accepted ids; the dispatcher releases the
+        rest."""
+        queue = request.queue
+        room = self.free(queue)
+        accepted: list[str] = []
+        envelopes: list[task_pb2.TaskEnvelope] = []
+        held, lease_of, hold = self._held, self._holdings.lease_of, self._holdings.hold
+        for env in request.tasks:
+            if room <= 0:
+                break
+            if not env.id or not env.lease_id or env.lease_id in held:
+                logger.warning(
+                    "gateway.bad_envelope gateway=%s task=%s lease=%s",
+                    self._id,
+                    env.id,
+                    env.lease_id,
+                )
+                continue
+            if env.queue and env.queue != queue:
+                logger.warning(
+                    "gateway.wrong_queue gateway=%s task=%s queue=%s expected=%s",
+                    self._id,
+                    env.id,
+                    env.queue,
+                    queue,
+                )
+                continue
+            stale = lease_of.get(env.id)
+            if stale is not None:
+                # The broker leased the task again, so our old lease is gone: the worker
+                # must drop that run, and the slot goes to the new delivery.
+                old = self._holdings.take(stale)
+                if old is not None:
+                    self._transport.cancel(old.task_id, old.lease_id, REDELIVERED_REASON)
+                    room = self.free(queue)
+            hold(env, queue)
+            envelopes.append(env)
+            accepted.append(env.id)
+            room -= 1
+        if envelopes:
+            self._transport.dispatch(envelopes)
+        return accepted
+
+    async def _on_dispatch(self, msg: Msg) -> None:
+        try:
+            request = cluster_pb2.DispatchRequest.FromString(msg.data)
+        except DecodeError:
+            logger.warning("gateway.bad_dispatch_request gateway=%s", self._id)
+            request = cluster_pb2.DispatchRequest()
+        accepted = self.accept(request) if request.queue else []
+        reply = cluster_pb2.DispatchReply(
+            accepted=accepted,
+            credits=self.free(request.queue),
+            returned=self.done.returned(request.queue),
+        )
+        if msg.reply:
+            try:
+                await msg.respond(reply.SerializeToString())
+            except Exception as exc:
+                # No reply: the dispatcher times out and releases them, but we already
+                # pushed them; the broker's lease keeps that from going wrong.
+                logger.warning("gateway.reply_failed gateway=%s error=%r", self._id, exc)
+        logger.debug(
+            "gateway.dispatch gateway=%s queue=%s offered=%d accepted=%d",
+            self._id,
+            request.queue,
+            len(request.tasks),
+            len(accepted),
+        )
+
+    # -------------------------------------------------------------- register
+
+    def _register_message(self, queue: str, *, closing: bool) -> cluster_pb2.Register:
+        return cluster_pb2.Register(
+            gateway=self._id,
+            queue=queue,
+            capacity=self._slots[queue],
+            weight=self._spec.queues[queue],
+            in_flight=self._per_queue[queue],
+            labels=dict(self._spec.labels),
+            closing=closing,
+            returned=self.done.returned(queue),
+        )
+
+    async def register(self, queue: str, *, closing: bool = False) -> None:
+        """Announce the slots of ``queue`` (a failure to publish is logged)."""
+        body = self._register_message(queue, closing=closing).SerializeToString()
+        try:
+            await self._nc.publish(self._subjects.register(queue), body)
+        except Exception as exc:
+            logger.warning(
+                "gateway.register_failed gateway=%s queue=%s error=%r", self._id, queue, exc
+            )
+
+    async def _register_all(self) -> None:
+        for queue in sorted(self.capacity):
+            if self.closed:
+                return  # the closing registration must be the last word
+            await self.register(queue)
+
+    async def _register_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._register_tick)
+            for queue in sorted(self.capacity):
+                await self.register(queue)
+
+    async def _on_owner_changed(self, msg: Msg) -> None:
+        queue = Subjects.queue_of(msg.subject)
+        if queue in self.capacity and not self.closed:
+            await self.register(queue)

@@ -1,0 +1,438 @@
+"""The Gateway: one per worker (a stream session, or a webhook registration), the bridge
+between that worker and the cluster.
+
+It is the only place that performs execution transitions (ack, fail, archive, release)
+for its worker's tasks. Its parts, each in a module of its own:
+
+- :mod:`~conveyor_gateway.holdings`: what it holds, per lease, task and queue, with the
+  timer of each bounded attempt (:mod:`~conveyor_gateway.attempt_bounds`);
+- :mod:`~conveyor_gateway.credits`: the slots per queue, which dispatch offers it
+  accepts, and what it announces to the dispatchers;
+- :mod:`~conveyor_gateway.leases`: heartbeats and lease extension;
+- :mod:`~conveyor_gateway.outcomes`: what a Result does in the broker.
+
+The worker is reached through a :class:`~conveyor_gateway.transport.Transport`; its
+answers come in through the ``on_*`` methods. The ledger is changed only in synchronous
+code; broker calls happen after it changed and never hold it.
+
+For workers that are not a stream (the webhook service), the gateway offers a few more
+primitives, which know nothing of how those workers work: :meth:`Gateway.cap_concurrency`
+(with held leases that keep their slots on top of the cap), heartbeat skips and an
+extension listener (constructor arguments), :meth:`Gateway.extend_held`,
+:meth:`Gateway.adopt`, :meth:`Gateway.fail_held`, :meth:`Gateway.forget` and
+:meth:`Gateway.resolve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection, Container, Coroutine, Iterable
+from datetime import datetime
+from typing import Any
+
+from conveyor_broker import AckItem, Broker, LeaseLost, Task, TaskState
+from conveyor_protos.v1 import cluster_pb2, service_pb2
+from conveyor_runtime import codec
+from conveyor_runtime.subjects import Subjects
+from nats.aio.client import Client as NATS
+
+from conveyor_gateway.attempt_bounds import AttemptBound
+from conveyor_gateway.config import GatewayConfig, WorkerSpec
+from conveyor_gateway.credits import REDELIVERED_REASON, Credits
+from conveyor_gateway.group_commit import AckBatcher
+from conveyor_gateway.hints import WakePublisher
+from conveyor_gateway.holdings import Held, Holdings
+from conveyor_gateway.leases import LeaseExtension, OnExtended
+from conveyor_gateway.outcomes import FINAL_OUTCOMES, Outcomes, is_well_formed
+from conveyor_gateway.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+#: Why a worker is told to drop a task whose lease the broker says is lost.
+LEASE_LOST_REASON = "lease lost"
+
+
+class Gateway:
+    """Serves one worker: capacity registration, dispatch, outcomes, leases.
+
+    ``heartbeat_skips`` are leases the worker's heartbeat does not extend (the caller may
+    change the container's contents at any time); ``on_extended`` hears of every lease
+    extension the gateway makes (see :class:`~conveyor_gateway.leases.LeaseExtension`).
+    """
+
+    def __init__(
+        self,
+        gateway_id: str,
+        spec: WorkerSpec,
+        *,
+        broker: Broker,
+        nc: NATS,
+        subjects: Subjects,
+        config: GatewayConfig,
+        acks: AckBatcher,
+        wakes: WakePublisher,
+        transport: Transport,
+        connected_at: datetime,
+        heartbeat_skips: Container[str] = frozenset(),
+        on_extended: OnExtended | None = None,
+    ) -> None:
+        self.id = gateway_id
+        self.spec = spec
+        self.connected_at = connected_at
+        self._broker = broker
+        self._config = config
+        self._wakes = wakes
+        self._transport = transport
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._holdings = Holdings(
+            grace=config.timeout_grace, clock=config.clock, on_overrun=self._on_overrun
+        )
+        self._held = self._holdings.by_lease
+        self._credits = Credits(
+            gateway_id,
+            spec,
+            holdings=self._holdings,
+            transport=transport,
+            nc=nc,
+            subjects=subjects,
+            register_tick=config.register_tick,
+            spawn=self._spawn,
+        )
+        self._done = self._credits.done
+        #: The worker's own slots per queue.
+        self.capacity = self._credits.capacity
+        self._leases = LeaseExtension(
+            gateway_id,
+            broker=broker,
+            holdings=self._holdings,
+            lease_ttl=config.lease_ttl,
+            clock=config.clock,
+            spawn=self._spawn,
+            lose=self._lose,
+            skips=heartbeat_skips,
+            on_extended=on_extended,
+        )
+        self._outcomes = Outcomes(gateway_id, broker=broker, acks=acks, wakes=wakes, config=config)
+        self._close_done = asyncio.Event()
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Subscribe, then announce capacity on every queue and keep re-announcing it."""
+        await self._credits.start()
+        logger.info(
+            "gateway.started gateway=%s worker=%s capacity=%s",
+            self.id,
+            self.spec.worker_id,
+            self.capacity,
+        )
+
+    async def close(self) -> None:
+        """Stop taking work, release every task still held, and say goodbye.
+
+        Safe to call more than once and from several places at once: every caller
+        returns when the one close has finished. Released tasks are due at once, so
+        their queues are woken for another worker to pick them up.
+        """
+        if self._credits.closed:
+            await self._close_done.wait()
+            return
+        self._credits.closed = True
+        try:
+            await self._close()
+        finally:
+            self._close_done.set()
+
+    async def _close(self) -> None:
+        await self._credits.stop()
+        held = self._holdings.clear()
+        outcomes = await asyncio.gather(
+            *(self._broker.release(h.task_id, h.lease_id) for h in held), return_exceptions=True
+        )
+        for h, outcome in zip(held, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                logger.warning(
+                    "gateway.release_failed gateway=%s task=%s lease=%s error=%r",
+                    self.id,
+                    h.task_id,
+                    h.lease_id,
+                    outcome,
+                )
+            else:
+                self._wakes.wake(h.queue)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._done.aclose()
+        logger.info("gateway.closed gateway=%s released=%d", self.id, len(held))
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has begun."""
+        return self._credits.closed
+
+    # ----------------------------------------------------------- bookkeeping
+
+    @property
+    def in_flight(self) -> int:
+        """Tasks this gateway holds right now."""
+        return len(self._held)
+
+    @property
+    def timed(self) -> int:
+        """Held attempts whose time bound is armed."""
+        return len(self._holdings.timers)
+
+    def holds(self, task_id: str) -> bool:
+        """True when this gateway holds ``task_id``."""
+        return task_id in self._holdings.lease_of
+
+    def holds_lease(self, lease_id: str) -> bool:
+        """True when this gateway holds the delivery under ``lease_id``."""
+        return lease_id in self._held
+
+    def free(self, queue: str) -> int:
+        """Slots this gateway can still take on ``queue``."""
+        return self._credits.free(queue)
+
+    def _free(self, lease_id: str) -> Held | None:
+        """Drop a delivery and give its slot back to the dispatcher at once (a Done).
+
+        The slot is counted free here and given back in the same step, so the running
+        total in Done, DispatchReply and Register always matches :meth:`free`: the
+        dispatcher can then tell which Dones a reply already accounts for.
+        """
+        held = self._holdings.take(lease_id)
+        if held is not None:
+            self._done.done(held.queue)
+        return held
+
+    def _lose(self, lease_id: str) -> Held | None:
+        """Drop a delivery whose lease is lost, and tell the worker to stop it."""
+        held = self._free(lease_id)
+        if held is not None:
+            self._transport.cancel(held.task_id, held.lease_id, LEASE_LOST_REASON)
+        return held
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ dispatch
+
+    def accept(self, request: cluster_pb2.DispatchRequest) -> list[str]:
+        """Take what fits of a dispatch offer and hand it to the worker (see
+        :meth:`~conveyor_gateway.credits.Credits.accept`); the accepted ids."""
+        return self._credits.accept(request)
+
+    # ---------------------------------------------------- from the worker
+
+    def on_results(self, results: Iterable[service_pb2.Result]) -> None:
+        """Apply the worker's Results: each frees its slot at once; the broker calls run
+        in the background. A Result for no delivery held here is logged and ignored."""
+        # Successes (nearly every result) are acked together, in one task: a frame's worth
+        # of results costs one ack round trip, not a task and a future apiece.
+        acks: list[tuple[Held, AckItem]] = []
+        max_result = self._config.max_result
+        for result in results:
+            held = self._held_for(result)
+            if held is None:
+                continue
+            self._free(held.lease_id)
+            if result.outcome == service_pb2.OUTCOME_SUCCESS and len(result.result) <= max_result:
+                acks.append((held, AckItem(held.task_id, held.lease_id, result.result or None)))
+            else:
+                self._spawn(self._outcomes.complete(held, result))
+        if acks:
+            self._spawn(self._outcomes.ack_all(acks))
+
+    def _held_for(self, result: service_pb2.Result) -> Held | None:
+        """The delivery ``result`` answers, or None (logged) when it answers none of ours."""
+        if not result.task_id or not result.lease_id or result.outcome not in FINAL_OUTCOMES:
+            logger.warning(
+                "gateway.malformed_result gateway=%s task=%s lease=%s outcome=%d",
+                self.id,
+                result.task_id,
+                result.lease_id,
+                result.outcome,
+            )
+            return None
+        held = self._held.get(result.lease_id)
+        if held is None or held.task_id != result.task_id:
+            logger.info(
+                "gateway.result_for_unknown_lease gateway=%s task=%s lease=%s",
+                self.id,
+                result.task_id,
+                result.lease_id,
+            )
+            return None
+        return held
+
+    def on_heartbeat(self) -> None:
+        """The worker is alive: extend the leases of everything held (but the skipped)."""
+        self._leases.heartbeat()
+
+    def on_progress(self, task_id: str, lease_id: str, progress: bytes) -> None:
+        """Store the progress the worker reported for a delivery it holds."""
+        self._leases.progress(task_id, lease_id, progress)
+
+    def on_credit(self, queue: str) -> None:
+        """The worker asks for a resync of ``queue``: announce its slots again."""
+        # The gateway's own accounting is authoritative and never exceeds the split, so a
+        # Credit is a resync hint: tell the dispatcher our current state for that queue.
+        if queue not in self.capacity:
+            logger.warning("gateway.credit_unknown_queue gateway=%s queue=%s", self.id, queue)
+            return
+        self._spawn(self._credits.register(queue))
+
+    def _on_overrun(self, lease_id: str, bound: AttemptBound) -> None:
+        # The worker kept the attempt past its bound without a Result: stop it there,
+        # stop extending its lease, and fail the attempt here.
+        held = self._free(lease_id)
+        if held is None:
+            return
+        logger.warning(
+            "gateway.attempt_overran gateway=%s task=%s lease=%s queue=%s reason=%s",
+            self.id,
+            held.task_id,
+            held.lease_id,
+            held.queue,
+            bound.cancel_reason,
+        )
+        self._transport.cancel(held.task_id, held.lease_id, bound.cancel_reason)
+        self._spawn(self._outcomes.give_up(held, bound))
+
+    # -------------------------------------------------------------- cancel
+
+    def cancel(self, task_id: str, reason: str) -> bool:
+        """Tell the worker to stop ``task_id`` if this gateway holds it; refund its slot."""
+        lease_id = self._holdings.lease_of.get(task_id)
+        if lease_id is None:
+            return False
+        held = self._free(lease_id)
+        if held is None:
+            return False
+        self._transport.cancel(held.task_id, held.lease_id, reason)
+        logger.info("gateway.canceled gateway=%s task=%s reason=%s", self.id, task_id, reason)
+        return True
+
+    # ------------------------------------------ for workers that are not a stream
+
+    @property
+    def concurrency(self) -> int:
+        """The concurrency in force: the worker's, or less under :meth:`cap_concurrency`."""
+        return self._credits.limit
+
+    def cap_concurrency(self, cap: int | None, *, kept: Collection[str] = ()) -> None:
+        """Hold at most ``cap`` tasks (None: the worker's full concurrency) from now on.
+
+        0 announces capacity 0 on every queue; a cap below the worker's concurrency
+        announces that many slots split across the queues as usual. The held leases in
+        ``kept`` count only on top of ``cap``: they keep their slots (each queue gets its
+        kept deliveries plus its share of ``cap``); call it again when they change. Tasks
+        already held are kept. When the announced capacity changes, it is re-announced at
+        once.
+        """
+        self._credits.cap(cap, kept=kept)
+
+    async def extend_held(self, task_id: str, lease_id: str) -> datetime | None:
+        """Extend one held lease by the lease TTL; the new expiry. None when this gateway
+        does not hold it. When the broker says the lease is lost, the delivery is dropped
+        (the worker is told to cancel it, its slot freed) and LeaseLost raised."""
+        return await self._leases.extend(task_id, lease_id)
+
+    def adopt(self, task: Task) -> bool:
+        """Hold ``task`` (ACTIVE, leased by another gateway: an earlier incarnation, say),
+        so it counts against the concurrency from now on, even past it. Its attempt bound
+        (timeout from its start, deadline) is armed as for a dispatch. False, changing
+        nothing, when this gateway is closed, does not serve the task's queue, the task
+        is not ACTIVE, or it already holds the lease."""
+        lease_id = task.lease_id
+        if (
+            self.closed
+            or lease_id is None
+            or task.state != TaskState.ACTIVE
+            or task.queue not in self.capacity
+            or lease_id in self._held
+        ):
+            return False
+        stale = self._holdings.lease_of.get(task.id)
+        if stale is not None:
+            # Leased again since: the old run is over, and the adopted delivery takes its
+            # slot (nothing is given back).
+            old = self._holdings.take(stale)
+            if old is not None:
+                self._transport.cancel(old.task_id, old.lease_id, REDELIVERED_REASON)
+        self._holdings.hold_task(task, lease_id)
+        logger.info(
+            "gateway.adopted gateway=%s task=%s lease=%s queue=%s",
+            self.id,
+            task.id,
+            lease_id,
+            task.queue,
+        )
+        return True
+
+    async def fail_held(self, lease_id: str, error: str) -> bool:
+        """End the held delivery ``lease_id`` whose worker stopped answering for it: free
+        its slot, publish done, and fail the attempt in the broker with ``error`` and the
+        usual backoff (archived when retries are exhausted or the retry would miss the
+        deadline), so a late Result finds the lease lost. A lost lease is fine. False when
+        ``lease_id`` is not held here."""
+        held = self._free(lease_id)
+        if held is None:
+            return False
+        logger.info(
+            "gateway.held_lease_failed gateway=%s task=%s lease=%s",
+            self.id,
+            held.task_id,
+            lease_id,
+        )
+        await self._outcomes.abandon(held, error)
+        return True
+
+    def forget(self, lease_id: str) -> bool:
+        """Let the held delivery ``lease_id`` go with no broker call and no Done: no longer
+        held, counted or bounded here, its lease left as it is (whoever does the work
+        keeps driving it). For a gateway about to close that must not release it. False
+        when it is not held."""
+        return self._holdings.take(lease_id) is not None
+
+    async def resolve(self, result: service_pb2.Result, *, queue: str = "") -> bool:
+        """Apply a Result that arrived out of band (a webhook callback) and wait for it.
+
+        For a delivery this gateway holds it does what a Result from the worker does
+        (the same outcome mapping; the slot is freed and done published). For one it does
+        not hold (say, one made before a restart) only the lease-scoped broker call is
+        made (:meth:`~conveyor_gateway.outcomes.Outcomes.resolve`). True when the outcome
+        was applied; False when the lease is lost (or the task is not on ``queue``, when
+        given). Raises ValueError for a malformed result or a task on a queue this gateway
+        does not serve; a broker failure propagates (the task then stays leased until it
+        expires).
+        """
+        if not is_well_formed(result):
+            raise ValueError("a result needs a task id, a lease id and a final outcome")
+        held = self._held.get(result.lease_id)
+        if held is not None and held.task_id == result.task_id:
+            self._free(held.lease_id)
+            try:
+                await self._outcomes.apply(held, result)
+            except LeaseLost:
+                return False
+            return True
+        return await self._outcomes.resolve(result, queue=queue, served=self.capacity)
+
+    # ---------------------------------------------------------------- view
+
+    def session_info(self) -> service_pb2.WorkerSessionInfo:
+        """This gateway's worker for the cluster view."""
+        return service_pb2.WorkerSessionInfo(
+            session_id=self.id,
+            worker_id=self.spec.worker_id,
+            queues=dict(self.spec.queues),
+            concurrency=self.spec.concurrency,
+            in_flight=len(self._held),
+            labels=dict(self.spec.labels),
+            connected_at=codec.timestamp(self.connected_at),
+        )

@@ -1,0 +1,111 @@
+"""What a gateway holds: every delivery by lease id, the lease of each task, the count per
+queue, and the timer of each bounded attempt.
+
+The ledger is changed only in synchronous code, so no two coroutines ever see it half
+updated; broker calls happen after it changed and never hold it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from conveyor_broker import Task
+from conveyor_broker.clock import Clock
+from conveyor_protos.v1 import task_pb2
+
+from conveyor_gateway.attempt_bounds import AttemptBound, AttemptTimers, envelope_bounds
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One delivery: its task, lease and queue, the retries before this attempt, and the
+    task's deadline (None: none)."""
+
+    task_id: str
+    lease_id: str
+    queue: str
+    retried: int
+    deadline: datetime | None = None
+
+
+class Holdings:
+    """The deliveries one gateway holds.
+
+    ``on_overrun(lease_id, bound)`` runs on the event loop when a bounded attempt outlives
+    its bound while still held (see :class:`~conveyor_gateway.attempt_bounds.AttemptTimers`).
+    """
+
+    def __init__(
+        self,
+        *,
+        grace: timedelta,
+        clock: Clock,
+        on_overrun: Callable[[str, AttemptBound], None],
+    ) -> None:
+        #: Lease id -> the delivery.
+        self.by_lease: dict[str, Held] = {}
+        #: Task id -> the lease it is held under.
+        self.lease_of: dict[str, str] = {}
+        #: Deliveries held per queue (no entry: none).
+        self.per_queue: Counter[str] = Counter()
+        #: The timers of the bounded attempts, by lease id.
+        self.timers = AttemptTimers(grace=grace, clock=clock, on_overrun=on_overrun)
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self.by_lease)
+
+    def hold(self, env: task_pb2.TaskEnvelope, queue: str) -> None:
+        """Hold the dispatched ``env`` of ``queue``, arming its attempt bound if it has one."""
+        bounded = env.HasField("timeout") or env.HasField("deadline")
+        timeout, deadline = envelope_bounds(env) if bounded else (None, None)
+        held = Held(env.id, env.lease_id, queue, max(0, env.attempt - 1), deadline)
+        self.by_lease[held.lease_id] = held
+        self.lease_of[held.task_id] = held.lease_id
+        self.per_queue[queue] += 1
+        if bounded:
+            self.timers.arm(held.lease_id, timeout, deadline)
+
+    def hold_task(self, task: Task, lease_id: str) -> Held:
+        """Hold ``task``, an attempt that started elsewhere under ``lease_id``; its bound is
+        armed with what is left of its timeout (a bound at once when nothing is) and its
+        deadline."""
+        held = Held(task.id, lease_id, task.queue, task.retried, task.deadline)
+        self.by_lease[lease_id] = held
+        self.lease_of[task.id] = lease_id
+        self.per_queue[task.queue] += 1
+        timeout = task.timeout
+        if timeout is not None and task.started_at is not None:
+            elapsed = self._clock.now() - task.started_at
+            timeout = max(timeout - elapsed, timedelta(microseconds=1))
+        if timeout is not None or task.deadline is not None:
+            self.timers.arm(lease_id, timeout, task.deadline)
+        return held
+
+    def take(self, lease_id: str) -> Held | None:
+        """Stop holding ``lease_id`` (its timer disarmed); the delivery, or None when it was
+        not held."""
+        held = self.by_lease.pop(lease_id, None)
+        if held is None:
+            return None
+        if self.timers:
+            self.timers.disarm(lease_id)
+        if self.lease_of.get(held.task_id) == lease_id:
+            del self.lease_of[held.task_id]
+        per_queue = self.per_queue
+        per_queue[held.queue] -= 1
+        if per_queue[held.queue] <= 0:
+            del per_queue[held.queue]
+        return held
+
+    def clear(self) -> list[Held]:
+        """Stop holding anything (every timer disarmed); what was held."""
+        held = list(self.by_lease.values())
+        self.by_lease.clear()
+        self.timers.clear()
+        self.lease_of.clear()
+        self.per_queue.clear()
+        return held

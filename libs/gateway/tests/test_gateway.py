@@ -1,0 +1,398 @@
+"""The Gateway on its own: a MemoryBroker on a FakeClock, the session's private
+nats-server, and a transport that records what the worker would have been sent.
+
+The gateway is not started here (nothing subscribes to dispatch offers): offers go to
+:meth:`Gateway.accept` directly, the worker's answers to its ``on_*`` methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from conveyor_broker import Backoff, FakeClock, LeaseLost, NewTask, Task, TaskState
+from conveyor_broker.memory import MemoryBroker
+from conveyor_gateway import AckBatcher, Gateway, GatewayConfig, Outcomes, WakePublisher, WorkerSpec
+from conveyor_gateway.attempt_bounds import DEADLINE_EXCEEDED_ERROR
+from conveyor_gateway.credits import REDELIVERED_REASON
+from conveyor_gateway.gateway import LEASE_LOST_REASON
+from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
+from conveyor_runtime.codec import task_to_envelope
+from conveyor_runtime.nats_connect import NatsClient
+from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.polling import wait_until
+
+TTL = timedelta(seconds=30)
+#: One second, then two, ...: exact, so retry times can be checked.
+BACKOFF = Backoff(jitter=0.0)
+
+
+@dataclass
+class Recording:
+    """A transport that keeps what it was given."""
+
+    dispatched: list[list[str]] = field(default_factory=list)
+    canceled: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def dispatch(self, tasks: Sequence[task_pb2.TaskEnvelope]) -> None:
+        self.dispatched.append([env.id for env in tasks])
+
+    def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
+        self.canceled.append((task_id, lease_id, reason))
+
+
+@dataclass
+class Parts:
+    """What a gateway is built from."""
+
+    broker: MemoryBroker
+    nc: NatsClient
+    subjects: Subjects
+    clock: FakeClock
+    acks: AckBatcher
+    wakes: WakePublisher
+
+    @property
+    def config(self) -> GatewayConfig:
+        return GatewayConfig(
+            lease_ttl=TTL, register_tick=60.0, max_result=100, backoff=BACKOFF, clock=self.clock
+        )
+
+    def gateway(
+        self, queues: dict[str, int] | None = None, concurrency: int = 2, **options: Any
+    ) -> tuple[Gateway, Recording]:
+        transport = Recording()
+        spec = WorkerSpec(queues=queues or {"q": 1}, concurrency=concurrency, worker_id="w")
+        gateway = Gateway(
+            "gw-test",
+            spec,
+            broker=self.broker,
+            nc=self.nc,
+            subjects=self.subjects,
+            config=self.config,
+            acks=self.acks,
+            wakes=self.wakes,
+            transport=transport,
+            connected_at=self.clock.now(),
+            **options,
+        )
+        return gateway, transport
+
+    async def leased(self, n: int, queue: str = "q", **fields: Any) -> list[Task]:
+        for _ in range(n):
+            await self.broker.enqueue(NewTask(queue=queue, type="t", **fields))
+        tasks = await self.broker.lease(queue, n, TTL)
+        assert len(tasks) == n
+        return tasks
+
+    async def state(self, task_id: str) -> TaskState:
+        return (await self.broker.get_task(task_id)).state
+
+
+@pytest.fixture
+async def parts(nc: NatsClient, subjects: Subjects, clock: FakeClock) -> AsyncIterator[Parts]:
+    broker = MemoryBroker(clock)
+    p = Parts(broker, nc, subjects, clock, AckBatcher(broker), WakePublisher(nc, subjects))
+    yield p
+    await p.acks.aclose()
+    await p.wakes.aclose()
+    await broker.close()
+
+
+def offer(tasks: Sequence[Task], queue: str = "q") -> cluster_pb2.DispatchRequest:
+    return cluster_pb2.DispatchRequest(
+        queue=queue, dispatcher="test", tasks=[task_to_envelope(t) for t in tasks]
+    )
+
+
+def lease_of(task: Task) -> str:
+    assert task.lease_id is not None
+    return task.lease_id
+
+
+def result(task: Task, outcome: service_pb2.Outcome, **fields: Any) -> service_pb2.Result:
+    return service_pb2.Result(task_id=task.id, lease_id=lease_of(task), outcome=outcome, **fields)
+
+
+# -------------------------------------------------------------- dispatch
+
+
+async def test_an_offer_is_held_and_handed_over_in_one_call_up_to_the_free_slots(
+    parts: Parts,
+) -> None:
+    gateway, transport = parts.gateway(concurrency=2)
+    tasks = await parts.leased(3)
+
+    accepted = gateway.accept(offer(tasks))
+
+    assert accepted == [tasks[0].id, tasks[1].id]
+    assert transport.dispatched == [accepted]
+    assert (gateway.in_flight, gateway.free("q")) == (2, 0)
+    assert gateway.holds(tasks[0].id)
+    assert gateway.holds_lease(lease_of(tasks[1]))
+    assert not gateway.holds(tasks[2].id)
+    assert gateway.free("elsewhere") == 0
+
+
+async def test_a_task_dispatched_again_drops_its_old_lease_on_the_worker(parts: Parts) -> None:
+    gateway, transport = parts.gateway(concurrency=2)
+    (task,) = await parts.leased(1)
+    gateway.accept(offer([task]))
+    again = task_to_envelope(task)
+    again.lease_id = "a-newer-lease"
+
+    accepted = gateway.accept(cluster_pb2.DispatchRequest(queue="q", tasks=[again]))
+
+    assert accepted == [task.id]
+    assert transport.canceled == [(task.id, lease_of(task), REDELIVERED_REASON)]
+    assert (gateway.in_flight, gateway.free("q")) == (1, 1)
+    assert gateway.holds_lease("a-newer-lease")
+    assert not gateway.holds_lease(lease_of(task))
+
+
+# ------------------------------------------------------------- results
+
+
+async def test_results_free_their_slots_at_once_and_apply_in_the_broker(parts: Parts) -> None:
+    gateway, _ = parts.gateway(concurrency=3)
+    done, failed, released = await parts.leased(3)
+    gateway.accept(offer([done, failed, released]))
+    retry_after = service_pb2.Result().retry_after
+    retry_after.FromSeconds(7)
+
+    gateway.on_results(
+        [
+            result(done, service_pb2.OUTCOME_SUCCESS, result=b"ok"),
+            result(failed, service_pb2.OUTCOME_FAILURE, error="boom", retry_after=retry_after),
+            result(released, service_pb2.OUTCOME_RELEASE),
+        ]
+    )
+
+    assert (gateway.in_flight, gateway.free("q")) == (0, 3)
+
+    async def applied() -> bool:
+        states = [await parts.state(t.id) for t in (done, failed, released)]
+        return states == [TaskState.COMPLETED, TaskState.RETRY, TaskState.PENDING]
+
+    await wait_until(applied)
+    stored = await parts.broker.get_task(failed.id)
+    assert (stored.last_error, stored.available_at) == (
+        "boom",
+        parts.clock.now() + timedelta(seconds=7),
+    )
+    assert (await parts.broker.get_task(done.id)).result == b"ok"
+
+
+async def test_a_result_for_a_lease_not_held_changes_nothing(parts: Parts) -> None:
+    gateway, _ = parts.gateway()
+    (task,) = await parts.leased(1)
+    gateway.accept(offer([task]))
+
+    stranger = service_pb2.Result(
+        task_id=task.id, lease_id="not-ours", outcome=service_pb2.OUTCOME_SUCCESS
+    )
+    gateway.on_results([stranger, service_pb2.Result(task_id=task.id)])
+
+    assert gateway.in_flight == 1
+    assert await parts.state(task.id) == TaskState.ACTIVE
+
+
+# -------------------------------------------------------- leases, cancel
+
+
+async def test_the_heartbeat_extends_held_leases_but_the_skipped_and_says_so(
+    parts: Parts,
+) -> None:
+    skips: set[str] = set()
+    extended: list[tuple[list[str], datetime]] = []
+
+    def on_extended(leases: Collection[str], until: datetime) -> None:
+        extended.append((sorted(leases), until))
+
+    gateway, _ = parts.gateway(heartbeat_skips=skips, on_extended=on_extended)
+    beaten, skipped = await parts.leased(2)
+    gateway.accept(offer([beaten, skipped]))
+    skips.add(lease_of(skipped))
+    parts.clock.advance(timedelta(seconds=10))
+
+    gateway.on_heartbeat()
+
+    await wait_until(lambda: bool(extended))
+    until = parts.clock.now() + TTL
+    assert extended == [([lease_of(beaten)], until)]
+    assert (await parts.broker.get_task(beaten.id)).lease_expires_at == until
+    assert (await parts.broker.get_task(skipped.id)).lease_expires_at == skipped.lease_expires_at
+
+
+async def test_extend_held_extends_one_lease_and_drops_a_lost_one(parts: Parts) -> None:
+    extended: list[tuple[list[str], datetime]] = []
+    gateway, transport = parts.gateway(
+        on_extended=lambda leases, until: extended.append((list(leases), until))
+    )
+    kept, lost = await parts.leased(2)
+    gateway.accept(offer([kept, lost]))
+    parts.clock.advance(timedelta(seconds=5))
+
+    expires = await gateway.extend_held(kept.id, lease_of(kept))
+    assert expires == parts.clock.now() + TTL
+    assert extended == [([lease_of(kept)], expires)]
+    assert await gateway.extend_held(kept.id, "not-held") is None
+
+    await parts.broker.release(lost.id, lease_of(lost))  # behind the gateway's back
+    with pytest.raises(LeaseLost):
+        await gateway.extend_held(lost.id, lease_of(lost))
+    assert transport.canceled == [(lost.id, lease_of(lost), LEASE_LOST_REASON)]
+    assert gateway.in_flight == 1
+
+
+async def test_cancel_tells_the_worker_and_refunds_the_slot(parts: Parts) -> None:
+    gateway, transport = parts.gateway(concurrency=1)
+    (task,) = await parts.leased(1)
+    gateway.accept(offer([task]))
+
+    assert gateway.cancel(task.id, "canceled by an operator")
+    assert transport.canceled == [(task.id, lease_of(task), "canceled by an operator")]
+    assert gateway.free("q") == 1
+    assert not gateway.cancel(task.id, "again")
+
+
+async def test_close_releases_what_is_held_and_takes_nothing_more(parts: Parts) -> None:
+    gateway, _ = parts.gateway()
+    first, second = await parts.leased(2)
+    gateway.accept(offer([first]))
+
+    await gateway.close()
+
+    assert gateway.closed
+    assert await parts.state(first.id) == TaskState.PENDING
+    assert gateway.accept(offer([second])) == []
+    assert gateway.free("q") == 0
+
+
+# ------------------------------------------------ the primitives for webhooks
+
+
+async def test_a_cap_leaves_the_kept_leases_their_slots_on_top(parts: Parts) -> None:
+    gateway, _ = parts.gateway(queues={"a": 1, "b": 1}, concurrency=4)
+    (kept,) = await parts.leased(1, "a")
+    gateway.accept(offer([kept], "a"))
+
+    gateway.cap_concurrency(0, kept=[lease_of(kept)])
+    assert gateway.concurrency == 1
+    assert (gateway.free("a"), gateway.free("b")) == (0, 0)
+
+    gateway.cap_concurrency(1, kept=[lease_of(kept)])
+    assert gateway.concurrency == 2
+    assert (gateway.free("a"), gateway.free("b")) == (1, 1)
+
+    gateway.cap_concurrency(0, kept=["not-held"])
+    assert gateway.concurrency == 0
+
+    gateway.cap_concurrency(None)
+    assert gateway.concurrency == 4
+    assert (gateway.free("a"), gateway.free("b")) == (1, 2)
+    with pytest.raises(ValueError, match="cap"):
+        gateway.cap_concurrency(-1)
+
+
+async def test_adopt_holds_an_active_task_leased_elsewhere_with_its_bound(parts: Parts) -> None:
+    gateway, _ = parts.gateway(queues={"q": 1}, concurrency=1)
+    (task,) = await parts.leased(1, timeout=timedelta(seconds=60))
+    (foreign,) = await parts.leased(1, "elsewhere")
+
+    assert gateway.adopt(task)
+    assert (gateway.in_flight, gateway.timed) == (1, 1)
+    assert gateway.holds_lease(lease_of(task))
+    assert not gateway.adopt(task)  # held already
+    assert not gateway.adopt(foreign)  # not a queue it serves
+    # Adopted past the concurrency: it counts, whatever room there was.
+    (another,) = await parts.leased(1)
+    assert gateway.adopt(another)
+    assert (gateway.in_flight, gateway.free("q")) == (2, 0)
+
+
+async def test_a_closed_gateway_adopts_nothing(parts: Parts) -> None:
+    gateway, _ = parts.gateway()
+    (task,) = await parts.leased(1)
+    await gateway.close()
+    assert not gateway.adopt(task)
+
+
+async def test_forget_lets_a_delivery_go_without_a_broker_call(parts: Parts) -> None:
+    gateway, transport = parts.gateway()
+    (task,) = await parts.leased(1)
+    gateway.accept(offer([task]))
+
+    assert gateway.forget(lease_of(task))
+    assert not gateway.forget(lease_of(task))
+    assert gateway.in_flight == 0
+    assert transport.canceled == []
+    await gateway.close()  # nothing to release
+    assert await parts.state(task.id) == TaskState.ACTIVE
+
+
+async def test_fail_held_fails_the_attempt_with_the_backoff(parts: Parts) -> None:
+    gateway, _ = parts.gateway()
+    (task,) = await parts.leased(1)
+    gateway.accept(offer([task]))
+
+    assert await gateway.fail_held(lease_of(task), "stopped answering")
+    assert not await gateway.fail_held(lease_of(task), "again")
+
+    stored = await parts.broker.get_task(task.id)
+    assert (stored.state, stored.last_error) == (TaskState.RETRY, "stopped answering")
+    assert stored.available_at == parts.clock.now() + BACKOFF.delay(0)
+    assert gateway.in_flight == 0
+
+
+async def test_resolve_applies_a_result_held_or_not(parts: Parts) -> None:
+    gateway, _ = parts.gateway()
+    held, stranger, lost = await parts.leased(3)
+    gateway.accept(offer([held]))
+
+    assert await gateway.resolve(result(held, service_pb2.OUTCOME_SUCCESS), queue="q")
+    assert gateway.in_flight == 0
+    # Not held here (an earlier incarnation's delivery): the lease-scoped call only.
+    assert not await gateway.resolve(result(stranger, service_pb2.OUTCOME_SUCCESS), queue="x")
+    assert await gateway.resolve(result(stranger, service_pb2.OUTCOME_SKIP_RETRY), queue="q")
+    await parts.broker.release(lost.id, lease_of(lost))
+    assert not await gateway.resolve(result(lost, service_pb2.OUTCOME_SUCCESS))
+
+    assert await parts.state(held.id) == TaskState.COMPLETED
+    assert await parts.state(stranger.id) == TaskState.ARCHIVED
+    assert await parts.state(lost.id) == TaskState.PENDING
+    with pytest.raises(ValueError, match="final outcome"):
+        await gateway.resolve(service_pb2.Result(task_id=held.id))
+
+
+# -------------------------------------------------------------- outcomes
+
+
+async def test_outcomes_need_no_gateway(parts: Parts) -> None:
+    outcomes = Outcomes(
+        "responder", broker=parts.broker, acks=parts.acks, wakes=parts.wakes, config=parts.config
+    )
+    (task,) = await parts.leased(1, "a")
+    (foreign,) = await parts.leased(1, "b")
+
+    with pytest.raises(ValueError, match="not served"):
+        await outcomes.resolve(result(foreign, service_pb2.OUTCOME_SUCCESS), served={"a"})
+    assert await outcomes.resolve(result(task, service_pb2.OUTCOME_SUCCESS), served={"a"})
+    assert await parts.state(task.id) == TaskState.COMPLETED
+    assert await parts.state(foreign.id) == TaskState.ACTIVE
+
+
+async def test_a_failure_whose_retry_misses_the_deadline_is_archived(parts: Parts) -> None:
+    gateway, _ = parts.gateway()
+    deadline = parts.clock.now() + timedelta(milliseconds=500)  # before the 1 s backoff
+    (task,) = await parts.leased(1, deadline=deadline, max_retry=5)
+    gateway.accept(offer([task]))
+
+    assert await gateway.resolve(result(task, service_pb2.OUTCOME_FAILURE, error="nope"))
+
+    stored = await parts.broker.get_task(task.id)
+    assert stored.state == TaskState.ARCHIVED
+    assert stored.last_error == f"{DEADLINE_EXCEEDED_ERROR} (not retried): nope"
