@@ -282,8 +282,6 @@ class WebhookGateway:
         def closed(done: asyncio.Task[None]) -> None:
             if self._deliveries.get(lease_id) is done:
                 del self._deliveries[lease_id]
-            if lease_id not in self._parked:
-                self._parked.forget(lease_id)  # what the heartbeat told of its lease
             if not done.cancelled() and done.exception() is not None:
                 logger.error(
                     "webhook.delivery_crashed worker=%s task=%s",
@@ -295,6 +293,11 @@ class WebhookGateway:
                 crashed = Broken(f"webhook delivery failed: {done.exception()!r}")
                 if not self.gateway.closed:
                     self.gateway.on_results((as_result(crashed, env.id, lease_id),))
+            # Unless it is parked now, nothing about it is left to know (what the
+            # heartbeat told of its lease included).
+            parked = lease_id in self._parked and self.gateway.holds_lease(lease_id)
+            if not parked and self._parked.forget(lease_id):
+                self._apply_cap()
 
         task.add_done_callback(closed)
         if self._beat is None or self._beat.done():
