@@ -32,8 +32,7 @@ from conveyor import (
     Unavailable,
     spec,
 )
-from conveyor._codec import decode_value, encode_value
-from conveyor._convert import (
+from conveyor._clients.task_wire import (
     item_result_from_wire,
     options_from_wire,
     options_to_wire,
@@ -41,14 +40,15 @@ from conveyor._convert import (
     task_from_wire,
 )
 from conveyor._errors import error_from_rpc, error_from_status
-from conveyor._execution import (
+from conveyor._payload import decode_value, encode_value
+from conveyor._worker.execution import (
     MAX_ERROR_LEN,
     Registration,
     describe_exception,
     result_for_exception,
     time_limit,
 )
-from conveyor._outbox import Outbox, result_frames
+from conveyor._worker.outbox import Outbox, result_frames
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 

@@ -34,11 +34,11 @@ from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
 
-from conveyor._codec import Codec, JsonCodec, encode_value
-from conveyor._convert import duration_to_wire, timestamp_from_wire
+from conveyor._clients.transport import AsyncRpcClient, SyncRpcClient
 from conveyor._errors import InvalidArgument
-from conveyor._transport import AsyncRpcClient, SyncRpcClient
+from conveyor._payload import Codec, JsonCodec, encode_value
 from conveyor._types import DurationLike, to_timedelta
+from conveyor._wire_time import duration_to_wire, timestamp_from_wire
 
 __all__ = [
     "DEFAULT_TOLERANCE",

@@ -1,7 +1,7 @@
 """The worker: handler registry, lifecycle (run, stop, signals) and reconnects.
 
 One :class:`Worker` keeps one WorkerService.Session stream open at a time (see
-``docs/protocol.md``); :mod:`conveyor._session` speaks the stream itself.
+``docs/protocol.md``); :mod:`conveyor._worker.session` speaks the stream itself.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from typing import Any, TypeVar
 
 from conveyor_protos.v1 import service_pb2 as svc
 
-from conveyor._backoff import ReconnectBackoff
-from conveyor._client import DEFAULT_TARGET
-from conveyor._codec import Codec, JsonCodec
+from conveyor._channel import DEFAULT_TARGET
 from conveyor._errors import InvalidArgument, error_from_status
-from conveyor._execution import (
+from conveyor._payload import Codec, JsonCodec
+from conveyor._types import DurationLike, to_timedelta
+from conveyor._worker.execution import (
     Execution,
     Handler,
     Registration,
     result_for_exception,
 )
-from conveyor._session import FATAL_CODES, SessionEnded, SessionRunner
-from conveyor._types import DurationLike, to_timedelta
+from conveyor._worker.reconnect import ReconnectBackoff
+from conveyor._worker.session import FATAL_CODES, SessionEnded, SessionRunner
 
 logger = logging.getLogger("conveyor.worker")
 

@@ -2,7 +2,7 @@
 
 A :class:`SessionRunner` lives for one stream. It reads ServerFrames (Dispatch,
 Dispatches, Cancel, Ping), starts executions through its worker, writes Results, Progress
-and Heartbeats through an :class:`~conveyor._outbox.Outbox`, and raises
+and Heartbeats through an :class:`~conveyor._worker.outbox.Outbox`, and raises
 :class:`SessionEnded` when the stream ends on its own.
 """
 
@@ -20,15 +20,15 @@ import grpc.aio
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 
-from conveyor._client import CHANNEL_OPTIONS, auth_metadata
-from conveyor._context import TaskContext
-from conveyor._convert import duration_from_wire, timestamp_from_wire
-from conveyor._execution import DEFAULT_MAX_RESULT, Execution, make_result
-from conveyor._outbox import Outbox
+from conveyor._channel import CHANNEL_OPTIONS, auth_metadata
 from conveyor._version import __version__
+from conveyor._wire_time import duration_from_wire, timestamp_from_wire
+from conveyor._worker.context import TaskContext
+from conveyor._worker.execution import DEFAULT_MAX_RESULT, Execution, make_result
+from conveyor._worker.outbox import Outbox
 
 if TYPE_CHECKING:
-    from conveyor._worker import Worker
+    from conveyor._worker.worker import Worker
 
 logger = logging.getLogger("conveyor.worker")
 

@@ -16,12 +16,12 @@ from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 from google.protobuf.duration_pb2 import Duration
 
-from conveyor._codec import Codec, decode_value, encode_value
-from conveyor._context import TaskContext
 from conveyor._errors import SkipRetry
+from conveyor._payload import Codec, decode_value, encode_value
+from conveyor._worker.context import TaskContext
 
 if TYPE_CHECKING:
-    from conveyor._session import SessionRunner
+    from conveyor._worker.session import SessionRunner
 
 #: The error reported when an attempt outlives its timeout or the task's deadline.
 TIMED_OUT = "timed out"
