@@ -1,5 +1,6 @@
 """The asyncio operator client, :class:`AsyncAdminClient`, over the server's
-AdminService (its blocking twin :class:`AdminClient` is in ``admin_sync.py``)."""
+AdminService; scripts/gen_sync_clients.py turns it into the blocking
+:class:`AdminClient` (``admin_sync.py``)."""
 
 from __future__ import annotations
 

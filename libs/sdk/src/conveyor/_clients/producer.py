@@ -1,5 +1,5 @@
-"""The asyncio producer client, :class:`AsyncClient` (its blocking twin :class:`Client`
-is in ``producer_sync.py``)."""
+"""The asyncio producer client, :class:`AsyncClient`; scripts/gen_sync_clients.py turns
+it into the blocking :class:`Client` (``producer_sync.py``)."""
 
 from __future__ import annotations
 
