@@ -31,9 +31,9 @@ from conveyor import (
     TaskState,
     Unavailable,
     spec,
+    webhooks,
 )
-from conveyor._codec import decode_value, encode_value
-from conveyor._convert import (
+from conveyor._clients.task_wire import (
     item_result_from_wire,
     options_from_wire,
     options_to_wire,
@@ -41,14 +41,15 @@ from conveyor._convert import (
     task_from_wire,
 )
 from conveyor._errors import error_from_rpc, error_from_status
-from conveyor._execution import (
+from conveyor._payload import decode_value, encode_value
+from conveyor._worker.execution import (
     MAX_ERROR_LEN,
     Registration,
     describe_exception,
     result_for_exception,
     time_limit,
 )
-from conveyor._outbox import Outbox, result_frames
+from conveyor._worker.outbox import Outbox, result_frames
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 
@@ -107,6 +108,19 @@ def test_exported_names() -> None:
         assert hasattr(conveyor, name), name
 
 
+def test_webhooks_exported_names() -> None:
+    assert set(webhooks.__all__) == {
+        "DEFAULT_TOLERANCE",
+        "SIGNATURE_HEADER",
+        "AsyncCallbacks",
+        "Callbacks",
+        "Outcome",
+        "verify_signature",
+    }
+    for name in webhooks.__all__:
+        assert hasattr(webhooks, name), name
+
+
 def test_public_api_is_documented_and_proto_free() -> None:
     for name in sorted(EXPORTED - {"__version__"}):
         obj = getattr(conveyor, name)
@@ -122,6 +136,35 @@ def test_public_api_is_documented_and_proto_free() -> None:
 
 def test_version_matches_the_distribution() -> None:
     assert conveyor.__version__ == importlib.metadata.version("conveyor-sdk")
+
+
+@pytest.mark.parametrize(
+    ("blocking", "asyncio_twin"),
+    [
+        (conveyor.Client, conveyor.AsyncClient),
+        (conveyor.AdminClient, conveyor.AsyncAdminClient),
+        (webhooks.Callbacks, webhooks.AsyncCallbacks),
+    ],
+)
+def test_blocking_clients_have_the_methods_of_their_asyncio_twins(
+    blocking: type, asyncio_twin: type
+) -> None:
+    def methods(cls: type) -> dict[str, Any]:
+        return {
+            name: member
+            for name, member in vars(cls).items()
+            if callable(member) and (not name.startswith("_") or name == "__init__")
+        }
+
+    expected = methods(asyncio_twin)
+    assert methods(blocking).keys() == expected.keys()
+    assert len(expected) >= 3
+    for name, method in methods(blocking).items():
+        twin = expected[name]
+        assert inspect.signature(method).parameters == inspect.signature(twin).parameters, name
+        assert not inspect.iscoroutinefunction(method), name
+        assert not inspect.isasyncgenfunction(method), name
+        assert inspect.getdoc(method), name
 
 
 # --------------------------------------------------------------------------- codecs

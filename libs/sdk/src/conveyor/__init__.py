@@ -21,13 +21,18 @@ a delivery's signature, call back for asynchronous deliveries).
 from __future__ import annotations
 
 from conveyor import webhooks
-from conveyor._admin import AdminClient, AsyncAdminClient
-from conveyor._admin_types import BatchActionResult, QueueInfo, TaskEvent, TaskPage, WebhookWorker
-from conveyor._admin_wire import AsyncEventStream, EventStream
-from conveyor._backoff import ReconnectBackoff
-from conveyor._client import AsyncClient, Client
-from conveyor._codec import Codec, JsonCodec, RawCodec
-from conveyor._context import TaskContext
+from conveyor._clients.admin import AsyncAdminClient
+from conveyor._clients.admin_sync import AdminClient
+from conveyor._clients.admin_types import (
+    BatchActionResult,
+    QueueInfo,
+    TaskEvent,
+    TaskPage,
+    WebhookWorker,
+)
+from conveyor._clients.events import AsyncEventStream, EventStream
+from conveyor._clients.producer import AsyncClient
+from conveyor._clients.producer_sync import Client
 from conveyor._errors import (
     AlreadyExists,
     CodecError,
@@ -44,6 +49,7 @@ from conveyor._errors import (
     Unavailable,
     WebhookWorkerNotFound,
 )
+from conveyor._payload import Codec, JsonCodec, RawCodec
 from conveyor._types import (
     EnqueueResult,
     OnFailure,
@@ -54,7 +60,9 @@ from conveyor._types import (
     spec,
 )
 from conveyor._version import __version__
-from conveyor._worker import Worker
+from conveyor._worker.context import TaskContext
+from conveyor._worker.reconnect import ReconnectBackoff
+from conveyor._worker.worker import Worker
 
 __all__ = [
     "AdminClient",

@@ -1,4 +1,5 @@
-"""Running one delivery: the handler call, its time bound, and the Result it produces."""
+"""Running one delivery: its context, the handler call, its time bound, and the Result it
+sends back on the session the delivery came on."""
 
 from __future__ import annotations
 
@@ -7,21 +8,21 @@ import concurrent.futures
 import contextlib
 import contextvars
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
-from google.protobuf.duration_pb2 import Duration
 
-from conveyor._codec import Codec, decode_value, encode_value
-from conveyor._context import TaskContext
 from conveyor._errors import SkipRetry
+from conveyor._payload import Codec, decode_value, encode_value
+from conveyor._wire_time import duration_from_wire, duration_to_wire, timestamp_from_wire
+from conveyor._worker.context import TaskContext
 
-if TYPE_CHECKING:
-    from conveyor._session import SessionRunner
+logger = logging.getLogger("conveyor.worker")
 
 #: The error reported when an attempt outlives its timeout or the task's deadline.
 TIMED_OUT = "timed out"
@@ -91,9 +92,7 @@ def make_result(
         task_id=task_id, lease_id=lease_id, outcome=outcome, result=result, error=error
     )
     if retry_after is not None:
-        duration = Duration()
-        duration.FromTimedelta(retry_after)
-        message.retry_after.CopyFrom(duration)
+        message.retry_after.CopyFrom(duration_to_wire(retry_after))
     return message
 
 
@@ -127,24 +126,50 @@ def time_limit(timeout: timedelta | None, deadline: datetime | None, now: dateti
     return min(limits) if limits else None
 
 
+class Origin(Protocol):
+    """The session a delivery came on, as the delivery's execution sees it: where its
+    Result and progress updates go."""
+
+    @property
+    def live(self) -> bool:
+        """True while the session's stream is up (afterwards nothing more is sent)."""
+        ...
+
+    @property
+    def max_result(self) -> int:
+        """The largest encoded result the session sends."""
+        ...
+
+    def send(self, result: svc.Result) -> None:
+        """Queue the delivery's Result."""
+        ...
+
+    def send_progress(self, task_id: str, lease_id: str, data: bytes) -> None:
+        """Queue a Progress update of the delivery."""
+        ...
+
+
 class Execution:
-    """One delivery being run: the asyncio task around the handler and its bookkeeping.
+    """One delivery being run: its context, the asyncio task around the handler, and what
+    it sends back on the session the delivery came on (its ``origin``).
 
     The task's value is the Result to send. Outside cancellation (a server Cancel, the
-    worker's shutdown) cancels the task, and the worker decides what, if anything, to
-    send; a timeout instead makes the task return a ``FAILURE "timed out"`` Result.
+    worker's shutdown) cancels the task, and the delivery is given back (RELEASE) unless
+    the server cancelled it or it was already given back; a timeout instead makes the
+    task return a ``FAILURE "timed out"`` Result.
     """
 
     __slots__ = (
-        "_on_done",
+        "_codec",
+        "_on_finished",
         "_timer",
         "ctx",
         "envelope",
         "key",
+        "origin",
         "registration",
         "released",
         "reported",
-        "session",
         "suppressed",
         "task",
         "thread_future",
@@ -155,15 +180,32 @@ class Execution:
         self,
         envelope: pb.TaskEnvelope,
         registration: Registration,
-        ctx: TaskContext,
-        session: SessionRunner,
+        origin: Origin,
+        codec: Codec,
     ) -> None:
         self.envelope = envelope
         #: (task id, lease id): the delivery's identity.
         self.key: tuple[str, str] = (envelope.id, envelope.lease_id)
         self.registration = registration
-        self.ctx = ctx
-        self.session = session
+        self.origin = origin
+        self._codec = codec
+        self.ctx = TaskContext(
+            task_id=envelope.id,
+            queue=envelope.queue,
+            type=envelope.type,
+            attempt=envelope.attempt,
+            max_retry=envelope.max_retry,
+            headers=dict(envelope.headers),
+            timeout=duration_from_wire(envelope, "timeout") or None,
+            deadline=timestamp_from_wire(envelope, "deadline"),
+            enqueued_at=timestamp_from_wire(envelope, "enqueued_at"),
+            group=envelope.group or None,
+            concurrency_key=envelope.concurrency_key or None,
+            lease_id=envelope.lease_id,
+            codec=codec,
+            emit_progress=self._emit_progress,
+            loop=asyncio.get_running_loop(),
+        )
         self.task: asyncio.Task[svc.Result] | None = None
         self.thread_future: concurrent.futures.Future[Any] | None = None
         self.timed_out = False
@@ -171,10 +213,10 @@ class Execution:
         self.suppressed = False
         #: A RELEASE was already sent for this delivery: send nothing more.
         self.released = False
-        #: The worker has dealt with the task's outcome.
+        #: The task's outcome has been dealt with.
         self.reported = False
         self._timer: asyncio.TimerHandle | None = None
-        self._on_done: Callable[[Execution], None] | None = None
+        self._on_finished: Callable[[Execution], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -184,25 +226,31 @@ class Execution:
         return task_done and thread_done
 
     def start(
-        self,
-        codec: Codec,
-        pool: concurrent.futures.Executor,
-        on_done: Callable[[Execution], None],
+        self, pool: concurrent.futures.Executor, on_finished: Callable[[Execution], None]
     ) -> None:
-        """Start the handler task; ``on_done`` runs (on the loop) when it and any handler
-        thread have finished, possibly twice (once per event): check :attr:`finished`."""
+        """Start the handler task (a sync handler runs in ``pool``). Its Result goes to
+        the origin session when the task is done; ``on_finished`` runs once (on the loop)
+        when the task and any handler thread are both done."""
         loop = asyncio.get_running_loop()
-        self._on_done = on_done
+        self._on_finished = on_finished
         ctx = self.ctx
         limit = (
             time_limit(ctx.timeout, ctx.deadline, datetime.now(UTC))
             if ctx.timeout is not None or ctx.deadline is not None
             else None
         )
-        self.task = loop.create_task(self._run(codec, pool, limit), name=f"conveyor:{self.key[0]}")
-        self.task.add_done_callback(lambda _: on_done(self))
+        self.task = loop.create_task(
+            self._run(self._codec, pool, limit), name=f"conveyor:{self.key[0]}"
+        )
+        self.task.add_done_callback(self._settled)
         if limit is not None:
             self._timer = loop.call_later(max(limit, 0.0), self._expire)
+
+    def release(self) -> None:
+        """Give the delivery back untouched (RELEASE); nothing more is sent for it."""
+        if not self.suppressed and not self.released:
+            self.released = True
+            self.origin.send(make_result(*self.key, svc.OUTCOME_RELEASE))
 
     def cancel(self, reason: str) -> None:
         """Cancel the handler: flag its context, then cancel the asyncio task."""
@@ -213,6 +261,39 @@ class Execution:
     def _expire(self) -> None:
         self.timed_out = True
         self.cancel(TIMED_OUT)
+
+    def _emit_progress(self, data: bytes) -> None:
+        if not (self.reported or self.suppressed or self.released):
+            self.origin.send_progress(*self.key, data)
+
+    def _settled(self, *_: object) -> None:
+        """The task or the handler thread is done: report the task's outcome once, and
+        call ``on_finished`` once both are done (in whichever order they end)."""
+        task = self.task
+        if task is not None and task.done() and not self.reported:
+            self.reported = True
+            self._report(task)
+        on_finished = self._on_finished
+        if on_finished is not None and self.finished:
+            self._on_finished = None
+            on_finished(self)
+
+    def _report(self, task: asyncio.Task[svc.Result]) -> None:
+        if self.suppressed or self.released:
+            return
+        if task.cancelled():
+            self.release()
+            return
+        exc = task.exception()
+        if exc is not None:
+            logger.error("worker.execution_crashed task_id=%s", self.key[0], exc_info=exc)
+            result = result_for_exception(*self.key, exc)
+        else:
+            result = task.result()
+        if not self.origin.live:
+            logger.debug("worker.result_dropped task_id=%s reason=session_ended", self.key[0])
+            return
+        self.origin.send(result)
 
     async def _run(
         self, codec: Codec, pool: concurrent.futures.Executor, limit: float | None
@@ -249,7 +330,7 @@ class Execution:
         except Exception as exc:
             error = f"cannot encode result: {describe_exception(exc)}"
             return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=truncate(error))
-        limit = self.session.max_result
+        limit = self.origin.max_result
         if len(data) > limit:
             # A frame past the server's receive limit would end the whole session (and
             # the task would come back for ever): fail the attempt with the reason instead.
@@ -268,11 +349,9 @@ class Execution:
         loop = asyncio.get_running_loop()
 
         def thread_done(_: concurrent.futures.Future[Any]) -> None:
-            on_done = self._on_done
-            if on_done is not None:
-                # A closed loop means the worker is gone.
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(on_done, self)
+            # A closed loop means the worker is gone.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._settled)
 
         future.add_done_callback(thread_done)
         try:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from conveyor._codec import Codec, encode_value
+from conveyor._payload import Codec, encode_value
 
 # Guards the lazy creation of a context's threading.Event against a concurrent cancel.
 # Most runs never need the Event (only a sync handler waiting on cancellation does), and

@@ -1,4 +1,5 @@
-"""Codecs turn payloads, results and progress values into the bytes on the wire."""
+"""Payloads, results and progress values as the bytes on the wire: the codecs that
+encode them, and the rule that empty bytes mean "no value"."""
 
 from __future__ import annotations
 

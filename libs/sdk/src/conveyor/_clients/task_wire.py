@@ -1,23 +1,21 @@
-"""Conversions between the SDK's types and the wire (protobuf) messages.
+"""Tasks on the wire: the SDK's specs, options, states and task snapshots as protobuf
+messages, and back.
 
-Everything proto-shaped stays in this module and the transport modules; the public API
+Everything proto-shaped stays in the ``*_wire`` modules and the transport; the public API
 only ever sees the SDK's own dataclasses.
 """
 
 from __future__ import annotations
 
 import functools
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
-from google.protobuf.duration_pb2 import Duration
-from google.protobuf.message import Message
-from google.protobuf.timestamp_pb2 import Timestamp
 
-from conveyor._codec import Codec, decode_value, encode_value
 from conveyor._errors import CodecError, ConveyorError, InvalidArgument, error_from_status
+from conveyor._payload import Codec, decode_value, encode_value
 from conveyor._types import (
     EnqueueResult,
     OnFailure,
@@ -25,6 +23,12 @@ from conveyor._types import (
     TaskOptions,
     TaskSpec,
     TaskState,
+)
+from conveyor._wire_time import (
+    duration_from_wire,
+    duration_to_wire,
+    timestamp_from_wire,
+    timestamp_to_wire,
 )
 
 _STATE_FROM_WIRE: dict[int, TaskState] = {
@@ -44,41 +48,6 @@ _ON_FAILURE_TO_WIRE: dict[OnFailure, pb.OnFailure] = {
     OnFailure.CASCADE_CANCEL: pb.ON_FAILURE_CASCADE_CANCEL,
 }
 _ON_FAILURE_FROM_WIRE: dict[int, OnFailure] = {v: k for k, v in _ON_FAILURE_TO_WIRE.items()}
-
-
-def duration_to_wire(value: timedelta) -> Duration:
-    """A protobuf Duration for ``value``."""
-    message = Duration()
-    message.FromTimedelta(value)
-    return message
-
-
-def timestamp_to_wire(value: datetime) -> Timestamp:
-    """A protobuf Timestamp for the aware datetime ``value``."""
-    message = Timestamp()
-    message.FromDatetime(value)
-    return message
-
-
-def duration_from_wire(owner: Message, name: str) -> timedelta | None:
-    """Field ``name`` of ``owner`` as a timedelta, or None when unset."""
-    if not owner.HasField(name):
-        return None
-    value: Duration = getattr(owner, name)
-    return value.ToTimedelta()
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def timestamp_from_wire(owner: Message, name: str) -> datetime | None:
-    """Field ``name`` of ``owner`` as an aware UTC datetime, or None when unset."""
-    if not owner.HasField(name):
-        return None
-    value: Timestamp = getattr(owner, name)
-    # What ToDatetime(tzinfo=UTC) returns, for a fraction of its cost: every delivery and
-    # every task read back converts a few of these.
-    return _EPOCH + timedelta(seconds=value.seconds, microseconds=value.nanos // 1000)
 
 
 # Most tasks of a program share a handful of option sets (often none at all), and a batch

@@ -1,9 +1,10 @@
 """One WorkerService.Session stream: handshake, frames in and out, graceful close.
 
 A :class:`SessionRunner` lives for one stream. It reads ServerFrames (Dispatch,
-Dispatches, Cancel, Ping), starts executions through its worker, writes Results, Progress
-and Heartbeats through an :class:`~conveyor._outbox.Outbox`, and raises
-:class:`SessionEnded` when the stream ends on its own.
+Dispatches, Cancel, Ping), runs the deliveries it takes on in the worker's
+:class:`~conveyor._worker.slots.Slots`, writes Results, Progress and Heartbeats through an
+:class:`~conveyor._worker.outbox.Outbox`, and raises :class:`SessionEnded` when the stream
+ends on its own.
 """
 
 from __future__ import annotations
@@ -11,24 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import grpc.aio
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 
-from conveyor._client import CHANNEL_OPTIONS, auth_metadata
-from conveyor._context import TaskContext
-from conveyor._convert import duration_from_wire, timestamp_from_wire
-from conveyor._execution import DEFAULT_MAX_RESULT, Execution, make_result
-from conveyor._outbox import Outbox
+from conveyor._channel import CHANNEL_OPTIONS, auth_metadata
 from conveyor._version import __version__
-
-if TYPE_CHECKING:
-    from conveyor._worker import Worker
+from conveyor._wire_time import duration_from_wire
+from conveyor._worker.execution import DEFAULT_MAX_RESULT, Registration, make_result
+from conveyor._worker.outbox import Outbox
+from conveyor._worker.slots import Slots
 
 logger = logging.getLogger("conveyor.worker")
 
@@ -47,6 +46,22 @@ DEFAULT_HEARTBEAT = timedelta(seconds=10)
 #: at once, so a lone result never waits.
 WRITE_INTERVAL = 0.001
 _HEARTBEAT = svc.WorkerFrame(heartbeat=svc.Heartbeat())
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    """What a session needs to know about its worker: where to connect, how to
+    authenticate, and what to say in Hello."""
+
+    target: str
+    token: str | None
+    queues: Mapping[str, int]
+    concurrency: int
+    labels: Mapping[str, str]
+    worker_id: str
+    min_server_version: str
+    #: The worker's own result limit; None takes the one the server announces.
+    max_result_size: int | None
 
 
 class SessionEnded(Exception):
@@ -80,7 +95,7 @@ def _status_of(exc: BaseException) -> tuple[str, str] | None:
 
 
 class SessionRunner:
-    """Runs one session of ``worker``.
+    """Runs one session of a worker, whose ``handlers`` run in its ``slots``.
 
     Hello always offers the worker's whole concurrency. Handlers of an earlier session
     may still be running (their results are dropped, but they hold real slots): a
@@ -89,17 +104,22 @@ class SessionRunner:
     Only a dispatch beyond the session's offer (a misbehaving server) is given back.
     """
 
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
+    def __init__(
+        self, settings: SessionSettings, handlers: Mapping[str, Registration], slots: Slots
+    ) -> None:
+        self.settings = settings
+        self.handlers = handlers
+        self.slots = slots
         self.outbox = Outbox()
         self.session_id: str | None = None
         self.live = False
         #: The largest result this session sends: the worker's own limit, else the one
         #: the server announced in Welcome.
         self.max_result = (
-            DEFAULT_MAX_RESULT if worker.max_result_size is None else worker.max_result_size
+            DEFAULT_MAX_RESULT if settings.max_result_size is None else settings.max_result_size
         )
-        self.waiting: dict[tuple[str, str], pb.TaskEnvelope] = {}
+        #: Deliveries taken on while every slot was busy, oldest first.
+        self.waiting: dict[tuple[str, str], tuple[pb.TaskEnvelope, Registration]] = {}
         #: Deliveries of this session not answered yet (running here, or waiting).
         self.holding: set[tuple[str, str]] = set()
         self._call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame] | None = None
@@ -108,22 +128,22 @@ class SessionRunner:
 
     def hello(self) -> svc.Hello:
         """The Hello frame this session opens with."""
-        worker = self.worker
+        settings = self.settings
         return svc.Hello(
-            queues=worker.queues,
-            concurrency=worker.concurrency,
-            labels=worker.labels,
+            queues=settings.queues,
+            concurrency=settings.concurrency,
+            labels=settings.labels,
             sdk_version=__version__,
-            min_server_version=worker.min_server_version,
+            min_server_version=settings.min_server_version,
             batch_types=[],
-            worker_id=worker.worker_id,
+            worker_id=settings.worker_id,
             accepts_dispatches=True,
         )
 
     async def run(self) -> None:
         """Open the stream and serve it. Returns after a graceful close; raises
         :class:`SessionEnded` when the stream ended for any other reason."""
-        channel = grpc.aio.insecure_channel(self.worker.target, options=CHANNEL_OPTIONS)
+        channel = grpc.aio.insecure_channel(self.settings.target, options=CHANNEL_OPTIONS)
         try:
             session: grpc.aio.StreamStreamMultiCallable[svc.WorkerFrame, svc.ServerFrame]
             session = channel.stream_stream(
@@ -131,7 +151,7 @@ class SessionRunner:
                 request_serializer=svc.WorkerFrame.SerializeToString,
                 response_deserializer=svc.ServerFrame.FromString,
             )
-            call = session(metadata=auth_metadata(self.worker._token))
+            call = session(metadata=auth_metadata(self.settings.token))
             self._call = call
             welcome = await self._handshake(call)
             if welcome is None:
@@ -151,7 +171,7 @@ class SessionRunner:
     ) -> svc.Welcome | None:
         """Send Hello and wait for Welcome; None when a stop came first."""
         hello = svc.WorkerFrame(hello=self.hello())
-        stop = asyncio.ensure_future(self.worker._stop_event_wait())
+        stop = asyncio.ensure_future(self.slots.stopped())
         read: asyncio.Future[Any] | None = None
         try:
             try:
@@ -199,13 +219,13 @@ class SessionRunner:
     def _welcomed(self, welcome: svc.Welcome) -> None:
         self.session_id = welcome.session_id
         self.live = True
-        if self.worker.max_result_size is None and welcome.max_result > 0:
+        if self.settings.max_result_size is None and welcome.max_result > 0:
             self.max_result = welcome.max_result
         logger.info(
             "worker.session_started session_id=%s server_version=%s concurrency=%d",
             welcome.session_id,
             welcome.server_version,
-            self.worker.concurrency,
+            self.settings.concurrency,
         )
 
     def _heartbeat_interval(self, welcome: svc.Welcome) -> float:
@@ -223,7 +243,7 @@ class SessionRunner:
         reader = asyncio.ensure_future(self._read_loop(call))
         writer = asyncio.ensure_future(self._write_loop(call))
         heart = asyncio.ensure_future(self._heartbeat_loop(self._heartbeat_interval(welcome)))
-        stop = asyncio.ensure_future(self.worker._stop_event_wait())
+        stop = asyncio.ensure_future(self.slots.stopped())
         tasks = (reader, writer, heart, stop)
         try:
             done, _ = await asyncio.wait(
@@ -258,10 +278,10 @@ class SessionRunner:
     ) -> None:
         """Shutdown, steps 2 to 4: grace period, RELEASE the rest, half-close."""
         self.release_waiting()
-        await self.worker._wait_drained()
-        for execution in self.worker._running():
-            if execution.session is self and not execution.reported:
-                self.release(execution)
+        await self.slots.drained()
+        for execution in self.slots.executions():
+            if execution.origin is self and not execution.reported:
+                execution.release()
             execution.cancel("worker shutting down")
         self.outbox.close()
         await asyncio.wait({writer}, timeout=CLOSE_TIMEOUT)
@@ -317,69 +337,64 @@ class SessionRunner:
     # ---------------------------------------------------------------- frames in
 
     def on_dispatch(self, envelope: pb.TaskEnvelope) -> None:
-        """Start a dispatched task, or answer it at once when it cannot run here."""
-        worker = self.worker
+        """Run a dispatched task, hold it until a slot frees, or answer it at once when
+        it cannot run here."""
         key = (envelope.id, envelope.lease_id)
+        registration = self._take_on(envelope, key)
+        if registration is None:
+            return
+        self.holding.add(key)
+        if self.slots.full:
+            logger.info("worker.dispatch_waiting task_id=%s", envelope.id)
+            self.waiting[key] = (envelope, registration)
+        else:
+            self.slots.start(envelope, registration, self)
+
+    def _take_on(self, envelope: pb.TaskEnvelope, key: tuple[str, str]) -> Registration | None:
+        """The handler to run a dispatch with; None when the dispatch was answered at once
+        (RELEASE, or FAILURE for want of a handler) or must be ignored."""
         if not envelope.id or not envelope.lease_id:
             logger.warning("worker.dispatch_malformed task_id=%s", envelope.id)
-            return
+            return None
         if self.outbox.closed:
             # Half-closed: nothing can be written any more; the server releases every
             # task the session holds when the stream ends.
             logger.info("worker.dispatch_after_close task_id=%s", envelope.id)
-            return
-        if worker.stopping:
+            return None
+        if self.slots.stopping:
             self.send(make_result(*key, svc.OUTCOME_RELEASE))
-            return
-        if worker._execution(key) is not None or key in self.waiting:
+            return None
+        if self.slots.get(key) is not None or key in self.waiting:
             logger.warning("worker.dispatch_duplicate task_id=%s lease_id=%s", *key)
-            return
-        if len(self.holding) >= worker.concurrency:
+            return None
+        concurrency = self.settings.concurrency
+        if len(self.holding) >= concurrency:
             logger.warning(
                 "worker.dispatch_over_capacity task_id=%s held=%d concurrency=%d",
                 envelope.id,
                 len(self.holding),
-                worker.concurrency,
+                concurrency,
             )
             self.send(make_result(*key, svc.OUTCOME_RELEASE))
-            return
-        if worker._handler(envelope.type) is None:
+            return None
+        registration = self.handlers.get(envelope.type)
+        if registration is None:
             logger.warning("worker.no_handler task_id=%s type=%s", envelope.id, envelope.type)
             error = f"no handler for type {envelope.type}"
             self.send(make_result(*key, svc.OUTCOME_FAILURE, error=error))
-            return
-        self.holding.add(key)
-        if worker.running >= worker.concurrency:
-            logger.info("worker.dispatch_waiting task_id=%s", envelope.id)
-            self.waiting[key] = envelope
-            return
-        self._start(envelope)
-
-    def _start(self, envelope: pb.TaskEnvelope) -> None:
-        worker = self.worker
-        registration = worker._handler(envelope.type)
-        assert registration is not None
-        execution: Execution | None = None
-
-        def emit_progress(data: bytes) -> None:
-            if execution is not None:
-                self.send_progress(execution, data)
-
-        execution = Execution(envelope, registration, self._context(envelope, emit_progress), self)
-        worker._add_execution(execution)
-        execution.start(worker.codec, worker._pool_executor(), worker._execution_done)
+        return registration
 
     def slot_freed(self) -> None:
         """A local slot freed: start the oldest waiting dispatch (RELEASE it when
         stopping)."""
-        worker = self.worker
-        while self.waiting and worker.running < worker.concurrency:
+        slots = self.slots
+        while self.waiting and not slots.full:
             key = next(iter(self.waiting))
-            envelope = self.waiting.pop(key)
-            if worker.stopping:
+            envelope, registration = self.waiting.pop(key)
+            if slots.stopping:
                 self.send(make_result(*key, svc.OUTCOME_RELEASE))
             else:
-                self._start(envelope)
+                slots.start(envelope, registration, self)
 
     def release_waiting(self) -> None:
         """Give back every dispatch still waiting for a slot."""
@@ -402,12 +417,10 @@ class SessionRunner:
         if self.waiting.pop((cancel.task_id, cancel.lease_id), None) is not None:
             logger.info("worker.cancel_waiting task_id=%s", cancel.task_id)
             return
-        execution = self.worker._execution((cancel.task_id, cancel.lease_id))
+        execution = self.slots.get((cancel.task_id, cancel.lease_id))
         if execution is None and not cancel.lease_id:
-            execution = next(
-                (e for e in self.worker._running() if e.envelope.id == cancel.task_id), None
-            )
-        if execution is None or execution.session is not self:
+            execution = self.slots.find(cancel.task_id)
+        if execution is None or execution.origin is not self:
             logger.debug("worker.cancel_unknown task_id=%s", cancel.task_id)
             return
         logger.info("worker.cancel task_id=%s reason=%s", cancel.task_id, cancel.reason)
@@ -419,28 +432,6 @@ class SessionRunner:
             else "cancelled by the server"
         )
 
-    def _context(
-        self, envelope: pb.TaskEnvelope, emit_progress: Callable[[bytes], None]
-    ) -> TaskContext:
-        worker = self.worker
-        return TaskContext(
-            task_id=envelope.id,
-            queue=envelope.queue,
-            type=envelope.type,
-            attempt=envelope.attempt,
-            max_retry=envelope.max_retry,
-            headers=dict(envelope.headers),
-            timeout=duration_from_wire(envelope, "timeout") or None,
-            deadline=timestamp_from_wire(envelope, "deadline"),
-            enqueued_at=timestamp_from_wire(envelope, "enqueued_at"),
-            group=envelope.group or None,
-            concurrency_key=envelope.concurrency_key or None,
-            lease_id=envelope.lease_id,
-            codec=worker.codec,
-            emit_progress=emit_progress,
-            loop=asyncio.get_running_loop(),
-        )
-
     # --------------------------------------------------------------- frames out
 
     def send(self, result: svc.Result) -> None:
@@ -449,14 +440,7 @@ class SessionRunner:
         if self.live:
             self.outbox.put_result(result)
 
-    def send_progress(self, execution: Execution, data: bytes) -> None:
+    def send_progress(self, task_id: str, lease_id: str, data: bytes) -> None:
         """Queue a Progress frame for a running delivery of this session."""
-        running = not (execution.reported or execution.suppressed or execution.released)
-        if self.live and execution.session is self and running:
-            self.outbox.put_progress(execution.envelope.id, execution.envelope.lease_id, data)
-
-    def release(self, execution: Execution) -> None:
-        """Give a delivery back untouched (RELEASE); nothing more is sent for it."""
-        if not execution.suppressed and not execution.released:
-            execution.released = True
-            self.send(make_result(*execution.key, svc.OUTCOME_RELEASE))
+        if self.live:
+            self.outbox.put_progress(task_id, lease_id, data)

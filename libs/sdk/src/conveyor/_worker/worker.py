@@ -1,7 +1,8 @@
 """The worker: handler registry, lifecycle (run, stop, signals) and reconnects.
 
 One :class:`Worker` keeps one WorkerService.Session stream open at a time (see
-``docs/protocol.md``); :mod:`conveyor._session` speaks the stream itself.
+``docs/protocol.md``); :mod:`conveyor._worker.session` speaks the stream itself, and the
+deliveries run in the :class:`~conveyor._worker.slots.Slots` of the worker's run.
 """
 
 from __future__ import annotations
@@ -18,20 +19,14 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from conveyor_protos.v1 import service_pb2 as svc
-
-from conveyor._backoff import ReconnectBackoff
-from conveyor._client import DEFAULT_TARGET
-from conveyor._codec import Codec, JsonCodec
+from conveyor._channel import DEFAULT_TARGET
 from conveyor._errors import InvalidArgument, error_from_status
-from conveyor._execution import (
-    Execution,
-    Handler,
-    Registration,
-    result_for_exception,
-)
-from conveyor._session import FATAL_CODES, SessionEnded, SessionRunner
+from conveyor._payload import Codec, JsonCodec
 from conveyor._types import DurationLike, to_timedelta
+from conveyor._worker.execution import Handler, Registration
+from conveyor._worker.reconnect import ReconnectBackoff
+from conveyor._worker.session import FATAL_CODES, SessionEnded, SessionRunner, SessionSettings
+from conveyor._worker.slots import Slots
 
 logger = logging.getLogger("conveyor.worker")
 
@@ -133,13 +128,8 @@ class Worker:
         self._handlers: dict[str, Registration] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_early = False
-        self._stop_event: asyncio.Event | None = None
-        self._changed: asyncio.Event | None = None
-        self._stopping = False
-        self._force = False
-        self._grace_deadline: float | None = None
-        self._executions: dict[tuple[str, str], Execution] = {}
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: The slots of the current (or last) run.
+        self._slots: Slots | None = None
         self._runner: SessionRunner | None = None
 
     # ------------------------------------------------------------------ registry
@@ -175,7 +165,14 @@ class Worker:
     @property
     def running(self) -> int:
         """How many handlers run right now (including ones still finishing in a thread)."""
-        return len(self._executions)
+        slots = self._slots
+        return slots.running if slots is not None else 0
+
+    @property
+    def stopping(self) -> bool:
+        """True once shutdown began."""
+        slots = self._slots
+        return slots is not None and slots.stopping
 
     @property
     def session_id(self) -> str | None:
@@ -206,14 +203,14 @@ class Worker:
         if self._loop is not None:
             raise RuntimeError("this worker is already running")
         loop = asyncio.get_running_loop()
-        self._loop = loop
-        self._stop_event = asyncio.Event()
-        self._changed = asyncio.Event()
-        self._stopping = self._force = False
-        self._grace_deadline = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(
+        pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.concurrency, thread_name_prefix="conveyor-handler"
         )
+        slots = Slots(
+            concurrency=self.concurrency, codec=self.codec, pool=pool, on_free=self._slot_freed
+        )
+        self._slots = slots
+        self._loop = loop
         installed = self._install_signals(loop) if handle_signals else []
         if self._stop_early:
             self._request_stop(force=False)
@@ -227,12 +224,12 @@ class Worker:
             ",".join(self.task_types),
         )
         try:
-            await self._serve()
+            await self._serve(slots)
         finally:
-            await self._finish()
+            await _finish(slots)
             for sig in installed:
                 loop.remove_signal_handler(sig)
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)
             self._loop = None
             self._stop_early = False
             logger.info("worker.stopped worker_id=%s", self.worker_id)
@@ -254,16 +251,11 @@ class Worker:
             loop.call_soon_threadsafe(self._request_stop, force)
 
     def _request_stop(self, force: bool) -> None:
-        if force:
-            self._force = True
-        if not self._stopping:
+        slots = self._slots
+        assert slots is not None, "the worker is not running"
+        if not slots.stopping:
             logger.info("worker.stopping worker_id=%s force=%s", self.worker_id, force)
-            loop = asyncio.get_running_loop()
-            self._grace_deadline = loop.time() + self.grace_period.total_seconds()
-        self._stopping = True
-        if self._stop_event is not None:
-            self._stop_event.set()
-        self._notify()
+        slots.stop(force=force, grace_period=self.grace_period)
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> list[int]:
         installed: list[int] = []
@@ -277,18 +269,21 @@ class Worker:
 
     def _on_signal(self, sig: int) -> None:
         logger.info("worker.signal signal=%s", signal.Signals(sig).name)
-        self._request_stop(force=self._stopping)
+        self._request_stop(force=self.stopping)
 
     # ------------------------------------------------------------ the main loop
 
-    async def _serve(self) -> None:
-        assert self._stop_event is not None
+    async def _serve(self, slots: Slots) -> None:
         attempt = 0
         while True:
-            await self._wait_for_free_slot()
-            if self._stopping:
+            while slots.full and not slots.stopping:
+                # Handlers of a broken session keep running; connecting while they fill
+                # every slot would only take tasks that wait here while other workers
+                # could run them.
+                await slots.wait_changed(None)
+            if slots.stopping:
                 return
-            runner = SessionRunner(self)
+            runner = SessionRunner(self._session_settings(), self._handlers, slots)
             self._runner = runner
             try:
                 await runner.run()
@@ -310,116 +305,41 @@ class Worker:
                     ended.details,
                     delay,
                 )
-                await self._sleep_unless_stopped(delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(slots.stopped(), delay)
             else:
                 return
             finally:
                 self._runner = None
 
-    async def _sleep_unless_stopped(self, delay: float) -> None:
-        assert self._stop_event is not None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop_event.wait(), delay)
+    def _session_settings(self) -> SessionSettings:
+        return SessionSettings(
+            target=self.target,
+            token=self._token,
+            queues=self.queues,
+            concurrency=self.concurrency,
+            labels=self.labels,
+            worker_id=self.worker_id,
+            min_server_version=self.min_server_version,
+            max_result_size=self.max_result_size,
+        )
 
-    async def _wait_for_free_slot(self) -> None:
-        # Handlers of a broken session keep running; connecting while they fill every
-        # slot would only take tasks that wait here while other workers could run them.
-        while len(self._executions) >= self.concurrency and not self._stopping:
-            await self._wait_changed(None)
-
-    async def _wait_changed(self, limit: float | None) -> None:
-        assert self._changed is not None
-        self._changed.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), limit)
-
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-
-    async def _wait_drained(self) -> None:
-        """Wait until every handler finished, or the grace period that began with the
-        stop request is over (at once when forced)."""
-        loop = asyncio.get_running_loop()
-        deadline = self._grace_deadline
-        if deadline is None:
-            return
-        while self._executions and not self._force:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            await self._wait_changed(remaining)
-
-    async def _finish(self) -> None:
-        """Let handlers still running finish within the grace period (when stopping; on
-        an error they are cancelled at once), then wait briefly for them to unwind."""
-        await self._wait_drained()
-        for execution in list(self._executions.values()):
-            execution.cancel("worker stopped")
-        tasks = [e.task for e in self._executions.values() if e.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=_UNWIND_TIMEOUT)
-
-    # ------------------------------------------------- hooks used by the session
-
-    @property
-    def stopping(self) -> bool:
-        """True once shutdown began."""
-        return self._stopping
-
-    async def _stop_event_wait(self) -> None:
-        assert self._stop_event is not None
-        await self._stop_event.wait()
-
-    def _pool_executor(self) -> concurrent.futures.Executor:
-        assert self._pool is not None, "the worker is not running"
-        return self._pool
-
-    def _execution(self, key: tuple[str, str]) -> Execution | None:
-        return self._executions.get(key)
-
-    def _running(self) -> list[Execution]:
-        return list(self._executions.values())
-
-    def _handler(self, type: str) -> Registration | None:
-        return self._handlers.get(type)
-
-    def _add_execution(self, execution: Execution) -> None:
-        # An execution holds its slot until its task and any handler thread are done.
-        self._executions[execution.key] = execution
-
-    def _execution_done(self, execution: Execution) -> None:
-        """Report a finished handler to its session, and free its slot once it is
-        entirely finished (a cancelled sync handler may outlive its task)."""
-        task = execution.task
-        if task is not None and task.done() and not execution.reported:
-            execution.reported = True
-            self._report(execution, task)
-        if not execution.finished or self._executions.get(execution.key) is not execution:
-            return
-        del self._executions[execution.key]
-        self._notify()
+    def _slot_freed(self) -> None:
         runner = self._runner
         if runner is not None and runner.live:
             runner.slot_freed()
 
-    def _report(self, execution: Execution, task: asyncio.Task[svc.Result]) -> None:
-        runner = execution.session
-        if execution.suppressed or execution.released:
-            return
-        if task.cancelled():
-            runner.release(execution)
-            return
-        exc = task.exception()
-        if exc is not None:
-            logger.error("worker.execution_crashed task_id=%s", execution.key[0], exc_info=exc)
-            result = result_for_exception(*execution.key, exc)
-        else:
-            result = task.result()
-        if not runner.live:
-            logger.debug("worker.result_dropped task_id=%s reason=session_ended", execution.key[0])
-            return
-        runner.send(result)
+
+async def _finish(slots: Slots) -> None:
+    """Let handlers still running finish within the grace period (when stopping; on an
+    error they are cancelled at once), then wait briefly for them to unwind."""
+    await slots.drained()
+    executions = slots.executions()
+    for execution in executions:
+        execution.cancel("worker stopped")
+    tasks = [e.task for e in executions if e.task is not None]
+    if tasks:
+        await asyncio.wait(tasks, timeout=_UNWIND_TIMEOUT)
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:

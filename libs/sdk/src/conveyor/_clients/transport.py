@@ -1,8 +1,9 @@
 """The gRPC plumbing every client shares: settings, the channel, calls and their errors.
 
 :class:`AsyncRpcClient` and :class:`SyncRpcClient` are the bases of the producer clients
-(TaskService) and the admin clients (AdminService); a subclass names its service in
-``_service`` and calls ``_call(method, request, response_type)``.
+(TaskService), the admin clients (AdminService) and the webhook callbacks
+(WebhookService); a subclass names its service in ``_service`` and calls
+``_call(method, request, response_type)``.
 """
 
 from __future__ import annotations
@@ -14,21 +15,10 @@ from typing import Any, ClassVar, Self
 import grpc
 import grpc.aio
 
-from conveyor._codec import Codec
+from conveyor._channel import CHANNEL_OPTIONS, auth_metadata
 from conveyor._errors import ConveyorError, InvalidArgument, TaskNotFound, error_from_rpc
+from conveyor._payload import Codec
 from conveyor._types import DurationLike, to_timedelta
-
-DEFAULT_TARGET = "127.0.0.1:50051"
-#: Responses carry whole tasks (payloads and results): allow more than gRPC's 4 MiB default.
-CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-)
-
-
-def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """The call metadata carrying ``token`` as a bearer token (empty without a token)."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def with_task_id(exc: ConveyorError, task_id: str) -> ConveyorError:
