@@ -205,7 +205,7 @@ async def test_migrate_honours_target_and_rejects_unknown_versions(pg_dsn: str) 
 
 
 def test_migrations_are_numbered_files_shipped_with_the_package() -> None:
-    folder = resources.files("conveyor_broker.postgres").joinpath("migrations")
+    folder = resources.files("conveyor_broker.postgres.migrations")
     names = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".sql"))
     assert names, "no migrations shipped"
     assert all(re.fullmatch(r"\d{3}_[a-z0-9_]+\.sql", name) for name in names)
