@@ -34,8 +34,51 @@ from conveyor_broker.errors import (
 )
 from conveyor_broker.ids import is_ulid, new_ids
 from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, EventSink
-from conveyor_broker.postgres import enqueue, queries, upkeep
+from conveyor_broker.postgres import enqueue, upkeep
 from conveyor_broker.postgres.migrations import MIGRATION_LOCK_KEY, schema_version
+from conveyor_broker.postgres.queries.admin import (
+    ARCHIVE_TASK,
+    CANCEL_TASK,
+    DELETE_TASK,
+    GET_TASK,
+    LIST_TASKS,
+    LIST_TASKS_BY_QUEUE,
+    LIST_TASKS_BY_QUEUE_AND_STATE,
+    LIST_TASKS_BY_STATE,
+    QUEUE_PAUSED,
+    QUEUE_STATS,
+    QUEUE_STATS_QUEUE,
+    RESCHEDULE_TASK,
+    REVIVE_TASK,
+    RUN_TASK_NOW,
+    SET_QUEUE_PAUSED,
+)
+from conveyor_broker.postgres.queries.enqueue import FREE_LAPSED_CLAIMS, UNIQUE_HOLDER
+from conveyor_broker.postgres.queries.lease import (
+    EXTEND_LEASE,
+    EXTEND_LEASES,
+    LEASE,
+    LEASE_MANY,
+    SET_PROGRESS,
+)
+from conveyor_broker.postgres.queries.outcomes import ACK, ACK_BATCH, ARCHIVE, FAIL, RELEASE
+from conveyor_broker.postgres.queries.sweeps import (
+    ARCHIVE_EXPIRED,
+    DUE_QUEUES,
+    FREE_ALL_LAPSED_CLAIMS,
+    PENDING_COUNT,
+    PENDING_COUNT_QUEUE,
+    PROMOTE_SCHEDULED,
+    PURGE_TERMINAL,
+    REAP_EXPIRED_LEASES,
+)
+from conveyor_broker.postgres.queries.webhooks import (
+    DELETE_WEBHOOK_WORKER,
+    GET_WEBHOOK_WORKER,
+    LIST_WEBHOOK_WORKERS,
+    SET_WEBHOOK_WORKER_PAUSED,
+    UPSERT_WEBHOOK_WORKER,
+)
 from conveyor_broker.postgres.rows import (
     task_from_row,
     webhook_queues_to_json,
@@ -195,7 +238,7 @@ class PostgresBroker(Broker):
         check_limit(limit, upper=MAX_BATCH)
         _check_ttl(ttl)
         lease_ids = new_ids(now, limit)
-        rows = await self._pool.fetch(queries.LEASE, queue, now, limit, lease_ids, now + ttl)
+        rows = await self._pool.fetch(LEASE, queue, now, limit, lease_ids, now + ttl)
         return self._leased(rows, now)
 
     def _leased(self, rows: Iterable[asyncpg.Record], now: datetime) -> list[Task]:
@@ -218,7 +261,7 @@ class PostgresBroker(Broker):
             return []
         lease_ids = new_ids(now, sum(limit for _, limit in wants))
         rows = await self._pool.fetch(
-            queries.LEASE_MANY,
+            LEASE_MANY,
             [queue for queue, _ in wants],
             [limit for _, limit in wants],
             now,
@@ -236,7 +279,7 @@ class PostgresBroker(Broker):
         _check_ttl(ttl)
         check_task_id(task_id)
         expires: datetime | None = await self._pool.fetchval(
-            queries.EXTEND_LEASE, task_id, lease_id, now + ttl, now
+            EXTEND_LEASE, task_id, lease_id, now + ttl, now
         )
         if expires is None:
             raise LeaseLost(task_id, lease_id)
@@ -253,7 +296,7 @@ class PostgresBroker(Broker):
             return []
         ordered = sorted(leases, key=lambda ref: ref.task_id)  # lock order: see ack_batch
         rows = await self._pool.fetch(
-            queries.EXTEND_LEASES,
+            EXTEND_LEASES,
             [ref.task_id for ref in ordered],
             [ref.lease_id for ref in ordered],
             now + ttl,
@@ -266,10 +309,7 @@ class PostgresBroker(Broker):
         """Store the running task's progress. Raises LeaseLost."""
         now = self._now()
         check_task_id(task_id)
-        if (
-            await self._pool.fetchval(queries.SET_PROGRESS, task_id, lease_id, progress, now)
-            is None
-        ):
+        if await self._pool.fetchval(SET_PROGRESS, task_id, lease_id, progress, now) is None:
             raise LeaseLost(task_id, lease_id)
 
     # ------------------------------------------------------------------ outcomes
@@ -288,7 +328,7 @@ class PostgresBroker(Broker):
     async def ack(self, task_id: str, lease_id: str, result: bytes | None = None) -> Task:
         """ACTIVE -> COMPLETED, storing ``result``. Raises LeaseLost."""
         now = self._now()
-        return await self._lease_scoped(queries.ACK, task_id, lease_id, now, result, now)
+        return await self._lease_scoped(ACK, task_id, lease_id, now, result, now)
 
     async def ack_batch(self, items: Sequence[AckItem]) -> list[bool]:
         """Ack many tasks in one statement; False per item whose lease was lost."""
@@ -306,7 +346,7 @@ class PostgresBroker(Broker):
         # the same order and cannot deadlock.
         sent = sorted(unique.values(), key=lambda item: item.task_id)
         rows = await self._pool.fetch(
-            queries.ACK_BATCH,
+            ACK_BATCH,
             [item.task_id for item in sent],
             [item.lease_id for item in sent],
             [item.result for item in sent],
@@ -335,18 +375,18 @@ class PostgresBroker(Broker):
         now = self._now()
         _check_not_negative("retry_delay", retry_delay)
         return await self._lease_scoped(
-            queries.FAIL, task_id, lease_id, now, error, now, skip_retry, now + retry_delay
+            FAIL, task_id, lease_id, now, error, now, skip_retry, now + retry_delay
         )
 
     async def release(self, task_id: str, lease_id: str) -> Task:
         """ACTIVE -> PENDING, due now, ``retried`` unchanged. Raises LeaseLost."""
         now = self._now()
-        return await self._lease_scoped(queries.RELEASE, task_id, lease_id, now, now)
+        return await self._lease_scoped(RELEASE, task_id, lease_id, now, now)
 
     async def archive(self, task_id: str, lease_id: str, error: str) -> Task:
         """ACTIVE -> ARCHIVED at once with ``last_error = error``. Raises LeaseLost."""
         now = self._now()
-        return await self._lease_scoped(queries.ARCHIVE, task_id, lease_id, now, error, now)
+        return await self._lease_scoped(ARCHIVE, task_id, lease_id, now, error, now)
 
     # ------------------------------------------------------- maintenance sweeps
 
@@ -357,7 +397,7 @@ class PostgresBroker(Broker):
         now = self._now()
         check_limit(limit, upper=MAX_BATCH)
         _check_not_negative("retry_delay", retry_delay)
-        rows = await self._pool.fetch(queries.REAP_EXPIRED_LEASES, now, limit, now + retry_delay)
+        rows = await self._pool.fetch(REAP_EXPIRED_LEASES, now, limit, now + retry_delay)
         rows = sorted(rows, key=lambda row: (row["lease_expires_at"], row["id"]))
         reaped = [ReapedTask(row["id"], row["queue"], TaskState(row["state"])) for row in rows]
         self._emit(
@@ -380,7 +420,7 @@ class PostgresBroker(Broker):
         """Due SCHEDULED tasks become PENDING; returns how many per queue."""
         now = self._now()
         check_limit(limit, upper=MAX_BATCH)
-        rows = await self._pool.fetch(queries.PROMOTE_SCHEDULED, now, limit)
+        rows = await self._pool.fetch(PROMOTE_SCHEDULED, now, limit)
         promoted: dict[str, int] = {}
         for row in rows:
             promoted[row["queue"]] = promoted.get(row["queue"], 0) + 1
@@ -406,16 +446,16 @@ class PostgresBroker(Broker):
         check_limit(limit, upper=MAX_BATCH)
         async with self._pool.acquire() as conn:
             purged = await conn.fetchval(
-                queries.PURGE_TERMINAL, now, default_retention, archive_retention, limit
+                PURGE_TERMINAL, now, default_retention, archive_retention, limit
             )
-            await conn.execute(queries.FREE_ALL_LAPSED_CLAIMS, now, limit)
+            await conn.execute(FREE_ALL_LAPSED_CLAIMS, now, limit)
         return int(purged)
 
     async def archive_expired(self, limit: int = 1000) -> list[Task]:
         """Waiting tasks past ``expires_at`` become ARCHIVED with EXPIRED_ERROR."""
         now = self._now()
         check_limit(limit, upper=MAX_BATCH)
-        rows = await self._pool.fetch(queries.ARCHIVE_EXPIRED, now, limit, EXPIRED_ERROR)
+        rows = await self._pool.fetch(ARCHIVE_EXPIRED, now, limit, EXPIRED_ERROR)
         pairs = sorted(
             ((task_from_row(row), TaskState(row["previous_state"])) for row in rows),
             key=lambda pair: (pair[0].expires_at or now, pair[0].id),
@@ -429,10 +469,10 @@ class PostgresBroker(Broker):
         """Due tasks per queue (queues with none left out)."""
         now = self._now()
         if queue is None:
-            rows = await self._pool.fetch(queries.PENDING_COUNT, now)
+            rows = await self._pool.fetch(PENDING_COUNT, now)
             return {row["queue"]: row["n"] for row in rows}
         check_queue(queue)
-        count: int = await self._pool.fetchval(queries.PENDING_COUNT_QUEUE, now, queue)
+        count: int = await self._pool.fetchval(PENDING_COUNT_QUEUE, now, queue)
         return {queue: count} if count else {}
 
     async def due_queues(self, *, after: str | None = None, limit: int = 1000) -> list[str]:
@@ -442,17 +482,17 @@ class PostgresBroker(Broker):
         if after is not None:
             check_queue(after)
         check_limit(limit, upper=MAX_BATCH)
-        rows = await self._pool.fetch(queries.DUE_QUEUES, now, after or "", limit)
+        rows = await self._pool.fetch(DUE_QUEUES, now, after or "", limit)
         return [row["queue"] for row in rows]
 
     async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:
         """Per-state counts of every queue with tasks or a stored flag, sorted by name."""
         self._now()
         if queue is None:
-            rows = await self._pool.fetch(queries.QUEUE_STATS)
+            rows = await self._pool.fetch(QUEUE_STATS)
         else:
             check_queue(queue)
-            rows = await self._pool.fetch(queries.QUEUE_STATS_QUEUE, queue)
+            rows = await self._pool.fetch(QUEUE_STATS_QUEUE, queue)
         counts: dict[str, dict[TaskState, int]] = {}
         paused: dict[str, bool] = {}
         for row in rows:
@@ -470,7 +510,7 @@ class PostgresBroker(Broker):
         """The stored task. Raises TaskNotFound."""
         self._now()
         check_task_id(task_id)
-        row = await self._pool.fetchrow(queries.GET_TASK, task_id)
+        row = await self._pool.fetchrow(GET_TASK, task_id)
         if row is None:
             raise TaskNotFound(task_id)
         return task_from_row(row)
@@ -495,9 +535,11 @@ class PostgresBroker(Broker):
             args.append(queue)
         if state is not None:
             args.append(TaskState(state).value)
-        rows = await self._pool.fetch(
-            queries.LIST_TASKS[(queue is not None, state is not None)], *args
-        )
+        if queue is None:
+            statement = LIST_TASKS if state is None else LIST_TASKS_BY_STATE
+        else:
+            statement = LIST_TASKS_BY_QUEUE if state is None else LIST_TASKS_BY_QUEUE_AND_STATE
+        rows = await self._pool.fetch(statement, *args)
         tasks = [task_from_row(row) for row in rows[:limit]]
         next_cursor = tasks[-1].id if len(rows) > limit else None
         return TaskPage(tasks, next_cursor)
@@ -519,13 +561,13 @@ class PostgresBroker(Broker):
     async def cancel_task(self, task_id: str) -> Task:
         """Waiting -> CANCELED; ACTIVE -> ARCHIVED (the lease is gone). Terminal:
         InvalidState."""
-        return await self._admin(queries.CANCEL_TASK, task_id, "cancel")
+        return await self._admin(CANCEL_TASK, task_id, "cancel")
 
     async def delete_task(self, task_id: str) -> None:
         """Delete a task that is not ACTIVE (InvalidState if it is)."""
         now = self._now()
         check_task_id(task_id)
-        row = await self._pool.fetchrow(queries.DELETE_TASK, task_id)
+        row = await self._pool.fetchrow(DELETE_TASK, task_id)
         if row is None:
             raise TaskNotFound(task_id)
         if not row["deleted"]:
@@ -536,25 +578,25 @@ class PostgresBroker(Broker):
 
     async def run_task_now(self, task_id: str) -> Task:
         """SCHEDULED, RETRY or PENDING -> PENDING, due now."""
-        return await self._admin(queries.RUN_TASK_NOW, task_id, "run now")
+        return await self._admin(RUN_TASK_NOW, task_id, "run now")
 
     async def reschedule_task(self, task_id: str, process_at: datetime) -> Task:
         """PENDING, SCHEDULED or RETRY -> SCHEDULED at ``process_at`` (PENDING when it is
         not after now)."""
         if process_at.tzinfo is None:
             raise InvalidTask("process_at must be timezone-aware")
-        return await self._admin(queries.RESCHEDULE_TASK, task_id, "reschedule", process_at)
+        return await self._admin(RESCHEDULE_TASK, task_id, "reschedule", process_at)
 
     async def archive_task(self, task_id: str) -> Task:
         """A waiting task -> ARCHIVED with ARCHIVED_BY_ADMIN_ERROR."""
-        return await self._admin(queries.ARCHIVE_TASK, task_id, "archive")
+        return await self._admin(ARCHIVE_TASK, task_id, "archive")
 
     async def revive_task(self, task_id: str) -> Task:
         """ARCHIVED -> PENDING, due now, ``retried = 0``. DuplicateTask when another live
         task holds its unlapsed unique claim."""
         for attempt in range(2):
             try:
-                return await self._admin(queries.REVIVE_TASK, task_id, "revive")
+                return await self._admin(REVIVE_TASK, task_id, "revive")
             except asyncpg.UniqueViolationError as exc:
                 if exc.constraint_name != _UNIQUE_INDEX:
                     raise
@@ -563,11 +605,11 @@ class PostgresBroker(Broker):
                 if attempt == 0:
                     # The index may still hold a claim that has lapsed: free it and retry.
                     await self._pool.execute(
-                        queries.FREE_LAPSED_CLAIMS, [task.queue], [task.unique_key], self._now()
+                        FREE_LAPSED_CLAIMS, [task.queue], [task.unique_key], self._now()
                     )
                     continue
                 holder = await self._pool.fetchval(
-                    queries.UNIQUE_HOLDER, task.queue, task.unique_key, self._now()
+                    UNIQUE_HOLDER, task.queue, task.unique_key, self._now()
                 )
                 raise DuplicateTask(task.queue, task.unique_key, holder or "") from None
         raise AssertionError("unreachable")
@@ -576,13 +618,13 @@ class PostgresBroker(Broker):
         """Persist the pause flag of ``queue``."""
         now = self._now()
         check_queue(queue)
-        await self._pool.execute(queries.SET_QUEUE_PAUSED, queue, paused, now)
+        await self._pool.execute(SET_QUEUE_PAUSED, queue, paused, now)
 
     async def queue_paused(self, queue: str) -> bool:
         """The stored pause flag (False for a queue never paused)."""
         self._now()
         check_queue(queue)
-        return bool(await self._pool.fetchval(queries.QUEUE_PAUSED, queue))
+        return bool(await self._pool.fetchval(QUEUE_PAUSED, queue))
 
     async def info(self) -> BrokerInfo:
         """The driver name, this package's version and the applied schema version."""
@@ -696,7 +738,7 @@ class PostgresBroker(Broker):
         now = self._now()
         check_webhook_worker(spec)
         row = await self._pool.fetchrow(
-            queries.UPSERT_WEBHOOK_WORKER,
+            UPSERT_WEBHOOK_WORKER,
             spec.name,
             spec.url,
             webhook_queues_to_json(spec.queues),
@@ -713,7 +755,7 @@ class PostgresBroker(Broker):
         """The registration ``name``. Raises WebhookWorkerNotFound."""
         self._now()
         check_webhook_name(name)
-        row = await self._pool.fetchrow(queries.GET_WEBHOOK_WORKER, name)
+        row = await self._pool.fetchrow(GET_WEBHOOK_WORKER, name)
         if row is None:
             raise WebhookWorkerNotFound(name)
         return webhook_worker_from_row(row)
@@ -721,14 +763,14 @@ class PostgresBroker(Broker):
     async def list_webhook_workers(self) -> list[WebhookWorker]:
         """Every registration, by name (byte order)."""
         self._now()
-        rows = await self._pool.fetch(queries.LIST_WEBHOOK_WORKERS)
+        rows = await self._pool.fetch(LIST_WEBHOOK_WORKERS)
         return [webhook_worker_from_row(row) for row in rows]
 
     async def set_webhook_worker_paused(self, name: str, paused: bool) -> WebhookWorker:
         """Pause or resume a registration. Raises WebhookWorkerNotFound."""
         now = self._now()
         check_webhook_name(name)
-        row = await self._pool.fetchrow(queries.SET_WEBHOOK_WORKER_PAUSED, name, bool(paused), now)
+        row = await self._pool.fetchrow(SET_WEBHOOK_WORKER_PAUSED, name, bool(paused), now)
         if row is None:
             raise WebhookWorkerNotFound(name)
         return webhook_worker_from_row(row)
@@ -737,7 +779,7 @@ class PostgresBroker(Broker):
         """Delete a registration. Raises WebhookWorkerNotFound."""
         self._now()
         check_webhook_name(name)
-        if await self._pool.fetchval(queries.DELETE_WEBHOOK_WORKER, name) is None:
+        if await self._pool.fetchval(DELETE_WEBHOOK_WORKER, name) is None:
             raise WebhookWorkerNotFound(name)
 
     # ----------------------------------------------------------------- lifecycle
