@@ -20,6 +20,7 @@ from conveyor_broker import (
     NewTask,
     TaskNotFound,
     TaskState,
+    TerminalPurgeParams,
 )
 from conveyor_broker.postgres import PostgresBroker, latest_version, migrate, migration_status
 from conveyor_broker.postgres.migrations import declared_schema, load_migrations
@@ -203,7 +204,7 @@ async def test_migration_003_backfills_purge_at_of_completed_tasks(pg_dsn: str) 
             async def purge() -> int:
                 two_hours = timedelta(hours=2)
                 return await broker.purge_terminal(
-                    archive_retention=two_hours, default_retention=two_hours
+                    TerminalPurgeParams(archive_retention=two_hours, default_retention=two_hours)
                 )
 
             clock.advance(timedelta(minutes=59))
@@ -264,12 +265,18 @@ async def test_a_row_completed_by_a_release_before_003_goes_by_its_own_retention
         default, archive = timedelta(hours=1), timedelta(days=7)
         clock.advance(timedelta(hours=2))  # past the default, not past its own 3 h
         assert (
-            await broker.purge_terminal(archive_retention=archive, default_retention=default) == 1
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=archive, default_retention=default)
+            )
+            == 1
         )  # the one on the default
         assert (await broker.get_task(old_release.id)).id == old_release.id
         clock.advance(timedelta(hours=1, seconds=1))
         assert (
-            await broker.purge_terminal(archive_retention=archive, default_retention=default) == 1
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=archive, default_retention=default)
+            )
+            == 1
         )
         with pytest.raises(TaskNotFound):
             await broker.get_task(old_release.id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conveyor_broker import FakeClock, NewTask, WebhookWorkerSpec
+from conveyor_broker import FakeClock, NewTask, TerminalPurgeParams, WebhookWorkerSpec
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing.schemas import scratch_schema
 
@@ -30,9 +30,9 @@ async def test_purge_adds_retention_as_exact_time_across_a_dst_change(pg_dsn: st
             await broker.ack(leased.id, leased.lease_id or "")
             clock.advance(timedelta(hours=23, minutes=30))
             month = timedelta(days=30)
-            assert await broker.purge_terminal(archive_retention=month) == 0
+            assert await broker.purge_terminal(TerminalPurgeParams(archive_retention=month)) == 0
             clock.advance(timedelta(minutes=30))
-            assert await broker.purge_terminal(archive_retention=month) == 1
+            assert await broker.purge_terminal(TerminalPurgeParams(archive_retention=month)) == 1
         finally:
             await broker.close()
 
