@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ from conveyor_broker.errors import (
 from conveyor_broker.ids import new_ids
 from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker
 from conveyor_broker.postgres import enqueue, upkeep
-from conveyor_broker.postgres.migrations import MIGRATION_LOCK_KEY, schema_version
+from conveyor_broker.postgres.migrations import schema_version
 from conveyor_broker.postgres.queries.admin import (
     ARCHIVE_TASK,
     CANCEL_TASK,
@@ -107,8 +107,6 @@ from conveyor_broker.types import (
 from conveyor_broker.validation import MAX_PAYLOAD
 
 if TYPE_CHECKING:
-    from asyncpg.pool import PoolConnectionProxy
-
     Pool = asyncpg.Pool[asyncpg.Record]
 
 logger = logging.getLogger(__name__)
@@ -134,12 +132,7 @@ class PostgresBroker(Broker):
         super().__init__(clock, max_payload=max_payload, default_max_retry=default_max_retry)
         self._pool = pool
         self._owns_pool = False
-        # Storage upkeep: dead rows the last VACUUM could not remove (see upkeep), when
-        # the next check may act, failed runs in a row, and whether the role was refused.
-        self._dead_floor = 0
-        self._upkeep_resume_at = datetime.min.replace(tzinfo=UTC)
-        self._upkeep_failures = 0
-        self._upkeep_refused = False
+        self._upkeep = upkeep.TableUpkeep()
 
     @classmethod
     async def connect(
@@ -496,101 +489,7 @@ class PostgresBroker(Broker):
         return BrokerInfo(DRIVER, _package_version(), version)
 
     async def _upkeep_storage(self) -> StorageUpkeep:
-        # ANALYZE and/or VACUUM the task table when its counters say it drifted (see
-        # conveyor_broker.postgres.upkeep); one cheap read of them otherwise.
-        now = self._clock.now()
-        if now < self._upkeep_resume_at:
-            return StorageUpkeep()
-        stats = await self._table_stats(self._pool)
-        self._dead_floor = min(self._dead_floor, stats.dead_rows)
-        seen = StorageUpkeep(
-            live_rows=stats.live_rows, dead_rows=stats.dead_rows, changed_rows=stats.changed_rows
-        )
-        if not stats.maintainable:
-            if not self._upkeep_refused:
-                self._upkeep_refused = True
-                logger.warning(
-                    "broker.storage_upkeep_not_permitted table=%s: this role neither owns "
-                    "the table or the database nor may maintain it; autovacuum alone "
-                    "keeps it up",
-                    upkeep.TABLE,
-                )
-            return seen
-        statement = upkeep.upkeep_statement(stats, self._dead_floor)
-        if statement is None:
-            return seen
-        try:
-            after = await self._run_upkeep(statement)
-        except (asyncpg.PostgresError, OSError) as exc:
-            self._upkeep_failures += 1
-            wait = upkeep.backoff(self._upkeep_failures)
-            self._upkeep_resume_at = now + wait
-            logger.warning(
-                "broker.storage_upkeep_failed statement=%r failures=%d retry_in=%s error=%r",
-                statement,
-                self._upkeep_failures,
-                wait,
-                exc,
-            )
-            return seen
-        if after is None:
-            return seen  # a migration holds the lock: next check
-        vacuumed = after.vacuums > stats.vacuums
-        analyzed = after.analyzes > stats.analyzes
-        if vacuumed:
-            self._dead_floor = after.dead_rows
-        if vacuumed or analyzed:
-            self._upkeep_failures = 0
-            self._upkeep_resume_at = now + upkeep.MIN_INTERVAL
-        logger.debug(
-            "broker.storage_upkeep statement=%r analyzed=%s vacuumed=%s",
-            statement,
-            analyzed,
-            vacuumed,
-        )
-        return StorageUpkeep(
-            analyzed=analyzed,
-            vacuumed=vacuumed,
-            live_rows=stats.live_rows,
-            dead_rows=stats.dead_rows,
-            changed_rows=stats.changed_rows,
-        )
-
-    async def _run_upkeep(self, statement: str) -> upkeep.TableStats | None:
-        """Run ``statement`` holding the migration lock, without a statement timeout; the
-        table's counters after it. None, running nothing, while a migration holds the lock."""
-        async with self._pool.acquire() as conn:
-            if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", MIGRATION_LOCK_KEY):
-                return None
-            try:
-                await conn.execute("SET statement_timeout = 0")
-                try:
-                    await conn.execute(statement)
-                finally:
-                    await conn.execute("RESET statement_timeout")
-                return await self._table_stats(conn)
-            finally:
-                try:
-                    await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
-                except Exception:
-                    # Ending the session is what releases the lock then.
-                    conn.terminate()
-                    raise
-
-    async def _table_stats(
-        self, on: Pool | PoolConnectionProxy[asyncpg.Record]
-    ) -> upkeep.TableStats:
-        row = await on.fetchrow(upkeep.STATS)
-        assert row is not None  # the regclass cast raises for a missing table
-        return upkeep.TableStats(
-            planned_rows=row["planned_rows"],
-            live_rows=row["live_rows"],
-            dead_rows=row["dead_rows"],
-            changed_rows=row["changed_rows"],
-            maintainable=row["maintainable"],
-            vacuums=row["vacuums"],
-            analyzes=row["analyzes"],
-        )
+        return await self._upkeep.check(self._pool, self._clock.now())
 
     # ------------------------------------------------------ webhook registrations
 
