@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from conveyor import AsyncAdminClient, AsyncClient, InvalidArgument, ResourceExhausted, TaskState
-from conveyor_broker import Task
+from conveyor_broker import Task, TaskListParams
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
 
@@ -165,7 +165,7 @@ async def stream_error(call: Any) -> grpc.aio.AioRpcError:
 
 
 async def all_tasks(store: PostgresBroker) -> dict[str, Task]:
-    return {t.id: t for t in (await store.list_tasks(limit=1000)).tasks}
+    return {t.id: t for t in (await store.list_tasks(TaskListParams(limit=1000))).tasks}
 
 
 async def test_undecodable_requests_get_invalid_argument_and_change_nothing(

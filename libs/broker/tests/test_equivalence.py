@@ -27,12 +27,15 @@ from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_broker.types import (
     EnqueueResult,
+    LeaseReapParams,
     NewTask,
     QueueStats,
     ReapedTask,
     Task,
     TaskEvent,
+    TaskListParams,
     TaskState,
+    TerminalPurgeParams,
     WebhookWorker,
     WebhookWorkerSpec,
 )
@@ -76,7 +79,9 @@ class Side:
         to lease: a slot under the last lease this side saw for it (often lost by now).
         """
         if live:
-            active = (await self.broker.list_tasks(state=TaskState.ACTIVE, limit=100)).tasks
+            active = (
+                await self.broker.list_tasks(TaskListParams(state=TaskState.ACTIVE, limit=100))
+            ).tasks
             if not active:
                 due = await self.broker.pending_count()
                 if due:
@@ -186,14 +191,18 @@ class Op:
             case "archive":
                 return await b.archive(*await side.target(*a), "given up")
             case "reap":
-                return await b.reap_expired_leases(a[0], timedelta(seconds=a[1]))
+                return await b.reap_expired_leases(
+                    LeaseReapParams(limit=a[0], retry_delay=timedelta(seconds=a[1]))
+                )
             case "promote":
                 return await b.promote_scheduled(a[0])
             case "purge":
                 return await b.purge_terminal(
-                    archive_retention=timedelta(seconds=a[0]),
-                    default_retention=timedelta(seconds=a[1]),
-                    limit=a[2],
+                    TerminalPurgeParams(
+                        archive_retention=timedelta(seconds=a[0]),
+                        default_retention=timedelta(seconds=a[1]),
+                        limit=a[2],
+                    )
                 )
             case "archive_expired":
                 return await b.archive_expired(a[0])
@@ -337,7 +346,7 @@ async def _outcome(op: Op, side: Side) -> Any:
 
 
 async def _snapshot(broker: Broker) -> tuple[Any, ...]:
-    page = await broker.list_tasks(limit=1000)
+    page = await broker.list_tasks(TaskListParams(limit=1000))
     return (
         _normal(page.tasks),
         page.next_cursor,

@@ -16,7 +16,7 @@ import pytest
 from conveyor_broker.clock import FakeClock
 from conveyor_broker.interface import Broker
 from conveyor_broker.memory import MemoryBroker
-from conveyor_broker.types import NewTask, TaskState
+from conveyor_broker.types import NewTask, TaskListParams, TaskState
 from conveyor_dispatcher import Dispatcher
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.embedded_nats import EmbeddedNats
@@ -297,7 +297,7 @@ async def test_tasks_the_gateway_does_not_accept_are_released_at_once(
     assert len(gw.requests) == 1
     assert len(gw.requests[0].tasks) == 5
     assert len(gw.received) == 2
-    page = await broker.list_tasks(queue=queue_name, state=TaskState.PENDING)
+    page = await broker.list_tasks(TaskListParams(queue=queue_name, state=TaskState.PENDING))
     assert all(t.lease_id is None and t.retried == 0 for t in page.tasks)
     qd = d.queue(queue_name)
     assert qd is not None

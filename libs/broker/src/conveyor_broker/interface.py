@@ -34,18 +34,28 @@ Conventions of every method:
   ``lease_expires_at`` (reap), ``available_at`` (promote), ``expires_at``
   (archive_expired), ``completed_at`` plus the retention that applies (purge);
 - after ``close`` every method except ``close`` and ``set_event_sink`` raises BrokerClosed.
+
+How the work is shared: :class:`Broker`'s public methods are the contract. Each one
+raises BrokerClosed on a closed broker and InvalidTask for bad input, then hands the call
+to a protected hook of the same name (``lease`` -> ``_lease``) that an implementation
+provides and that may take its arguments as valid. So every implementation rejects the
+same input the same way, and no implementation checks it again.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 
+from conveyor_broker.clock import Clock, SystemClock
+from conveyor_broker.errors import BrokerClosed
 from conveyor_broker.types import (
     AckItem,
     BrokerInfo,
     EnqueueResult,
+    LeaseReapParams,
     LeaseRef,
     NewTask,
     QueueStats,
@@ -53,11 +63,30 @@ from conveyor_broker.types import (
     StorageUpkeep,
     Task,
     TaskEvent,
+    TaskListParams,
     TaskPage,
-    TaskState,
+    TerminalPurgeParams,
     WebhookWorker,
     WebhookWorkerSpec,
 )
+from conveyor_broker.validation import (
+    MAX_PAYLOAD,
+    MAX_RETRY_CAP,
+    check_aware,
+    check_batch,
+    check_batch_size,
+    check_cursor,
+    check_lease_ttl,
+    check_lease_wants,
+    check_limit,
+    check_not_negative,
+    check_queue,
+    check_task_id,
+    check_webhook_name,
+    check_webhook_worker,
+)
+
+logger = logging.getLogger(__name__)
 
 #: Called once per committed state change, in commit order. Must not block.
 EventSink = Callable[[TaskEvent], None]
@@ -67,17 +96,63 @@ MAX_BATCH = 1000
 #: Default for NewTask.max_retry when it is None.
 DEFAULT_MAX_RETRY = 25
 
+# What list_tasks and reap_expired_leases do when given no params.
+_DEFAULT_LIST = TaskListParams()
+_DEFAULT_REAP = LeaseReapParams()
+
 
 class Broker(abc.ABC):
-    """The durable task store. See the module docstring for the rules."""
+    """The durable task store. See the module docstring for the rules.
+
+    ``clock`` gives "now" (default: the system clock); ``max_payload`` caps one task's
+    payload in bytes; ``default_max_retry`` is the ``max_retry`` of a task enqueued
+    without one. ValueError for a negative ``max_payload`` or a ``default_max_retry``
+    outside 0..MAX_RETRY_CAP.
+    """
+
+    def __init__(
+        self,
+        clock: Clock | None = None,
+        *,
+        max_payload: int = MAX_PAYLOAD,
+        default_max_retry: int = DEFAULT_MAX_RETRY,
+    ) -> None:
+        if max_payload < 0:
+            raise ValueError("max_payload must be >= 0")
+        if not 0 <= default_max_retry <= MAX_RETRY_CAP:
+            raise ValueError(f"default_max_retry must be in 0..{MAX_RETRY_CAP}")
+        self._clock: Clock = clock or SystemClock()
+        self._max_payload = max_payload
+        self._default_max_retry = default_max_retry
+        #: Set by ``close`` (each implementation's own), read by every public method.
+        self._closed = False
+        self._sink: EventSink | None = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BrokerClosed("the broker is closed")
+
+    def _emit(self, events: Iterable[TaskEvent]) -> None:
+        """Report committed changes to the event sink, if there is one."""
+        sink = self._sink
+        if sink is None:
+            return
+        for event in events:
+            try:
+                sink(event)
+            except Exception:
+                # The change is committed; a failing observer must not undo the caller's
+                # view of it.
+                logger.exception(
+                    "broker.event_sink_failed task_id=%s state=%s", event.task_id, event.state
+                )
 
     # ------------------------------------------------------------------ enqueue
 
-    @abc.abstractmethod
     async def enqueue(self, task: NewTask) -> EnqueueResult:
         """Store one task. Same as ``enqueue_batch([task])[0]``."""
+        return (await self.enqueue_batch([task]))[0]
 
-    @abc.abstractmethod
     async def enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
         """Store up to MAX_BATCH tasks, all-or-nothing, and return them in order.
 
@@ -106,10 +181,14 @@ class Broker(abc.ABC):
         or is deleted. Freeing a claim never changes the holder's ``unique_key`` or
         ``unique_until`` as read back. Nothing is stored when anything raises.
         """
+        self._check_open()
+        check_batch(tasks, max_batch=MAX_BATCH, max_payload=self._max_payload)
+        if not tasks:
+            return []
+        return await self._enqueue_batch(tasks)
 
     # -------------------------------------------------------------------- lease
 
-    @abc.abstractmethod
     async def lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
         """Lease up to ``limit`` due tasks of ``queue`` in one round trip.
 
@@ -120,8 +199,12 @@ class Broker(abc.ABC):
         ``retried`` and ``last_error`` are unchanged. Concurrent callers never receive the
         same task. Pause is the dispatcher's business: lease does not look at it.
         """
+        self._check_open()
+        check_queue(queue)
+        check_limit(limit, upper=MAX_BATCH)
+        check_lease_ttl(ttl)
+        return await self._lease(queue, limit, ttl)
 
-    @abc.abstractmethod
     async def lease_many(
         self, wants: Sequence[tuple[str, int]], ttl: timedelta
     ) -> list[list[Task]]:
@@ -130,33 +213,58 @@ class Broker(abc.ABC):
         ``wants``, each list as ``lease`` would return it. Queues must be distinct and the
         limits add up to at most MAX_BATCH; InvalidTask otherwise (nothing leased).
         """
+        self._check_open()
+        check_lease_wants(wants, upper=MAX_BATCH)
+        check_lease_ttl(ttl)
+        if not wants:
+            return []
+        return await self._lease_many(wants, ttl)
 
-    @abc.abstractmethod
     async def extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
         """Set ``lease_expires_at = now + ttl`` and return it. Raises LeaseLost."""
+        self._check_open()
+        check_lease_ttl(ttl)
+        check_task_id(task_id)
+        return await self._extend_lease(task_id, lease_id, ttl)
 
-    @abc.abstractmethod
     async def extend_leases(self, leases: Sequence[LeaseRef], ttl: timedelta) -> list[LeaseRef]:
         """Extend many leases in one round trip; return the ones that are lost, in input
         order. The others get ``lease_expires_at = now + ttl``."""
+        self._check_open()
+        check_lease_ttl(ttl)
+        check_batch_size(leases, upper=MAX_BATCH)
+        for ref in leases:
+            check_task_id(ref.task_id)
+        if not leases:
+            return []
+        return await self._extend_leases(leases, ttl)
 
-    @abc.abstractmethod
     async def set_progress(self, task_id: str, lease_id: str, progress: bytes) -> None:
         """Store the running task's progress. Raises LeaseLost."""
+        self._check_open()
+        check_task_id(task_id)
+        await self._set_progress(task_id, lease_id, progress)
 
     # ----------------------------------------------------------------- outcomes
 
-    @abc.abstractmethod
     async def ack(self, task_id: str, lease_id: str, result: bytes | None = None) -> Task:
         """ACTIVE -> COMPLETED, storing ``result``; ``completed_at = now``. Raises LeaseLost."""
+        self._check_open()
+        check_task_id(task_id)
+        return await self._ack(task_id, lease_id, result)
 
-    @abc.abstractmethod
     async def ack_batch(self, items: Sequence[AckItem]) -> list[bool]:
         """Ack many tasks in one transaction. Returns, per item, False when its lease was
         lost (that item is skipped; the others still complete). Items are applied in
         order, so a repeated item is lost the second time."""
+        self._check_open()
+        check_batch_size(items, upper=MAX_BATCH)
+        for item in items:
+            check_task_id(item.task_id)
+        if not items:
+            return []
+        return await self._ack_batch(items)
 
-    @abc.abstractmethod
     async def fail(
         self,
         task_id: str,
@@ -173,68 +281,83 @@ class Broker(abc.ABC):
         retry_delay``. The lease is cleared; ``progress`` is kept. Raises LeaseLost;
         InvalidTask for a negative ``retry_delay``.
         """
+        self._check_open()
+        check_not_negative("retry_delay", retry_delay)
+        check_task_id(task_id)
+        return await self._fail(task_id, lease_id, error, retry_delay, skip_retry)
 
-    @abc.abstractmethod
     async def release(self, task_id: str, lease_id: str) -> Task:
         """Give a task back untouched: ACTIVE -> PENDING, due now (``available_at = now``),
         ``retried`` and ``last_error`` unchanged. Raises LeaseLost."""
+        self._check_open()
+        check_task_id(task_id)
+        return await self._release(task_id, lease_id)
 
-    @abc.abstractmethod
     async def archive(self, task_id: str, lease_id: str, error: str) -> Task:
         """ACTIVE -> ARCHIVED at once (skip-retry): ``last_error = error``,
         ``completed_at = now``, ``retried`` unchanged. Raises LeaseLost."""
+        self._check_open()
+        check_task_id(task_id)
+        return await self._archive(task_id, lease_id, error)
 
     # -------------------------------------------------------- maintenance sweeps
 
-    @abc.abstractmethod
     async def reap_expired_leases(
-        self, limit: int = 1000, retry_delay: timedelta = timedelta(0)
+        self, params: LeaseReapParams = _DEFAULT_REAP
     ) -> list[ReapedTask]:
         """ACTIVE tasks with ``lease_expires_at <= now`` fail with LEASE_EXPIRED_ERROR:
-        RETRY (due after ``retry_delay``) or ARCHIVED when exhausted, exactly like
-        ``fail`` (``retried`` goes up by one). Returns them, oldest
-        ``lease_expires_at`` first."""
+        RETRY (due after ``params.retry_delay``) or ARCHIVED when exhausted, exactly like
+        ``fail`` (``retried`` goes up by one). At most ``params.limit``; returns them,
+        oldest ``lease_expires_at`` first."""
+        self._check_open()
+        check_limit(params.limit, upper=MAX_BATCH)
+        check_not_negative("retry_delay", params.retry_delay)
+        return await self._reap_expired_leases(params)
 
-    @abc.abstractmethod
     async def promote_scheduled(self, limit: int = 1000) -> dict[str, int]:
         """SCHEDULED tasks with ``available_at <= now`` become PENDING (``available_at``
         unchanged). Returns the number promoted per queue (queues with none are left
         out)."""
+        self._check_open()
+        check_limit(limit, upper=MAX_BATCH)
+        return await self._promote_scheduled(limit)
 
-    @abc.abstractmethod
-    async def purge_terminal(
-        self,
-        *,
-        archive_retention: timedelta,
-        default_retention: timedelta = timedelta(0),
-        limit: int = 1000,
-    ) -> int:
+    async def purge_terminal(self, params: TerminalPurgeParams) -> int:
         """Delete terminal rows past their retention and return how many.
 
         COMPLETED rows go when ``completed_at + retention <= now``, where a task's own
-        ``retention`` (zero included) wins over ``default_retention`` when it is set;
-        ARCHIVED and CANCELED rows when ``completed_at + archive_retention <= now``. Rows
-        in other states are never purged. With more rows past their retention than
-        ``limit``, the ones whose purge time (``completed_at`` plus the retention that
-        applies) is oldest go first, then by id, whatever their state. Purged rows report
-        no events. An implementation may also drop lapsed unique claims here
-        (housekeeping; not observable).
+        ``retention`` (zero included) wins over ``params.default_retention`` when it is
+        set; ARCHIVED and CANCELED rows when ``completed_at + params.archive_retention <=
+        now``. Rows in other states are never purged. With more rows past their retention
+        than ``params.limit``, the ones whose purge time (``completed_at`` plus the
+        retention that applies) is oldest go first, then by id, whatever their state.
+        Purged rows report no events. An implementation may also drop lapsed unique claims
+        here (housekeeping; not observable).
         """
+        self._check_open()
+        check_not_negative("archive_retention", params.archive_retention)
+        check_not_negative("default_retention", params.default_retention)
+        check_limit(params.limit, upper=MAX_BATCH)
+        return await self._purge_terminal(params)
 
-    @abc.abstractmethod
     async def archive_expired(self, limit: int = 1000) -> list[Task]:
         """Waiting tasks (any of WAITING_STATES) with ``expires_at <= now`` become ARCHIVED
         with ``last_error = EXPIRED_ERROR`` and ``completed_at = now``. Returns them,
         oldest ``expires_at`` first. ACTIVE tasks are left alone."""
+        self._check_open()
+        check_limit(limit, upper=MAX_BATCH)
+        return await self._archive_expired(limit)
 
     # ------------------------------------------------------- inspection / admin
 
-    @abc.abstractmethod
     async def pending_count(self, queue: str | None = None) -> dict[str, int]:
         """Due tasks (what ``lease`` would pick now) per queue; queues with none are left
         out. With ``queue``, only that queue."""
+        self._check_open()
+        if queue is not None:
+            check_queue(queue)
+        return await self._pending_count(queue)
 
-    @abc.abstractmethod
     async def due_queues(self, *, after: str | None = None, limit: int = 1000) -> list[str]:
         """Queues that have a due task (what ``lease`` would pick now): the keys of
         ``pending_count()``, without counting. Sorted by name; only names after ``after``
@@ -244,80 +367,106 @@ class Broker(abc.ABC):
         For sweeps that only need to know where there is work, so its cost follows the
         number of queues rather than the number of due tasks.
         """
+        self._check_open()
+        if after is not None:
+            check_queue(after)
+        check_limit(limit, upper=MAX_BATCH)
+        return await self._due_queues(after, limit)
 
-    @abc.abstractmethod
     async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:
         """Per-state counts for every queue that has tasks (in any state) or a stored
         pause flag, sorted by name; with ``queue``, a single entry (all zeros for an
         unknown queue). ``counts`` maps every TaskState, zeros included."""
+        self._check_open()
+        if queue is not None:
+            check_queue(queue)
+        return await self._queue_stats(queue)
 
-    @abc.abstractmethod
     async def get_task(self, task_id: str) -> Task:
         """The stored task. Raises TaskNotFound."""
+        self._check_open()
+        check_task_id(task_id)
+        return await self._get_task(task_id)
 
-    @abc.abstractmethod
-    async def list_tasks(
-        self,
-        *,
-        queue: str | None = None,
-        state: TaskState | None = None,
-        limit: int = 100,
-        cursor: str | None = None,
-    ) -> TaskPage:
-        """Tasks ordered by id, filtered by queue and state. ``cursor`` is the
-        ``next_cursor`` of the previous page (an opaque string); ``next_cursor`` is None
-        exactly when no matching task follows the page. ``limit`` in 1..1000 (InvalidTask
-        otherwise); a malformed cursor raises InvalidTask."""
+    async def list_tasks(self, params: TaskListParams = _DEFAULT_LIST) -> TaskPage:
+        """Tasks ordered by id, filtered by ``params.queue`` and ``params.state``.
+        ``params.cursor`` is the ``next_cursor`` of the previous page (an opaque string);
+        ``next_cursor`` is None exactly when no matching task follows the page.
+        ``params.limit`` in 1..1000 (InvalidTask otherwise); a malformed cursor raises
+        InvalidTask."""
+        self._check_open()
+        if params.queue is not None:
+            check_queue(params.queue)
+        check_limit(params.limit, upper=MAX_BATCH)
+        check_cursor(params.cursor)
+        return await self._list_tasks(params)
 
-    @abc.abstractmethod
     async def cancel_task(self, task_id: str) -> Task:
         """Waiting -> CANCELED (``completed_at = now``). ACTIVE -> ARCHIVED with
         CANCELED_WHILE_RUNNING_ERROR and ``completed_at = now`` (the lease is gone, so the
         worker's result will be dropped; the caller tells the worker to stop).
         ``retried`` is unchanged. Terminal -> InvalidState."""
+        self._check_open()
+        check_task_id(task_id)
+        return await self._cancel_task(task_id)
 
-    @abc.abstractmethod
     async def delete_task(self, task_id: str) -> None:
         """Delete a task that is not ACTIVE (InvalidState if it is). Its unique claim,
         if any, is freed."""
+        self._check_open()
+        check_task_id(task_id)
+        await self._delete_task(task_id)
 
-    @abc.abstractmethod
     async def run_task_now(self, task_id: str) -> Task:
         """SCHEDULED, RETRY or PENDING -> PENDING, due now (``available_at = now``).
         Other states: InvalidState."""
+        self._check_open()
+        check_task_id(task_id)
+        return await self._run_task_now(task_id)
 
-    @abc.abstractmethod
     async def reschedule_task(self, task_id: str, process_at: datetime) -> Task:
         """PENDING, SCHEDULED or RETRY -> SCHEDULED with ``available_at = process_at``;
         when ``process_at`` is not after now, PENDING with ``available_at = now``. The
         task's ``process_at`` option is left as enqueued. Other states: InvalidState; a
         naive ``process_at``: InvalidTask."""
+        self._check_open()
+        check_aware("process_at", process_at)
+        check_task_id(task_id)
+        return await self._reschedule_task(task_id, process_at)
 
-    @abc.abstractmethod
     async def archive_task(self, task_id: str) -> Task:
         """A waiting task -> ARCHIVED with ARCHIVED_BY_ADMIN_ERROR and ``completed_at =
         now``. Other states: InvalidState."""
+        self._check_open()
+        check_task_id(task_id)
+        return await self._archive_task(task_id)
 
-    @abc.abstractmethod
     async def revive_task(self, task_id: str) -> Task:
         """ARCHIVED -> PENDING, due now, ``retried = 0``, ``completed_at`` cleared
         (``last_error`` is kept as history). Other states: InvalidState. Raises
         DuplicateTask when another live task holds its (unlapsed) unique claim."""
+        self._check_open()
+        check_task_id(task_id)
+        return await self._revive_task(task_id)
 
-    @abc.abstractmethod
     async def set_queue_paused(self, queue: str, paused: bool) -> None:
         """Persist the pause flag of ``queue`` (the queue need not have tasks). Any call,
         ``paused=False`` included, stores a flag, so the queue shows in ``queue_stats``."""
+        self._check_open()
+        check_queue(queue)
+        await self._set_queue_paused(queue, paused)
 
-    @abc.abstractmethod
     async def queue_paused(self, queue: str) -> bool:
         """The stored pause flag (False for a queue never paused)."""
+        self._check_open()
+        check_queue(queue)
+        return await self._queue_paused(queue)
 
-    @abc.abstractmethod
     async def info(self) -> BrokerInfo:
         """What this broker is."""
+        self._check_open()
+        return await self._info()
 
-    @abc.abstractmethod
     async def upkeep_storage(self) -> StorageUpkeep:
         """Keep the storage's query plans and indexes fit for the work it now holds.
 
@@ -329,10 +478,11 @@ class Broker(abc.ABC):
         Cheap when there is nothing to do. Storage without a planner (the memory broker)
         never has anything to do and reports so.
         """
+        self._check_open()
+        return await self._upkeep_storage()
 
     # ---------------------------------------------------- webhook registrations
 
-    @abc.abstractmethod
     async def upsert_webhook_worker(self, spec: WebhookWorkerSpec) -> WebhookWorker:
         """Create or replace the registration ``spec.name`` and return it as stored.
 
@@ -340,30 +490,156 @@ class Broker(abc.ABC):
         keeps the stored secrets (none on create). Raises InvalidTask for bad input (see
         :func:`conveyor_broker.validation.check_webhook_worker`); nothing changes then.
         """
+        self._check_open()
+        check_webhook_worker(spec)
+        return await self._upsert_webhook_worker(spec)
 
-    @abc.abstractmethod
     async def get_webhook_worker(self, name: str) -> WebhookWorker:
         """The registration ``name``. Raises WebhookWorkerNotFound."""
+        self._check_open()
+        check_webhook_name(name)
+        return await self._get_webhook_worker(name)
 
-    @abc.abstractmethod
     async def list_webhook_workers(self) -> list[WebhookWorker]:
         """Every registration, by name."""
+        self._check_open()
+        return await self._list_webhook_workers()
 
-    @abc.abstractmethod
     async def set_webhook_worker_paused(self, name: str, paused: bool) -> WebhookWorker:
         """Pause or resume a registration (``updated_at = now``). Raises
         WebhookWorkerNotFound."""
+        self._check_open()
+        check_webhook_name(name)
+        return await self._set_webhook_worker_paused(name, paused)
 
-    @abc.abstractmethod
     async def delete_webhook_worker(self, name: str) -> None:
         """Delete a registration. Raises WebhookWorkerNotFound."""
+        self._check_open()
+        check_webhook_name(name)
+        await self._delete_webhook_worker(name)
 
     # --------------------------------------------------------------- lifecycle
 
-    @abc.abstractmethod
     def set_event_sink(self, sink: EventSink | None) -> None:
         """Report every committed state change to ``sink`` (None stops reporting)."""
+        self._sink = sink
 
     @abc.abstractmethod
     async def close(self) -> None:
-        """Release resources. Later calls raise BrokerClosed; closing twice is harmless."""
+        """Release resources and set ``_closed``: later calls raise BrokerClosed; closing
+        twice is harmless."""
+
+    # ------------------------------------------------------------------- hooks
+    # What an implementation provides: each public method's work, given an open broker
+    # and arguments the public method has checked (batches are not empty).
+
+    @abc.abstractmethod
+    async def _enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]: ...
+
+    @abc.abstractmethod
+    async def _lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]: ...
+
+    @abc.abstractmethod
+    async def _lease_many(
+        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+    ) -> list[list[Task]]: ...
+
+    @abc.abstractmethod
+    async def _extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime: ...
+
+    @abc.abstractmethod
+    async def _extend_leases(
+        self, leases: Sequence[LeaseRef], ttl: timedelta
+    ) -> list[LeaseRef]: ...
+
+    @abc.abstractmethod
+    async def _set_progress(self, task_id: str, lease_id: str, progress: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def _ack(self, task_id: str, lease_id: str, result: bytes | None) -> Task: ...
+
+    @abc.abstractmethod
+    async def _ack_batch(self, items: Sequence[AckItem]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    async def _fail(
+        self, task_id: str, lease_id: str, error: str, retry_delay: timedelta, skip_retry: bool
+    ) -> Task: ...
+
+    @abc.abstractmethod
+    async def _release(self, task_id: str, lease_id: str) -> Task: ...
+
+    @abc.abstractmethod
+    async def _archive(self, task_id: str, lease_id: str, error: str) -> Task: ...
+
+    @abc.abstractmethod
+    async def _reap_expired_leases(self, params: LeaseReapParams) -> list[ReapedTask]: ...
+
+    @abc.abstractmethod
+    async def _promote_scheduled(self, limit: int) -> dict[str, int]: ...
+
+    @abc.abstractmethod
+    async def _purge_terminal(self, params: TerminalPurgeParams) -> int: ...
+
+    @abc.abstractmethod
+    async def _archive_expired(self, limit: int) -> list[Task]: ...
+
+    @abc.abstractmethod
+    async def _pending_count(self, queue: str | None) -> dict[str, int]: ...
+
+    @abc.abstractmethod
+    async def _due_queues(self, after: str | None, limit: int) -> list[str]: ...
+
+    @abc.abstractmethod
+    async def _queue_stats(self, queue: str | None) -> list[QueueStats]: ...
+
+    @abc.abstractmethod
+    async def _get_task(self, task_id: str) -> Task: ...
+
+    @abc.abstractmethod
+    async def _list_tasks(self, params: TaskListParams) -> TaskPage: ...
+
+    @abc.abstractmethod
+    async def _cancel_task(self, task_id: str) -> Task: ...
+
+    @abc.abstractmethod
+    async def _delete_task(self, task_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _run_task_now(self, task_id: str) -> Task: ...
+
+    @abc.abstractmethod
+    async def _reschedule_task(self, task_id: str, process_at: datetime) -> Task: ...
+
+    @abc.abstractmethod
+    async def _archive_task(self, task_id: str) -> Task: ...
+
+    @abc.abstractmethod
+    async def _revive_task(self, task_id: str) -> Task: ...
+
+    @abc.abstractmethod
+    async def _set_queue_paused(self, queue: str, paused: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def _queue_paused(self, queue: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def _info(self) -> BrokerInfo: ...
+
+    @abc.abstractmethod
+    async def _upkeep_storage(self) -> StorageUpkeep: ...
+
+    @abc.abstractmethod
+    async def _upsert_webhook_worker(self, spec: WebhookWorkerSpec) -> WebhookWorker: ...
+
+    @abc.abstractmethod
+    async def _get_webhook_worker(self, name: str) -> WebhookWorker: ...
+
+    @abc.abstractmethod
+    async def _list_webhook_workers(self) -> list[WebhookWorker]: ...
+
+    @abc.abstractmethod
+    async def _set_webhook_worker_paused(self, name: str, paused: bool) -> WebhookWorker: ...
+
+    @abc.abstractmethod
+    async def _delete_webhook_worker(self, name: str) -> None: ...

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import datetime, timedelta
 from importlib import metadata
 from types import MappingProxyType
-from typing import Any
 
-from conveyor_broker.clock import Clock, SystemClock
+from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
     BrokerClosed,
     DuplicateTask,
@@ -30,7 +28,7 @@ from conveyor_broker.errors import (
     WebhookWorkerNotFound,
 )
 from conveyor_broker.ids import new_id
-from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, EventSink
+from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker
 from conveyor_broker.memory_table import TaskTable, new_row
 from conveyor_broker.types import (
     ARCHIVED_BY_ADMIN_ERROR,
@@ -42,31 +40,21 @@ from conveyor_broker.types import (
     AckItem,
     BrokerInfo,
     EnqueueResult,
+    LeaseReapParams,
     LeaseRef,
     NewTask,
     QueueStats,
     ReapedTask,
     StorageUpkeep,
     Task,
-    TaskEvent,
+    TaskListParams,
     TaskPage,
     TaskState,
+    TerminalPurgeParams,
     WebhookWorker,
     WebhookWorkerSpec,
 )
-from conveyor_broker.validation import (
-    MAX_PAYLOAD,
-    MAX_RETRY_CAP,
-    check_batch,
-    check_lease_wants,
-    check_limit,
-    check_queue,
-    check_task_id,
-    check_webhook_name,
-    check_webhook_worker,
-)
-
-logger = logging.getLogger(__name__)
+from conveyor_broker.validation import MAX_PAYLOAD
 
 _RUNNABLE_NOW = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
 
@@ -78,23 +66,11 @@ def _package_version() -> str:
         return "0"
 
 
-def _check_ttl(name: str, ttl: timedelta) -> None:
-    if ttl <= timedelta(0):
-        raise InvalidTask(f"{name} must be > 0, got {ttl}")
-
-
-def _check_not_negative(name: str, value: timedelta) -> None:
-    if value < timedelta(0):
-        raise InvalidTask(f"{name} must be >= 0, got {value}")
-
-
-def _check_batch_size(items: Sequence[Any]) -> None:
-    if len(items) > MAX_BATCH:
-        raise InvalidTask(f"a batch holds at most {MAX_BATCH} items, got {len(items)}")
-
-
 class MemoryBroker(Broker):
-    """A Broker that keeps everything in process memory. Nothing survives a restart."""
+    """A Broker that keeps everything in process memory. Nothing survives a restart.
+
+    The arguments are :class:`~conveyor_broker.interface.Broker`'s.
+    """
 
     def __init__(
         self,
@@ -103,16 +79,8 @@ class MemoryBroker(Broker):
         max_payload: int = MAX_PAYLOAD,
         default_max_retry: int = DEFAULT_MAX_RETRY,
     ) -> None:
-        if max_payload < 0:
-            raise ValueError("max_payload must be >= 0")
-        if not 0 <= default_max_retry <= MAX_RETRY_CAP:
-            raise ValueError(f"default_max_retry must be in 0..{MAX_RETRY_CAP}")
-        self._clock: Clock = clock or SystemClock()
-        self._max_payload = max_payload
-        self._default_max_retry = default_max_retry
+        super().__init__(clock, max_payload=max_payload, default_max_retry=default_max_retry)
         self._lock = asyncio.Lock()
-        self._closed = False
-        self._sink: EventSink | None = None
         self._table = TaskTable()
         self._paused: dict[str, bool] = {}
         self._webhooks: dict[str, WebhookWorker] = {}
@@ -123,38 +91,24 @@ class MemoryBroker(Broker):
     async def _locked(self) -> AsyncIterator[datetime]:
         """Hold the lock on an open broker; yield "now"; report events on the way out.
 
-        Events go out under the lock so that they reach the sink in commit order.
+        Events go out under the lock so that they reach the sink in commit order. The
+        broker was open when the call began, but a close may have taken the lock first.
         """
         async with self._lock:
             if self._closed:
-                raise BrokerClosed("broker is closed")
+                raise BrokerClosed("the broker is closed")
             try:
                 yield self._clock.now()
             finally:
                 self._emit(self._table.take_events())
 
-    def _emit(self, events: Iterable[TaskEvent]) -> None:
-        sink = self._sink
-        if sink is None:
-            return
-        for event in events:
-            try:
-                sink(event)
-            except Exception:
-                # A broken sink must not undo or block a committed change.
-                logger.exception(
-                    "broker.event_sink_failed task_id=%s state=%s", event.task_id, event.state
-                )
-
     def _get(self, task_id: str) -> Task:
-        check_task_id(task_id)
         task = self._table.get(task_id)
         if task is None:
             raise TaskNotFound(task_id)
         return task
 
     def _leased(self, task_id: str, lease_id: str) -> Task:
-        check_task_id(task_id)
         task = self._table.get(task_id)
         if task is None or task.state != TaskState.ACTIVE or task.lease_id != lease_id:
             raise LeaseLost(task_id, lease_id)
@@ -181,14 +135,8 @@ class MemoryBroker(Broker):
 
     # ------------------------------------------------------------------ enqueue
 
-    async def enqueue(self, task: NewTask) -> EnqueueResult:
-        """Store one task. Same as ``enqueue_batch([task])[0]``."""
-        return (await self.enqueue_batch([task]))[0]
-
-    async def enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
-        """Store up to MAX_BATCH tasks, all-or-nothing (see Broker.enqueue_batch)."""
+    async def _enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
         async with self._locked() as now:
-            check_batch(tasks, max_batch=MAX_BATCH, max_payload=self._max_payload)
             staged: dict[str, Task] = {}
             claimed: dict[tuple[str, str], str] = {}
             results: list[EnqueueResult] = []
@@ -227,24 +175,17 @@ class MemoryBroker(Broker):
 
     # -------------------------------------------------------------------- lease
 
-    async def lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
-        """Lease up to ``limit`` due tasks of ``queue`` (see Broker.lease)."""
+    async def _lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
         async with self._locked() as now:
-            check_queue(queue)
-            check_limit(limit, upper=MAX_BATCH)
-            _check_ttl("lease ttl", ttl)
-            return self._lease(queue, limit, ttl, now)
+            return self._lease_queue(queue, limit, ttl, now)
 
-    async def lease_many(
+    async def _lease_many(
         self, wants: Sequence[tuple[str, int]], ttl: timedelta
     ) -> list[list[Task]]:
-        """Lease for several queues at once (see Broker.lease_many)."""
         async with self._locked() as now:
-            check_lease_wants(wants, upper=MAX_BATCH)
-            _check_ttl("lease ttl", ttl)
-            return [self._lease(queue, limit, ttl, now) for queue, limit in wants]
+            return [self._lease_queue(queue, limit, ttl, now) for queue, limit in wants]
 
-    def _lease(self, queue: str, limit: int, ttl: timedelta, now: datetime) -> list[Task]:
+    def _lease_queue(self, queue: str, limit: int, ttl: timedelta, now: datetime) -> list[Task]:
         due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
         leased: list[Task] = []
         for task in heapq.nsmallest(limit, due, key=lambda t: (t.available_at, t.id)):
@@ -264,21 +205,14 @@ class MemoryBroker(Broker):
             )
         return leased
 
-    async def extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
-        """Set ``lease_expires_at = now + ttl`` and return it. Raises LeaseLost."""
+    async def _extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
         async with self._locked() as now:
-            _check_ttl("lease ttl", ttl)
             task = self._leased(task_id, lease_id)
             self._table.put(replace(task, lease_expires_at=now + ttl, updated_at=now), task)
             return now + ttl
 
-    async def extend_leases(self, leases: Sequence[LeaseRef], ttl: timedelta) -> list[LeaseRef]:
-        """Extend many leases; return the lost ones in input order."""
+    async def _extend_leases(self, leases: Sequence[LeaseRef], ttl: timedelta) -> list[LeaseRef]:
         async with self._locked() as now:
-            _check_ttl("lease ttl", ttl)
-            _check_batch_size(leases)
-            for ref in leases:
-                check_task_id(ref.task_id)
             lost: list[LeaseRef] = []
             for ref in leases:
                 try:
@@ -289,16 +223,14 @@ class MemoryBroker(Broker):
                 self._table.put(replace(task, lease_expires_at=now + ttl, updated_at=now), task)
             return lost
 
-    async def set_progress(self, task_id: str, lease_id: str, progress: bytes) -> None:
-        """Store the running task's progress. Raises LeaseLost."""
+    async def _set_progress(self, task_id: str, lease_id: str, progress: bytes) -> None:
         async with self._locked() as now:
             task = self._leased(task_id, lease_id)
             self._table.put(replace(task, progress=bytes(progress), updated_at=now), task)
 
     # ----------------------------------------------------------------- outcomes
 
-    async def ack(self, task_id: str, lease_id: str, result: bytes | None = None) -> Task:
-        """ACTIVE -> COMPLETED, storing ``result``. Raises LeaseLost."""
+    async def _ack(self, task_id: str, lease_id: str, result: bytes | None) -> Task:
         async with self._locked() as now:
             return self._complete(self._leased(task_id, lease_id), now, result)
 
@@ -316,12 +248,8 @@ class MemoryBroker(Broker):
             task,
         )
 
-    async def ack_batch(self, items: Sequence[AckItem]) -> list[bool]:
-        """Ack many tasks; False per item whose lease was lost."""
+    async def _ack_batch(self, items: Sequence[AckItem]) -> list[bool]:
         async with self._locked() as now:
-            _check_batch_size(items)
-            for item in items:
-                check_task_id(item.task_id)
             done: list[bool] = []
             for item in items:
                 try:
@@ -333,23 +261,14 @@ class MemoryBroker(Broker):
                 done.append(True)
             return done
 
-    async def fail(
-        self,
-        task_id: str,
-        lease_id: str,
-        error: str,
-        retry_delay: timedelta,
-        *,
-        skip_retry: bool = False,
+    async def _fail(
+        self, task_id: str, lease_id: str, error: str, retry_delay: timedelta, skip_retry: bool
     ) -> Task:
-        """A failed attempt: RETRY after ``retry_delay``, or ARCHIVED when exhausted."""
         async with self._locked() as now:
-            _check_not_negative("retry_delay", retry_delay)
             task = self._leased(task_id, lease_id)
             return self._finish_attempt(task, now, error, retry_delay, skip_retry)
 
-    async def release(self, task_id: str, lease_id: str) -> Task:
-        """ACTIVE -> PENDING, due now, ``retried`` unchanged. Raises LeaseLost."""
+    async def _release(self, task_id: str, lease_id: str) -> Task:
         async with self._locked() as now:
             task = self._leased(task_id, lease_id)
             return self._table.put(
@@ -364,13 +283,11 @@ class MemoryBroker(Broker):
                 task,
             )
 
-    async def archive(self, task_id: str, lease_id: str, error: str) -> Task:
-        """ACTIVE -> ARCHIVED at once with ``last_error = error``. Raises LeaseLost."""
+    async def _archive(self, task_id: str, lease_id: str, error: str) -> Task:
         async with self._locked() as now:
-            task = self._leased(task_id, lease_id)
-            return self._archive(task, now, error)
+            return self._archived(self._leased(task_id, lease_id), now, error)
 
-    def _archive(self, task: Task, now: datetime, error: str) -> Task:
+    def _archived(self, task: Task, now: datetime, error: str) -> Task:
         return self._table.put(
             replace(
                 task,
@@ -386,72 +303,53 @@ class MemoryBroker(Broker):
 
     # -------------------------------------------------------- maintenance sweeps
 
-    async def reap_expired_leases(
-        self, limit: int = 1000, retry_delay: timedelta = timedelta(0)
-    ) -> list[ReapedTask]:
-        """Fail ACTIVE tasks whose lease expired with LEASE_EXPIRED_ERROR."""
+    async def _reap_expired_leases(self, params: LeaseReapParams) -> list[ReapedTask]:
         async with self._locked() as now:
-            check_limit(limit, upper=MAX_BATCH)
-            _check_not_negative("retry_delay", retry_delay)
             reaped: list[ReapedTask] = []
-            for task in self._table.oldest([TaskState.ACTIVE], _lease_expiry, now, limit):
-                done = self._finish_attempt(task, now, LEASE_EXPIRED_ERROR, retry_delay, False)
+            expired = self._table.oldest([TaskState.ACTIVE], _lease_expiry, now, params.limit)
+            for task in expired:
+                done = self._finish_attempt(
+                    task, now, LEASE_EXPIRED_ERROR, params.retry_delay, False
+                )
                 reaped.append(ReapedTask(task_id=done.id, queue=done.queue, state=done.state))
             return reaped
 
-    async def promote_scheduled(self, limit: int = 1000) -> dict[str, int]:
-        """Due SCHEDULED tasks become PENDING; the number promoted per queue."""
+    async def _promote_scheduled(self, limit: int) -> dict[str, int]:
         async with self._locked() as now:
-            check_limit(limit, upper=MAX_BATCH)
             promoted: defaultdict[str, int] = defaultdict(int)
             for task in self._table.oldest([TaskState.SCHEDULED], _available, now, limit):
                 self._table.put(replace(task, state=TaskState.PENDING, updated_at=now), task)
                 promoted[task.queue] += 1
             return dict(promoted)
 
-    async def purge_terminal(
-        self,
-        *,
-        archive_retention: timedelta,
-        default_retention: timedelta = timedelta(0),
-        limit: int = 1000,
-    ) -> int:
-        """Delete terminal rows past their retention; return how many."""
+    async def _purge_terminal(self, params: TerminalPurgeParams) -> int:
         async with self._locked() as now:
-            _check_not_negative("archive_retention", archive_retention)
-            _check_not_negative("default_retention", default_retention)
-            check_limit(limit, upper=MAX_BATCH)
 
             def purge_at(task: Task) -> datetime | None:
                 # Oldest purge time goes first; rows not due yet are left out by oldest().
                 if task.completed_at is None:  # pragma: no cover - terminal rows have it
                     return None
                 if task.state == TaskState.COMPLETED:
-                    keep = default_retention if task.retention is None else task.retention
+                    keep = params.default_retention if task.retention is None else task.retention
                 else:
-                    keep = archive_retention
+                    keep = params.archive_retention
                 return task.completed_at + keep
 
-            doomed = self._table.oldest(TERMINAL_STATES, purge_at, now, limit)
+            doomed = self._table.oldest(TERMINAL_STATES, purge_at, now, params.limit)
             for task in doomed:
                 self._table.drop(task, now, report=False)
             self._table.free_lapsed_claims(now)
             return len(doomed)
 
-    async def archive_expired(self, limit: int = 1000) -> list[Task]:
-        """Waiting tasks past ``expires_at`` become ARCHIVED with EXPIRED_ERROR."""
+    async def _archive_expired(self, limit: int) -> list[Task]:
         async with self._locked() as now:
-            check_limit(limit, upper=MAX_BATCH)
             expired = self._table.oldest(WAITING_STATES, _expires_at, now, limit)
-            return [self._archive(task, now, EXPIRED_ERROR) for task in expired]
+            return [self._archived(task, now, EXPIRED_ERROR) for task in expired]
 
     # ------------------------------------------------------- inspection / admin
 
-    async def pending_count(self, queue: str | None = None) -> dict[str, int]:
-        """Due tasks per queue (what ``lease`` would pick now)."""
+    async def _pending_count(self, queue: str | None) -> dict[str, int]:
         async with self._locked() as now:
-            if queue is not None:
-                check_queue(queue)
             queues = self._table.leasable_queues() if queue is None else [queue]
             counts: dict[str, int] = {}
             for name in queues:
@@ -460,12 +358,8 @@ class MemoryBroker(Broker):
                     counts[name] = due
             return counts
 
-    async def due_queues(self, *, after: str | None = None, limit: int = 1000) -> list[str]:
-        """Queues with a due task, by name, named after ``after``, at most ``limit``."""
+    async def _due_queues(self, after: str | None, limit: int) -> list[str]:
         async with self._locked() as now:
-            if after is not None:
-                check_queue(after)
-            check_limit(limit, upper=MAX_BATCH)
             due = [
                 name
                 for name in self._table.leasable_queues()
@@ -474,11 +368,9 @@ class MemoryBroker(Broker):
             ]
             return sorted(due)[:limit]
 
-    async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:
-        """Per-state counts per queue, sorted by name."""
+    async def _queue_stats(self, queue: str | None) -> list[QueueStats]:
         async with self._locked():
             if queue is not None:
-                check_queue(queue)
                 names = [queue]
             else:
                 names = sorted(self._table.queues() | set(self._paused))
@@ -491,29 +383,14 @@ class MemoryBroker(Broker):
                 for name in names
             ]
 
-    async def get_task(self, task_id: str) -> Task:
-        """The stored task. Raises TaskNotFound."""
+    async def _get_task(self, task_id: str) -> Task:
         async with self._locked():
             return self._get(task_id)
 
-    async def list_tasks(
-        self,
-        *,
-        queue: str | None = None,
-        state: TaskState | None = None,
-        limit: int = 100,
-        cursor: str | None = None,
-    ) -> TaskPage:
-        """Tasks ordered by id, filtered; the cursor is the last id of the previous page."""
+    async def _list_tasks(self, params: TaskListParams) -> TaskPage:
+        # The cursor is the last id of the previous page.
+        queue, state, limit, cursor = params.queue, params.state, params.limit, params.cursor
         async with self._locked():
-            if queue is not None:
-                check_queue(queue)
-            check_limit(limit, upper=MAX_BATCH)
-            if cursor is not None:
-                try:
-                    check_task_id(cursor)
-                except InvalidTask:
-                    raise InvalidTask(f"malformed cursor {cursor!r}") from None
             ids = [
                 task_id
                 for task_id in self._table.ids(state)
@@ -525,28 +402,25 @@ class MemoryBroker(Broker):
             tasks = [self._table[task_id] for task_id in page[:limit]]
             return TaskPage(tasks=tasks, next_cursor=tasks[-1].id if more else None)
 
-    async def cancel_task(self, task_id: str) -> Task:
-        """Waiting -> CANCELED; ACTIVE -> ARCHIVED; terminal -> InvalidState."""
+    async def _cancel_task(self, task_id: str) -> Task:
         async with self._locked() as now:
             task = self._get(task_id)
             if task.state == TaskState.ACTIVE:
-                return self._archive(task, now, CANCELED_WHILE_RUNNING_ERROR)
+                return self._archived(task, now, CANCELED_WHILE_RUNNING_ERROR)
             if task.state in TERMINAL_STATES:
                 raise InvalidState(task_id, task.state, "cancel")
             return self._table.put(
                 replace(task, state=TaskState.CANCELED, completed_at=now, updated_at=now), task
             )
 
-    async def delete_task(self, task_id: str) -> None:
-        """Delete a task that is not ACTIVE."""
+    async def _delete_task(self, task_id: str) -> None:
         async with self._locked() as now:
             task = self._get(task_id)
             if task.state == TaskState.ACTIVE:
                 raise InvalidState(task_id, task.state, "delete")
             self._table.drop(task, now, report=True)
 
-    async def run_task_now(self, task_id: str) -> Task:
-        """SCHEDULED, RETRY or PENDING -> PENDING, due now."""
+    async def _run_task_now(self, task_id: str) -> Task:
         async with self._locked() as now:
             task = self._get(task_id)
             if task.state not in _RUNNABLE_NOW:
@@ -555,11 +429,8 @@ class MemoryBroker(Broker):
                 replace(task, state=TaskState.PENDING, available_at=now, updated_at=now), task
             )
 
-    async def reschedule_task(self, task_id: str, process_at: datetime) -> Task:
-        """PENDING, SCHEDULED or RETRY -> SCHEDULED at ``process_at`` (or PENDING now)."""
+    async def _reschedule_task(self, task_id: str, process_at: datetime) -> Task:
         async with self._locked() as now:
-            if process_at.tzinfo is None:
-                raise InvalidTask("process_at must be timezone-aware")
             task = self._get(task_id)
             if task.state not in _RUNNABLE_NOW:
                 raise InvalidState(task_id, task.state, "reschedule")
@@ -574,16 +445,14 @@ class MemoryBroker(Broker):
                 task,
             )
 
-    async def archive_task(self, task_id: str) -> Task:
-        """A waiting task -> ARCHIVED with ARCHIVED_BY_ADMIN_ERROR."""
+    async def _archive_task(self, task_id: str) -> Task:
         async with self._locked() as now:
             task = self._get(task_id)
             if task.state not in WAITING_STATES:
                 raise InvalidState(task_id, task.state, "archive")
-            return self._archive(task, now, ARCHIVED_BY_ADMIN_ERROR)
+            return self._archived(task, now, ARCHIVED_BY_ADMIN_ERROR)
 
-    async def revive_task(self, task_id: str) -> Task:
-        """ARCHIVED -> PENDING, due now, ``retried = 0``."""
+    async def _revive_task(self, task_id: str) -> Task:
         async with self._locked() as now:
             task = self._get(task_id)
             if task.state != TaskState.ARCHIVED:
@@ -606,42 +475,34 @@ class MemoryBroker(Broker):
                 task,
             )
 
-    async def set_queue_paused(self, queue: str, paused: bool) -> None:
-        """Persist the pause flag of ``queue``."""
+    async def _set_queue_paused(self, queue: str, paused: bool) -> None:
         async with self._locked():
-            check_queue(queue)
             self._paused[queue] = paused
 
-    async def queue_paused(self, queue: str) -> bool:
-        """The stored pause flag (False for a queue never paused)."""
+    async def _queue_paused(self, queue: str) -> bool:
         async with self._locked():
-            check_queue(queue)
             return self._paused.get(queue, False)
 
-    async def info(self) -> BrokerInfo:
-        """What this broker is: driver ``memory``, no schema."""
+    async def _info(self) -> BrokerInfo:
+        # Driver ``memory``, no schema.
         async with self._locked():
             return BrokerInfo(driver="memory", version=_package_version())
 
-    async def upkeep_storage(self) -> StorageUpkeep:
-        """Nothing to keep up: no planner, no dead row versions."""
+    async def _upkeep_storage(self) -> StorageUpkeep:
+        # Nothing to keep up: no planner, no dead row versions.
         async with self._locked():
             return StorageUpkeep()
 
     # ---------------------------------------------------- webhook registrations
 
     def _webhook(self, name: str) -> WebhookWorker:
-        check_webhook_name(name)
         worker = self._webhooks.get(name)
         if worker is None:
             raise WebhookWorkerNotFound(name)
         return worker
 
-    async def upsert_webhook_worker(self, spec: WebhookWorkerSpec) -> WebhookWorker:
-        """Create or replace the registration ``spec.name`` (see
-        Broker.upsert_webhook_worker)."""
+    async def _upsert_webhook_worker(self, spec: WebhookWorkerSpec) -> WebhookWorker:
         async with self._locked() as now:
-            check_webhook_worker(spec)
             stored = self._webhooks.get(spec.name)
             if spec.secrets:
                 secrets = tuple(spec.secrets)
@@ -662,34 +523,26 @@ class MemoryBroker(Broker):
             self._webhooks[spec.name] = worker
             return worker
 
-    async def get_webhook_worker(self, name: str) -> WebhookWorker:
-        """The registration ``name``. Raises WebhookWorkerNotFound."""
+    async def _get_webhook_worker(self, name: str) -> WebhookWorker:
         async with self._locked():
             return self._webhook(name)
 
-    async def list_webhook_workers(self) -> list[WebhookWorker]:
-        """Every registration, by name."""
+    async def _list_webhook_workers(self) -> list[WebhookWorker]:
         async with self._locked():
             return [self._webhooks[name] for name in sorted(self._webhooks)]
 
-    async def set_webhook_worker_paused(self, name: str, paused: bool) -> WebhookWorker:
-        """Pause or resume a registration. Raises WebhookWorkerNotFound."""
+    async def _set_webhook_worker_paused(self, name: str, paused: bool) -> WebhookWorker:
         async with self._locked() as now:
             worker = replace(self._webhook(name), paused=paused, updated_at=now)
             self._webhooks[name] = worker
             return worker
 
-    async def delete_webhook_worker(self, name: str) -> None:
-        """Delete a registration. Raises WebhookWorkerNotFound."""
+    async def _delete_webhook_worker(self, name: str) -> None:
         async with self._locked():
             self._webhook(name)
             del self._webhooks[name]
 
     # --------------------------------------------------------------- lifecycle
-
-    def set_event_sink(self, sink: EventSink | None) -> None:
-        """Report every committed state change to ``sink`` (None stops reporting)."""
-        self._sink = sink
 
     async def close(self) -> None:
         """Drop everything; later calls raise BrokerClosed."""

@@ -162,6 +162,42 @@ class ReapedTask:
 
 
 @dataclass(frozen=True, slots=True)
+class TaskListParams:
+    """Which tasks :meth:`~conveyor_broker.interface.Broker.list_tasks` returns: those of
+    ``queue`` in ``state`` (None: any), a page of at most ``limit`` (1..MAX_BATCH) after
+    ``cursor`` (the ``next_cursor`` of the previous page; None: from the start)."""
+
+    queue: str | None = None
+    state: TaskState | None = None
+    limit: int = 100
+    cursor: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TerminalPurgeParams:
+    """How long :meth:`~conveyor_broker.interface.Broker.purge_terminal` keeps terminal
+    rows, and how many it deletes at most (1..MAX_BATCH).
+
+    ``default_retention`` is for COMPLETED tasks without a retention of their own;
+    ``archive_retention`` for ARCHIVED and CANCELED ones. Neither may be negative.
+    """
+
+    archive_retention: timedelta
+    default_retention: timedelta = timedelta(0)
+    limit: int = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReapParams:
+    """How :meth:`~conveyor_broker.interface.Broker.reap_expired_leases` sweeps: at most
+    ``limit`` (1..MAX_BATCH) expired leases, each task due again ``retry_delay`` (>= 0)
+    later when it has retries left."""
+
+    limit: int = 1000
+    retry_delay: timedelta = timedelta(0)
+
+
+@dataclass(frozen=True, slots=True)
 class TaskPage:
     """One page of ListTasks; ``next_cursor`` is None on the last page."""
 

@@ -1,4 +1,6 @@
-"""Input checks shared by every broker, so each rejects the same bad input the same way."""
+"""Input checks: what :class:`~conveyor_broker.interface.Broker` runs before any
+implementation sees a call, and what the api runs on requests before they reach a broker.
+"""
 
 from __future__ import annotations
 
@@ -39,12 +41,37 @@ def check_task_id(task_id: str) -> None:
         raise InvalidTask(f"invalid task id {task_id!r}: expected a 26-character ULID")
 
 
-def _check_aware(name: str, value: datetime | None) -> None:
+def check_aware(name: str, value: datetime | None) -> None:
+    """Raise InvalidTask when ``value`` is a naive datetime."""
     if value is not None and value.tzinfo is None:
         raise InvalidTask(f"{name} must be timezone-aware")
 
 
 _ZERO = timedelta(0)
+
+
+def check_lease_ttl(ttl: timedelta) -> None:
+    """Raise InvalidTask unless a lease ``ttl`` is > 0."""
+    if ttl <= _ZERO:
+        raise InvalidTask(f"lease ttl must be > 0, got {ttl}")
+
+
+def check_not_negative(name: str, value: timedelta) -> None:
+    """Raise InvalidTask when the duration ``value`` is negative."""
+    if value < _ZERO:
+        raise InvalidTask(f"{name} must be >= 0, got {value}")
+
+
+def check_batch_size(items: Sequence[object], *, upper: int) -> None:
+    """Raise InvalidTask when a batch has more than ``upper`` items."""
+    if len(items) > upper:
+        raise InvalidTask(f"a batch holds at most {upper} items, got {len(items)}")
+
+
+def check_cursor(cursor: str | None) -> None:
+    """Raise InvalidTask unless ``cursor`` is None or a ListTasks cursor (a task id)."""
+    if cursor is not None and (not isinstance(cursor, str) or not is_ulid(cursor)):
+        raise InvalidTask(f"malformed cursor {cursor!r}")
 
 
 def _check_positive(name: str, value: timedelta | None, *, allow_zero: bool = False) -> None:
@@ -77,9 +104,9 @@ def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
     _check_positive("timeout", task.timeout)
     _check_positive("retention", task.retention, allow_zero=True)
     _check_positive("unique_ttl", task.unique_ttl)
-    _check_aware("deadline", task.deadline)
-    _check_aware("process_at", task.process_at)
-    _check_aware("expires_at", task.expires_at)
+    check_aware("deadline", task.deadline)
+    check_aware("process_at", task.process_at)
+    check_aware("expires_at", task.expires_at)
     if task.unique_ttl is not None and not task.unique_key:
         raise InvalidTask("unique_ttl needs a unique_key")
     for name, key_value in (

@@ -17,6 +17,7 @@ from conveyor_broker import (
     InvalidTask,
     QueueStats,
     Task,
+    TaskListParams,
     TaskState,
     WebhookWorker,
     WebhookWorkerSpec,
@@ -191,10 +192,12 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             if request.queue:
                 check_queue(request.queue)
             page = await self._broker.list_tasks(
-                queue=request.queue or None,
-                state=state_filter(request.state),
-                limit=request.limit or 100,
-                cursor=request.cursor or None,
+                TaskListParams(
+                    queue=request.queue or None,
+                    state=state_filter(request.state),
+                    limit=request.limit or 100,
+                    cursor=request.cursor or None,
+                )
             )
         except Exception as exc:
             await abort_for_error(context, exc)
@@ -549,7 +552,9 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             raise InvalidTask("the selector needs ids, or a queue (and optionally a state)")
         check_queue(selector.queue)
         page = await self._broker.list_tasks(
-            queue=selector.queue, state=state_filter(selector.state), limit=MAX_BATCH_ACTION
+            TaskListParams(
+                queue=selector.queue, state=state_filter(selector.state), limit=MAX_BATCH_ACTION
+            )
         )
         return [t.id for t in page.tasks], process_at
 

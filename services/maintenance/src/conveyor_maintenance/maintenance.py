@@ -29,7 +29,12 @@ from datetime import timedelta
 
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.interface import MAX_BATCH, Broker
-from conveyor_broker.types import StorageUpkeep, TaskState
+from conveyor_broker.types import (
+    LeaseReapParams,
+    StorageUpkeep,
+    TaskState,
+    TerminalPurgeParams,
+)
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import MaintenanceSettings
@@ -245,7 +250,7 @@ class Maintenance:
 
         async def reap() -> None:
             nonlocal reaped
-            tasks = await self._broker.reap_expired_leases(limit=limit)
+            tasks = await self._broker.reap_expired_leases(LeaseReapParams(limit=limit))
             reaped = len(tasks)
             to_wake.update(t.queue for t in tasks if t.state == TaskState.RETRY)
 
@@ -256,9 +261,11 @@ class Maintenance:
         async def purge() -> None:
             nonlocal purged
             purged = await self._broker.purge_terminal(
-                archive_retention=timedelta(seconds=self.settings.archive_retention),
-                default_retention=timedelta(seconds=self.settings.default_retention),
-                limit=limit,
+                TerminalPurgeParams(
+                    archive_retention=timedelta(seconds=self.settings.archive_retention),
+                    default_retention=timedelta(seconds=self.settings.default_retention),
+                    limit=limit,
+                )
             )
 
         async def sweep_pending() -> None:

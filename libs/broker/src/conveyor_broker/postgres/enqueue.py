@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from conveyor_broker.errors import BrokerError, DuplicateTask, InvalidTask
 from conveyor_broker.ids import new_ids
-from conveyor_broker.postgres import queries
+from conveyor_broker.postgres.queries import enqueue as queries
 from conveyor_broker.postgres.rows import enqueue_statement, new_task, task_from_row
 from conveyor_broker.types import EnqueueResult, NewTask, Task, TaskState
 

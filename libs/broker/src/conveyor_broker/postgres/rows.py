@@ -10,8 +10,10 @@ from typing import Any
 
 import asyncpg
 
-from conveyor_broker.postgres.queries import ENQUEUE_COLUMNS, TASK_FIELDS, WEBHOOK_FIELDS
-from conveyor_broker.postgres.queries import enqueue_statement as enqueue_sql
+from conveyor_broker.postgres.queries import TASK_FIELDS
+from conveyor_broker.postgres.queries.enqueue import ENQUEUE_COLUMNS
+from conveyor_broker.postgres.queries.enqueue import enqueue_statement as enqueue_sql
+from conveyor_broker.postgres.queries.webhooks import WEBHOOK_FIELDS
 from conveyor_broker.types import NewTask, OnFailure, Task, TaskState, WebhookWorker
 
 TASK_FIELD_COUNT = len(TASK_FIELDS)
@@ -148,7 +150,7 @@ def new_task(
 
 def enqueue_statement(tasks: Sequence[Task], now: datetime) -> tuple[str, list[Any]]:
     """The INSERT for ``tasks`` and its parameters: only the optional columns that some
-    task sets (see ``queries.ENQUEUE_OPTIONAL``)."""
+    task sets (see ``queries.enqueue.ENQUEUE_OPTIONAL``)."""
     columns: dict[str, list[Any]] = {
         "id": [t.id for t in tasks],
         "queue": [t.queue for t in tasks],
@@ -181,7 +183,7 @@ def enqueue_statement(tasks: Sequence[Task], now: datetime) -> tuple[str, list[A
 
 
 def enqueue_params(tasks: Sequence[Task], now: datetime) -> list[Any]:
-    """The parameters of ``queries.ENQUEUE`` (every column) for ``tasks``."""
+    """The parameters of ``queries.enqueue.ENQUEUE`` (every column) for ``tasks``."""
     return [
         [t.id for t in tasks],
         [t.queue for t in tasks],
@@ -212,8 +214,8 @@ def webhook_queues_to_json(queues: Mapping[str, int]) -> str:
 
 
 def webhook_worker_from_row(row: asyncpg.Record) -> WebhookWorker:
-    """The WebhookWorker a row describes: its columns are ``queries.WEBHOOK_FIELDS``, in
-    order (``queues`` as JSON text)."""
+    """The WebhookWorker a row describes: its columns are
+    ``queries.webhooks.WEBHOOK_FIELDS``, in order (``queues`` as JSON text)."""
     (
         name,
         url,

@@ -23,13 +23,27 @@ never waits for the table (SKIP_LOCKED), holds the migration lock while it runs 
 migration waits for it instead of queueing a table lock that would hold up every insert
 and update), and runs without the session's statement timeout (a timeout would cancel it
 every time, redoing the work each check). A run that fails backs off, doubling up to
-:data:`MAX_BACKOFF`.
+:data:`MAX_BACKOFF`. :class:`TableUpkeep` does all this for one broker.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+import asyncpg
+
+from conveyor_broker.postgres.migrations import MIGRATION_LOCK_KEY
+from conveyor_broker.types import StorageUpkeep
+
+if TYPE_CHECKING:
+    from asyncpg.pool import PoolConnectionProxy
+
+    Pool = asyncpg.Pool[asyncpg.Record]
+
+logger = logging.getLogger(__name__)
 
 #: The table the hot path lives in; the others stay small.
 TABLE = "conveyor_tasks"
@@ -120,3 +134,114 @@ def backoff(failures: int) -> timedelta:
     """The wait after ``failures`` failed runs in a row (1 or more)."""
     doubled: timedelta = MIN_INTERVAL * 2 ** min(max(failures - 1, 0), 16)
     return min(MAX_BACKOFF, doubled)
+
+
+class TableUpkeep:
+    """One broker's storage upkeep: reads the counters, runs what
+    :func:`upkeep_statement` asks for, and paces itself (at most once per MIN_INTERVAL
+    after acting, backing off after failures)."""
+
+    def __init__(self) -> None:
+        # Dead rows the last VACUUM could not remove, when the next check may act, failed
+        # runs in a row, and whether the role was refused.
+        self._dead_floor = 0
+        self._resume_at = datetime.min.replace(tzinfo=UTC)
+        self._failures = 0
+        self._refused = False
+
+    async def check(self, pool: Pool, now: datetime) -> StorageUpkeep:
+        """ANALYZE and/or VACUUM the task table when its counters say it drifted; one
+        cheap read of them otherwise (nothing at all while resting)."""
+        if now < self._resume_at:
+            return StorageUpkeep()
+        stats = await read_stats(pool)
+        self._dead_floor = min(self._dead_floor, stats.dead_rows)
+        seen = StorageUpkeep(
+            live_rows=stats.live_rows, dead_rows=stats.dead_rows, changed_rows=stats.changed_rows
+        )
+        if not stats.maintainable:
+            if not self._refused:
+                self._refused = True
+                logger.warning(
+                    "broker.storage_upkeep_not_permitted table=%s: this role neither owns "
+                    "the table or the database nor may maintain it; autovacuum alone "
+                    "keeps it up",
+                    TABLE,
+                )
+            return seen
+        statement = upkeep_statement(stats, self._dead_floor)
+        if statement is None:
+            return seen
+        try:
+            after = await _run(pool, statement)
+        except (asyncpg.PostgresError, OSError) as exc:
+            self._failures += 1
+            wait = backoff(self._failures)
+            self._resume_at = now + wait
+            logger.warning(
+                "broker.storage_upkeep_failed statement=%r failures=%d retry_in=%s error=%r",
+                statement,
+                self._failures,
+                wait,
+                exc,
+            )
+            return seen
+        if after is None:
+            return seen  # a migration holds the lock: next check
+        vacuumed = after.vacuums > stats.vacuums
+        analyzed = after.analyzes > stats.analyzes
+        if vacuumed:
+            self._dead_floor = after.dead_rows
+        if vacuumed or analyzed:
+            self._failures = 0
+            self._resume_at = now + MIN_INTERVAL
+        logger.debug(
+            "broker.storage_upkeep statement=%r analyzed=%s vacuumed=%s",
+            statement,
+            analyzed,
+            vacuumed,
+        )
+        return StorageUpkeep(
+            analyzed=analyzed,
+            vacuumed=vacuumed,
+            live_rows=stats.live_rows,
+            dead_rows=stats.dead_rows,
+            changed_rows=stats.changed_rows,
+        )
+
+
+async def _run(pool: Pool, statement: str) -> TableStats | None:
+    """Run ``statement`` holding the migration lock, without a statement timeout; the
+    table's counters after it. None, running nothing, while a migration holds the lock."""
+    async with pool.acquire() as conn:
+        if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", MIGRATION_LOCK_KEY):
+            return None
+        try:
+            await conn.execute("SET statement_timeout = 0")
+            try:
+                await conn.execute(statement)
+            finally:
+                await conn.execute("RESET statement_timeout")
+            return await read_stats(conn)
+        finally:
+            try:
+                await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
+            except Exception:
+                # Ending the session is what releases the lock then.
+                conn.terminate()
+                raise
+
+
+async def read_stats(on: Pool | PoolConnectionProxy[asyncpg.Record]) -> TableStats:
+    """The task table's counters (:data:`STATS`)."""
+    row = await on.fetchrow(STATS)
+    assert row is not None  # the regclass cast raises for a missing table
+    return TableStats(
+        planned_rows=row["planned_rows"],
+        live_rows=row["live_rows"],
+        dead_rows=row["dead_rows"],
+        changed_rows=row["changed_rows"],
+        maintainable=row["maintainable"],
+        vacuums=row["vacuums"],
+        analyzes=row["analyzes"],
+    )

@@ -31,6 +31,7 @@ from conveyor_broker.types import (
     ARCHIVED_BY_ADMIN_ERROR,
     CANCELED_WHILE_RUNNING_ERROR,
     Task,
+    TaskListParams,
     TaskState,
 )
 
@@ -55,13 +56,13 @@ class AdminTests:
     async def test_list_tasks_pages_in_id_order(self, broker: Broker, clock: FakeClock) -> None:
         ids = sorted_ids(clock, 5)
         await broker.enqueue_batch([new_task(id=i) for i in reversed(ids)])
-        first = await broker.list_tasks(limit=2)
+        first = await broker.list_tasks(TaskListParams(limit=2))
         assert [t.id for t in first.tasks] == ids[:2]
         assert first.next_cursor is not None
-        second = await broker.list_tasks(limit=2, cursor=first.next_cursor)
+        second = await broker.list_tasks(TaskListParams(limit=2, cursor=first.next_cursor))
         assert [t.id for t in second.tasks] == ids[2:4]
         assert second.next_cursor is not None
-        last = await broker.list_tasks(limit=2, cursor=second.next_cursor)
+        last = await broker.list_tasks(TaskListParams(limit=2, cursor=second.next_cursor))
         assert [t.id for t in last.tasks] == ids[4:]
         assert last.next_cursor is None
 
@@ -69,8 +70,8 @@ class AdminTests:
         self, broker: Broker, clock: FakeClock
     ) -> None:
         await broker.enqueue_batch([new_task() for _ in range(4)])
-        first = await broker.list_tasks(limit=2)
-        second = await broker.list_tasks(limit=2, cursor=first.next_cursor)
+        first = await broker.list_tasks(TaskListParams(limit=2))
+        second = await broker.list_tasks(TaskListParams(limit=2, cursor=first.next_cursor))
         assert len(second.tasks) == 2
         assert second.next_cursor is None
         everything = await broker.list_tasks()
@@ -87,18 +88,20 @@ class AdminTests:
                 new_task(id=d),
             ]
         )
-        by_queue = await broker.list_tasks(queue=QUEUE)
+        by_queue = await broker.list_tasks(TaskListParams(queue=QUEUE))
         assert [t.id for t in by_queue.tasks] == [a, b, d]
-        by_state = await broker.list_tasks(state=TaskState.PENDING)
+        by_state = await broker.list_tasks(TaskListParams(state=TaskState.PENDING))
         assert [t.id for t in by_state.tasks] == [a, c, d]
-        both = await broker.list_tasks(queue=QUEUE, state=TaskState.PENDING, limit=1)
+        both = await broker.list_tasks(
+            TaskListParams(queue=QUEUE, state=TaskState.PENDING, limit=1)
+        )
         assert [t.id for t in both.tasks] == [a]
         rest = await broker.list_tasks(
-            queue=QUEUE, state=TaskState.PENDING, limit=1, cursor=both.next_cursor
+            TaskListParams(queue=QUEUE, state=TaskState.PENDING, limit=1, cursor=both.next_cursor)
         )
         assert [t.id for t in rest.tasks] == [d]
         assert rest.next_cursor is None
-        assert (await broker.list_tasks(queue="empty")).tasks == []
+        assert (await broker.list_tasks(TaskListParams(queue="empty"))).tasks == []
 
     @pytest.mark.parametrize(
         "kwargs",
@@ -109,7 +112,7 @@ class AdminTests:
         self, broker: Broker, kwargs: dict[str, object]
     ) -> None:
         with pytest.raises(InvalidTask):
-            await broker.list_tasks(**kwargs)  # type: ignore[arg-type]
+            await broker.list_tasks(TaskListParams(**kwargs))  # type: ignore[arg-type]
 
     async def test_queue_stats(self, broker: Broker, clock: FakeClock) -> None:
         await _completed(broker)

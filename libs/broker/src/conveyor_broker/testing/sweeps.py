@@ -19,7 +19,15 @@ from conveyor_broker.testing.builders import (
     new_task,
     sorted_ids,
 )
-from conveyor_broker.types import EXPIRED_ERROR, LEASE_EXPIRED_ERROR, ReapedTask, Task, TaskState
+from conveyor_broker.types import (
+    EXPIRED_ERROR,
+    LEASE_EXPIRED_ERROR,
+    LeaseReapParams,
+    ReapedTask,
+    Task,
+    TaskState,
+    TerminalPurgeParams,
+)
 
 _DAY = timedelta(days=1)
 
@@ -35,7 +43,7 @@ class SweepTests:
         clock.advance(TTL - timedelta(seconds=1))
         assert await broker.reap_expired_leases() == []
         clock.advance(timedelta(seconds=1))
-        reaped = await broker.reap_expired_leases(retry_delay=timedelta(seconds=5))
+        reaped = await broker.reap_expired_leases(LeaseReapParams(retry_delay=timedelta(seconds=5)))
         assert reaped == [ReapedTask(task_id=task.id, queue=QUEUE, state=TaskState.RETRY)]
         stored = await broker.get_task(task.id)
         assert stored.state == TaskState.RETRY
@@ -63,9 +71,9 @@ class SweepTests:
         early = await broker.lease(QUEUE, 1, TTL)
         late = await broker.lease(QUEUE, 2, TTL * 2)
         clock.advance(TTL * 2)
-        first = await broker.reap_expired_leases(limit=1)
+        first = await broker.reap_expired_leases(LeaseReapParams(limit=1))
         assert [r.task_id for r in first] == [early[0].id]
-        rest = await broker.reap_expired_leases(limit=5)
+        rest = await broker.reap_expired_leases(LeaseReapParams(limit=5))
         assert sorted(r.task_id for r in rest) == sorted(t.id for t in late)
 
     async def test_reaped_task_is_leased_again(self, broker: Broker, clock: FakeClock) -> None:
@@ -78,11 +86,11 @@ class SweepTests:
 
     async def test_reap_rejects_bad_input(self, broker: Broker) -> None:
         with pytest.raises(InvalidTask):
-            await broker.reap_expired_leases(limit=0)
+            await broker.reap_expired_leases(LeaseReapParams(limit=0))
         with pytest.raises(InvalidTask):
-            await broker.reap_expired_leases(limit=MAX_BATCH + 1)
+            await broker.reap_expired_leases(LeaseReapParams(limit=MAX_BATCH + 1))
         with pytest.raises(InvalidTask):
-            await broker.reap_expired_leases(retry_delay=timedelta(seconds=-1))
+            await broker.reap_expired_leases(LeaseReapParams(retry_delay=timedelta(seconds=-1)))
 
     async def test_promote_scheduled(self, broker: Broker, clock: FakeClock) -> None:
         now = clock.now()
@@ -119,8 +127,13 @@ class SweepTests:
         task = await enqueue_and_lease(broker)
         await broker.ack(task.id, task.lease_id or "")
         clock.advance(timedelta(seconds=59))
-        assert await broker.purge_terminal(archive_retention=_DAY, default_retention=_DAY) == 0
-        assert await broker.purge_terminal(archive_retention=_DAY) == 1
+        assert (
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=_DAY, default_retention=_DAY)
+            )
+            == 0
+        )
+        assert await broker.purge_terminal(TerminalPurgeParams(archive_retention=_DAY)) == 1
         with pytest.raises(TaskNotFound):
             await broker.get_task(task.id)
 
@@ -131,11 +144,21 @@ class SweepTests:
         for _ in range(3):
             task = await lease_one(broker)
             await broker.ack(task.id, task.lease_id or "")
-        assert await broker.purge_terminal(archive_retention=_DAY, default_retention=_DAY) == 1
+        assert (
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=_DAY, default_retention=_DAY)
+            )
+            == 1
+        )
         with pytest.raises(TaskNotFound):
             await broker.get_task(zero.id)
         clock.advance(timedelta(hours=2))
-        assert await broker.purge_terminal(archive_retention=_DAY, default_retention=_DAY) == 1
+        assert (
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=_DAY, default_retention=_DAY)
+            )
+            == 1
+        )
         with pytest.raises(TaskNotFound):
             await broker.get_task(kept.id)
         assert (await broker.get_task(default.id)).state == TaskState.COMPLETED
@@ -150,9 +173,15 @@ class SweepTests:
         waiting = await enqueue(broker, process_at=clock.now() + timedelta(hours=1))
         active = await enqueue_and_lease(broker)
         clock.advance(timedelta(hours=2))
-        assert await broker.purge_terminal(archive_retention=timedelta(hours=3)) == 0
+        assert (
+            await broker.purge_terminal(TerminalPurgeParams(archive_retention=timedelta(hours=3)))
+            == 0
+        )
         clock.advance(timedelta(hours=1))
-        assert await broker.purge_terminal(archive_retention=timedelta(hours=3)) == 2
+        assert (
+            await broker.purge_terminal(TerminalPurgeParams(archive_retention=timedelta(hours=3)))
+            == 2
+        )
         remaining = {t.id for t in (await broker.list_tasks()).tasks}
         assert remaining == {waiting.id, active.id}
 
@@ -162,16 +191,28 @@ class SweepTests:
         for _ in range(3):
             task = await enqueue(broker)
             await broker.cancel_task(task.id)
-        assert await broker.purge_terminal(archive_retention=timedelta(0), limit=2) == 2
-        assert await broker.purge_terminal(archive_retention=timedelta(0), limit=2) == 1
-        with pytest.raises(InvalidTask):
-            await broker.purge_terminal(archive_retention=timedelta(seconds=-1))
+        assert (
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=timedelta(0), limit=2)
+            )
+            == 2
+        )
+        assert (
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=timedelta(0), limit=2)
+            )
+            == 1
+        )
         with pytest.raises(InvalidTask):
             await broker.purge_terminal(
-                archive_retention=_DAY, default_retention=timedelta(seconds=-1)
+                TerminalPurgeParams(archive_retention=timedelta(seconds=-1))
             )
         with pytest.raises(InvalidTask):
-            await broker.purge_terminal(archive_retention=_DAY, limit=0)
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=_DAY, default_retention=timedelta(seconds=-1))
+            )
+        with pytest.raises(InvalidTask):
+            await broker.purge_terminal(TerminalPurgeParams(archive_retention=_DAY, limit=0))
 
     async def test_purge_takes_the_oldest_purge_time_first_whatever_the_state(
         self, broker: Broker, clock: FakeClock
@@ -200,9 +241,11 @@ class SweepTests:
         async def purge(limit: int) -> set[str]:
             before = {t.id for t in (await broker.list_tasks()).tasks}
             purged = await broker.purge_terminal(
-                archive_retention=timedelta(hours=3),
-                default_retention=timedelta(hours=1),
-                limit=limit,
+                TerminalPurgeParams(
+                    archive_retention=timedelta(hours=3),
+                    default_retention=timedelta(hours=1),
+                    limit=limit,
+                )
             )
             after = {t.id for t in (await broker.list_tasks()).tasks}
             assert purged == len(before - after)

@@ -1,6 +1,6 @@
-"""Versioned SQL migrations for the Postgres broker.
+"""Versioned SQL migrations for the Postgres broker, and what applies them.
 
-Migrations are the numbered files ``migrations/NNN_name.sql`` shipped with this package.
+Migrations are the numbered files ``NNN_name.sql`` of this package.
 :func:`migrate` applies the pending ones in order, each in its own transaction, while
 holding a session advisory lock so that concurrent migrators (several replicas starting at
 once) apply each migration exactly once. Applied versions are recorded in
@@ -69,10 +69,9 @@ class MigrationStatus:
 
 
 def load_migrations() -> list[Migration]:
-    """Every migration shipped with the package, in version order."""
+    """Every migration shipped with this package, in version order."""
     found: list[Migration] = []
-    folder = resources.files("conveyor_broker.postgres").joinpath("migrations")
-    for entry in folder.iterdir():
+    for entry in resources.files(__name__).iterdir():
         match = _FILE_RE.match(entry.name)
         if match is None:
             continue

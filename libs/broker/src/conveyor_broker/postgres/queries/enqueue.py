@@ -1,0 +1,139 @@
+"""Statements of EnqueueBatch: the batch INSERT, and what a checked batch reads first
+(stored ids, dependency states, unique claims)."""
+
+from __future__ import annotations
+
+import functools
+
+from conveyor_broker.postgres.queries import TASK_COLUMNS
+
+# The columns an enqueue supplies: name -> (element type of its parameter array, the
+# table columns it fills, the expressions that fill them from the unnested ``u.<name>``),
+# in parameter order. ``unique_key`` also takes the claim; ``depends_on`` travels
+# comma-joined.
+ENQUEUE_COLUMNS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "id": ("text", ("id",), ("u.id",)),
+    "queue": ("text", ("queue",), ("u.queue",)),
+    "type": ("text", ("type",), ("u.type",)),
+    "payload": ("bytea", ("payload",), ("u.payload",)),
+    "headers": ("text", ("headers",), ("u.headers::jsonb",)),
+    "state": ("text", ("state",), ("u.state",)),
+    "max_retry": ("int", ("max_retry",), ("u.max_retry",)),
+    "timeout": ("interval", ("timeout",), ("u.timeout",)),
+    "deadline": ("timestamptz", ("deadline",), ("u.deadline",)),
+    "process_at": ("timestamptz", ("process_at",), ("u.process_at",)),
+    "expires_at": ("timestamptz", ("expires_at",), ("u.expires_at",)),
+    "retention": ("interval", ("retention",), ("u.retention",)),
+    "unique_key": ("text", ("unique_key", "unique_claim"), ("u.unique_key", "u.unique_key")),
+    "unique_until": ("timestamptz", ("unique_until",), ("u.unique_until",)),
+    "group_key": ("text", ("group_key",), ("u.group_key",)),
+    "depends_on": ("text", ("depends_on",), ("string_to_array(u.depends_on, ',')",)),
+    "on_failure": ("text", ("on_failure",), ("u.on_failure",)),
+    "concurrency_key": ("text", ("concurrency_key",), ("u.concurrency_key",)),
+    "available_at": ("timestamptz", ("available_at",), ("u.available_at",)),
+}
+#: Columns a batch may leave out when no task in it sets them: the table's defaults (NULL,
+#: or ``'{}'`` for headers and depends_on) are what those tasks would store anyway. A
+#: plain batch then sends and unnests 9 arrays instead of 19, which is most of what an
+#: enqueue costs the client per row.
+ENQUEUE_OPTIONAL = frozenset(
+    {
+        "headers",
+        "timeout",
+        "deadline",
+        "process_at",
+        "expires_at",
+        "retention",
+        "unique_key",
+        "unique_until",
+        "group_key",
+        "depends_on",
+        "concurrency_key",
+    }
+)
+
+
+@functools.lru_cache(maxsize=256)
+def enqueue_statement(columns: tuple[str, ...]) -> str:
+    """Insert a batch; rows whose id (or live unique claim) exists are skipped.
+
+    ``$1..$n`` are parallel arrays, one per name of ``columns`` (keys of
+    ``ENQUEUE_COLUMNS``), one element per task; ``$n+1`` is now. The one statement put
+    together from parts, because a batch sends only the optional columns it uses. A batch
+    with none of them (the hot path) runs::
+
+        INSERT INTO conveyor_tasks AS t (id, queue, type, payload, state, max_retry,
+                                         on_failure, available_at, created_at, updated_at)
+        SELECT u.id, u.queue, u.type, u.payload, u.state, u.max_retry, u.on_failure,
+               u.available_at, $9, $9
+        FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[],
+                    $6::int[], $7::text[], $8::timestamptz[])
+             AS u(id, queue, type, payload, state, max_retry, on_failure, available_at)
+        ON CONFLICT DO NOTHING
+        RETURNING t.id
+    """
+    targets = [c for name in columns for c in ENQUEUE_COLUMNS[name][1]]
+    values = [v for name in columns for v in ENQUEUE_COLUMNS[name][2]]
+    arrays = [f"${i}::{ENQUEUE_COLUMNS[name][0]}[]" for i, name in enumerate(columns, 1)]
+    now = f"${len(columns) + 1}"
+    return f"""
+INSERT INTO conveyor_tasks AS t ({", ".join(targets)}, created_at, updated_at)
+SELECT {", ".join(values)}, {now}, {now}
+FROM unnest({", ".join(arrays)}) AS u({", ".join(columns)})
+ON CONFLICT DO NOTHING
+RETURNING t.id
+"""
+
+
+#: Every column: $1..$19 in ``ENQUEUE_COLUMNS`` order, $20 is now.
+ENQUEUE = enqueue_statement(tuple(ENQUEUE_COLUMNS))
+
+#: Stored tasks among the ids $1.
+TASKS_BY_IDS = f"SELECT {TASK_COLUMNS} FROM conveyor_tasks t WHERE t.id = ANY($1::text[])"
+
+#: States of the stored tasks among the ids $1 (dependency checks).
+STATES_BY_IDS = "SELECT id, state FROM conveyor_tasks WHERE id = ANY($1::text[])"
+
+#: Free lapsed claims ($3 = now) on the (queue, unique_key) pairs $1, $2, so that their
+#: keys can be taken. Only an incomplete row is in the unique index.
+FREE_LAPSED_CLAIMS = """
+UPDATE conveyor_tasks t SET unique_claim = NULL
+FROM unnest($1::text[], $2::text[]) AS u(queue, unique_key)
+WHERE t.queue = u.queue AND t.unique_claim = u.unique_key
+  AND t.unique_until <= $3
+  AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
+"""
+
+#: FREE_LAPSED_CLAIMS, and the live holders (id, queue, unique_key) of the same pairs.
+#: The SELECT reads the snapshot from before the UPDATE, hence its own lapse test.
+FREE_LAPSED_CLAIMS_AND_READ_HOLDERS = """
+WITH freed AS (
+    UPDATE conveyor_tasks t SET unique_claim = NULL
+    FROM unnest($1::text[], $2::text[]) AS u(queue, unique_key)
+    WHERE t.queue = u.queue AND t.unique_claim = u.unique_key
+      AND t.unique_until <= $3
+      AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
+    RETURNING t.id
+)
+SELECT t.id, t.queue, t.unique_claim
+FROM conveyor_tasks t
+JOIN unnest($1::text[], $2::text[]) AS u(queue, unique_key)
+  ON t.queue = u.queue AND t.unique_claim = u.unique_key
+WHERE t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
+  AND (t.unique_until IS NULL OR t.unique_until > $3)
+"""
+
+#: The live holder of the claim on (queue $1, unique_key $2) at now $3.
+UNIQUE_HOLDER = """
+SELECT t.id FROM conveyor_tasks t
+WHERE t.queue = $1 AND t.unique_claim = $2
+  AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
+  AND (t.unique_until IS NULL OR t.unique_until > $3)
+"""
+
+#: Dependency edges (task_id $1[i] waits for depends_on $2[i]).
+INSERT_DEPENDENCIES = """
+INSERT INTO conveyor_task_dependencies (task_id, depends_on)
+SELECT * FROM unnest($1::text[], $2::text[])
+ON CONFLICT DO NOTHING
+"""

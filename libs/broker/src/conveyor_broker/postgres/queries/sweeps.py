@@ -1,0 +1,180 @@
+"""Statements of the maintenance sweeps (reap, promote, purge, archive expired) and of
+PendingCount and DueQueues.
+
+A sweep takes at most its limit, oldest first, locking with SKIP LOCKED so that two
+sweepers (or a sweeper and a worker) never wait on each other.
+"""
+
+from __future__ import annotations
+
+from conveyor_broker.postgres.queries import TASK_COLUMNS
+from conveyor_broker.types import LEASE_EXPIRED_ERROR
+
+#: Leases expired at now $1 fail, at most $2 of them; $3 is when a retry becomes due.
+REAP_EXPIRED_LEASES = f"""
+WITH expired AS (
+    SELECT id, lease_expires_at FROM conveyor_tasks
+    WHERE state = 'active' AND lease_expires_at <= $1
+    ORDER BY lease_expires_at, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE conveyor_tasks t
+SET state = CASE WHEN t.retried >= t.max_retry THEN 'archived' ELSE 'retry' END,
+    available_at = CASE WHEN t.retried >= t.max_retry THEN t.available_at
+                        ELSE $3::timestamptz END,
+    completed_at = CASE WHEN t.retried >= t.max_retry THEN $1::timestamptz END,
+    retried = t.retried + 1, last_error = '{LEASE_EXPIRED_ERROR}', updated_at = $1,
+    lease_id = NULL, lease_expires_at = NULL
+FROM expired
+WHERE t.id = expired.id
+RETURNING t.id, t.queue, t.type, t.state, expired.lease_expires_at
+"""
+
+#: Due SCHEDULED tasks at now $1 become PENDING, at most $2 of them.
+PROMOTE_SCHEDULED = """
+WITH due AS (
+    SELECT id FROM conveyor_tasks
+    WHERE state = 'scheduled' AND available_at <= $1
+    ORDER BY available_at, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE conveyor_tasks t SET state = 'pending', updated_at = $1
+FROM due
+WHERE t.id = due.id
+RETURNING t.id, t.queue, t.type, t.available_at
+"""
+
+# Terminal rows go in purge order: oldest purge time (completed_at + the retention that
+# applies) first, then id. Each kind of row is read from its own index, in that order,
+# only as far as the limit and never past the rows that are due: COMPLETED rows with a
+# retention of their own by purge_at (conveyor_tasks_purge_at_idx); COMPLETED rows that
+# take the default retention $2 (conveyor_tasks_completed_idx) and ARCHIVED and CANCELED
+# rows (conveyor_tasks_ended_idx, retention $3) by completed_at, which for them is purge
+# order. Merging the three short lists gives the first $4 overall, so a sweep reads at
+# most three times its limit however many rows are retained. Each list's LIMIT is a
+# subquery so that the planner, not knowing it, plans for a large one: told "10" or
+# "1000" while it guesses (with stale or no statistics) that fewer rows are due, it
+# prefers a bitmap scan of every due row and a sort, and a backlog would be sorted whole.
+
+#: $1 = now, $2 = default retention of COMPLETED rows, $3 = retention of ARCHIVED and
+#: CANCELED rows, $4 = limit. Returns how many rows went.
+PURGE_TERMINAL = """
+WITH own AS (
+    SELECT t.id, t.purge_at AS at FROM conveyor_tasks t
+    WHERE t.state = 'completed' AND t.purge_at IS NOT NULL AND t.purge_at <= $1
+    ORDER BY t.purge_at, t.id
+    LIMIT (SELECT $4::integer)
+    FOR UPDATE SKIP LOCKED
+), by_default AS (
+    SELECT t.id,
+           t.completed_at
+           + coalesce(make_interval(secs => extract(epoch FROM t.retention)::float8),
+                      make_interval(secs => extract(epoch FROM $2::interval)::float8)) AS at
+    FROM conveyor_tasks t
+    WHERE t.state = 'completed' AND t.purge_at IS NULL
+      AND t.completed_at
+          <= $1::timestamptz - make_interval(secs => extract(epoch FROM $2::interval)::float8)
+      AND (t.retention IS NULL
+           OR t.completed_at
+              + make_interval(secs => extract(epoch FROM t.retention)::float8) <= $1)
+    ORDER BY t.completed_at, t.id
+    LIMIT (SELECT $4::integer)
+    FOR UPDATE SKIP LOCKED
+), ended AS (
+    SELECT t.id,
+           t.completed_at + make_interval(secs => extract(epoch FROM $3::interval)::float8) AS at
+    FROM conveyor_tasks t
+    WHERE t.state IN ('archived', 'canceled')
+      AND t.completed_at
+          <= $1::timestamptz - make_interval(secs => extract(epoch FROM $3::interval)::float8)
+    ORDER BY t.completed_at, t.id
+    LIMIT (SELECT $4::integer)
+    FOR UPDATE SKIP LOCKED
+), doomed AS (
+    SELECT id, at FROM own
+    UNION ALL SELECT id, at FROM by_default
+    UNION ALL SELECT id, at FROM ended
+    ORDER BY at, id
+    LIMIT $4
+), purged AS (
+    DELETE FROM conveyor_tasks t USING doomed
+    WHERE t.id = doomed.id
+    RETURNING t.id
+)
+SELECT count(*) FROM purged
+"""
+
+#: Free up to $2 lapsed unique claims ($1 = now), so their keys can be reused.
+FREE_ALL_LAPSED_CLAIMS = """
+UPDATE conveyor_tasks SET unique_claim = NULL
+WHERE id IN (
+    SELECT id FROM conveyor_tasks
+    WHERE unique_claim IS NOT NULL AND unique_until IS NOT NULL AND unique_until <= $1
+    ORDER BY unique_until
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+#: Waiting tasks expired at now $1 become ARCHIVED with error $3, at most $2 of them.
+ARCHIVE_EXPIRED = f"""
+WITH expired AS (
+    SELECT id, state FROM conveyor_tasks
+    WHERE expires_at IS NOT NULL AND expires_at <= $1
+      AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'retry')
+    ORDER BY expires_at, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE conveyor_tasks t
+SET state = 'archived', last_error = $3, completed_at = $1, updated_at = $1
+FROM expired
+WHERE t.id = expired.id
+RETURNING {TASK_COLUMNS}, expired.state AS previous_state
+"""
+
+#: Due tasks per queue at now $1.
+PENDING_COUNT = """
+SELECT queue, count(*) AS n FROM conveyor_tasks
+WHERE state IN ('pending', 'retry') AND available_at <= $1
+  AND (expires_at IS NULL OR expires_at > $1)
+GROUP BY queue
+"""
+
+#: Due tasks of queue $2 at now $1.
+PENDING_COUNT_QUEUE = """
+SELECT count(*) FROM conveyor_tasks
+WHERE queue = $2 AND state IN ('pending', 'retry') AND available_at <= $1
+  AND (expires_at IS NULL OR expires_at > $1)
+"""
+
+#: Queues that have a due task at now $1, named after $2, by name, at most $3. A skip
+#: scan of conveyor_tasks_due_idx: one probe finds the next queue that has PENDING or
+#: RETRY rows, one more its first due row; no row is counted.
+DUE_QUEUES = """
+WITH RECURSIVE leasable(queue) AS (
+    (SELECT t.queue FROM conveyor_tasks t
+     WHERE t.state IN ('pending', 'retry') AND t.queue > $2
+     ORDER BY t.queue
+     LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.queue FROM conveyor_tasks t
+            WHERE t.state IN ('pending', 'retry') AND t.queue > l.queue
+            ORDER BY t.queue
+            LIMIT 1)
+    FROM leasable l
+    WHERE l.queue IS NOT NULL
+)
+SELECT l.queue FROM leasable l
+WHERE l.queue IS NOT NULL AND (
+    SELECT true FROM conveyor_tasks t
+    WHERE t.queue = l.queue AND t.state IN ('pending', 'retry') AND t.available_at <= $1
+      AND (t.expires_at IS NULL OR t.expires_at > $1)
+    ORDER BY t.available_at, t.id
+    LIMIT 1
+)
+ORDER BY l.queue
+LIMIT $3
+"""

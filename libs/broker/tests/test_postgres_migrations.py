@@ -1,0 +1,282 @@
+"""Postgres migrations: they produce the declared schema, apply once (also when run
+concurrently), honour a target, and what migration 003 (purge_at) changed.
+
+Each test works in a database or schema of its own, so none depends on another's rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from datetime import timedelta
+from importlib import resources
+from typing import Any
+
+import asyncpg
+import pytest
+from conveyor_broker import (
+    AckItem,
+    FakeClock,
+    NewTask,
+    TaskNotFound,
+    TaskState,
+    TerminalPurgeParams,
+)
+from conveyor_broker.postgres import PostgresBroker, latest_version, migrate, migration_status
+from conveyor_broker.postgres.migrations import declared_schema, load_migrations
+from conveyor_broker.postgres.queries.enqueue import ENQUEUE
+from conveyor_broker.postgres.rows import enqueue_params, new_task
+from conveyor_broker.testing.schemas import brokers, scratch_database, scratch_schema
+
+pytestmark = pytest.mark.postgres
+
+TTL = timedelta(seconds=30)
+
+# The catalog of the public schema, every part as sorted rows, so that two databases
+# can be compared with ==.
+_CATALOG_QUERIES = {
+    "tables": """
+        SELECT c.relname, c.relkind::text FROM pg_class c
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v', 'm', 'S')
+        ORDER BY 1""",
+    "columns": """
+        SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+               pg_get_expr(d.adbin, d.adrelid), co.collname, a.attnum
+        FROM pg_attribute a
+        JOIN pg_class c ON c.oid = a.attrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        LEFT JOIN pg_collation co ON co.oid = a.attcollation
+        WHERE n.nspname = 'public' AND c.relkind = 'r' AND a.attnum > 0
+          AND NOT a.attisdropped
+        ORDER BY 1, 7""",
+    "indexes": """
+        SELECT tablename, indexname, indexdef FROM pg_indexes
+        WHERE schemaname = 'public' ORDER BY 1, 2""",
+    "constraints": """
+        SELECT c.relname, k.conname, k.contype::text, pg_get_constraintdef(k.oid)
+        FROM pg_constraint k
+        JOIN pg_class c ON c.oid = k.conrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'public' ORDER BY 1, 2""",
+    "types": """
+        SELECT t.typname, t.typtype::text FROM pg_type t
+        JOIN pg_namespace n ON n.oid = t.typnamespace
+        WHERE n.nspname = 'public' AND t.typtype IN ('e', 'd', 'c')
+          AND NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.reltype = t.oid)
+        ORDER BY 1""",
+    "functions": """
+        SELECT p.proname, pg_get_function_identity_arguments(p.oid) FROM pg_proc p
+        JOIN pg_namespace n ON n.oid = p.pronamespace
+        WHERE n.nspname = 'public' ORDER BY 1, 2""",
+}
+
+
+async def catalog(dsn: str) -> dict[str, list[tuple[Any, ...]]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {
+            part: [tuple(row) for row in await conn.fetch(query)]
+            for part, query in _CATALOG_QUERIES.items()
+        }
+    finally:
+        await conn.close()
+
+
+async def test_migrations_produce_the_declared_schema(pg_dsn: str) -> None:
+    async with scratch_database(pg_dsn) as migrated, scratch_database(pg_dsn) as declared:
+        assert await migrate(migrated) == [m.version for m in load_migrations()]
+        conn = await asyncpg.connect(declared)
+        try:
+            await conn.execute(declared_schema())
+        finally:
+            await conn.close()
+        from_migrations, from_schema = await catalog(migrated), await catalog(declared)
+    assert from_migrations["tables"], "nothing was created"
+    for part in _CATALOG_QUERIES:
+        assert from_migrations[part] == from_schema[part], f"{part} differ"
+
+
+async def test_migrate_is_idempotent_and_records_versions(pg_dsn: str) -> None:
+    async with scratch_database(pg_dsn) as dsn:
+        before = await migration_status(dsn)
+        assert [s.version for s in before] == [m.version for m in load_migrations()]
+        assert not any(s.applied for s in before)
+
+        applied = await migrate(dsn)
+        assert applied == [m.version for m in load_migrations()]
+        assert applied[-1] == latest_version()
+        assert await migrate(dsn) == []
+
+        after = await migration_status(dsn)
+        assert all(s.applied for s in after)
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows = await conn.fetch("SELECT version, name FROM conveyor_migrations ORDER BY 1")
+            # A connection is accepted as well as a DSN, and is left open.
+            assert await migrate(conn) == []
+            assert not conn.is_closed()
+        finally:
+            await conn.close()
+        assert [(r["version"], r["name"]) for r in rows] == [
+            (m.version, m.name) for m in load_migrations()
+        ]
+        broker = await PostgresBroker.connect(dsn, FakeClock())
+        try:
+            assert (await broker.info()).schema_version == latest_version()
+        finally:
+            await broker.close()
+
+
+async def test_concurrent_migrators_apply_each_migration_once(pg_dsn: str) -> None:
+    async with scratch_database(pg_dsn) as dsn:
+        results = await asyncio.gather(*(migrate(dsn) for _ in range(4)))
+        applied = sorted(v for result in results for v in result)
+        assert applied == [m.version for m in load_migrations()]
+
+
+async def test_migrate_honours_target_and_rejects_unknown_versions(pg_dsn: str) -> None:
+    async with scratch_database(pg_dsn) as dsn:
+        with pytest.raises(ValueError, match="unknown migration"):
+            await migrate(dsn, target=999)
+        assert not any(s.applied for s in await migration_status(dsn))
+        first = load_migrations()[0].version
+        assert await migrate(dsn, target=first) == [first]
+        assert await migrate(dsn, target=first) == []
+
+
+def test_migrations_are_numbered_files_shipped_with_the_package() -> None:
+    folder = resources.files("conveyor_broker.postgres.migrations")
+    names = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".sql"))
+    assert names, "no migrations shipped"
+    assert all(re.fullmatch(r"\d{3}_[a-z0-9_]+\.sql", name) for name in names)
+    assert [int(name[:3]) for name in names] == list(range(1, len(names) + 1))
+
+
+async def test_migration_003_backfills_purge_at_of_completed_tasks(pg_dsn: str) -> None:
+    """Rows completed before 003 get their purge_at, so they still go after their own
+    retention, and the others after the sweep's retentions."""
+    clock = FakeClock()
+    start = clock.now()
+    specs = {
+        "01J0000000000000000000OWN1": (timedelta(hours=1), "completed"),
+        "01J0000000000000000000DEF1": (None, "completed"),
+        "01J0000000000000000000ARC1": (timedelta(0), "archived"),
+        "01J0000000000000000000PEN1": (timedelta(0), "pending"),
+    }
+    async with scratch_database(pg_dsn) as dsn:
+        assert await migrate(dsn, target=2) == [1, 2]
+        conn = await asyncpg.connect(dsn)
+        try:
+            tasks = [
+                new_task(
+                    NewTask("q", "t", retention=retention),
+                    task_id=task_id,
+                    state=TaskState.PENDING,
+                    now=start,
+                    max_retry=3,
+                )
+                for task_id, (retention, _) in specs.items()
+            ]
+            await conn.fetch(ENQUEUE, *enqueue_params(tasks, start))
+            for task_id, (_, state) in specs.items():
+                if state != "pending":
+                    await conn.execute(
+                        "UPDATE conveyor_tasks SET state = $2, completed_at = $3 WHERE id = $1",
+                        task_id,
+                        state,
+                        start,
+                    )
+            assert await migrate(dsn) == [3]
+            rows = await conn.fetch("SELECT id, purge_at FROM conveyor_tasks")
+        finally:
+            await conn.close()
+        assert {row["id"]: row["purge_at"] for row in rows} == {
+            "01J0000000000000000000OWN1": start + timedelta(hours=1),
+            "01J0000000000000000000DEF1": None,
+            "01J0000000000000000000ARC1": None,
+            "01J0000000000000000000PEN1": None,
+        }
+        broker = await PostgresBroker.connect(dsn, clock)
+        try:
+
+            async def purge() -> int:
+                two_hours = timedelta(hours=2)
+                return await broker.purge_terminal(
+                    TerminalPurgeParams(archive_retention=two_hours, default_retention=two_hours)
+                )
+
+            clock.advance(timedelta(minutes=59))
+            assert await purge() == 0
+            clock.advance(timedelta(minutes=1))
+            assert await purge() == 1
+            clock.advance(timedelta(hours=1))
+            assert await purge() == 2
+            left = await broker.list_tasks()
+            assert [t.id for t in left.tasks] == ["01J0000000000000000000PEN1"]
+        finally:
+            await broker.close()
+
+
+async def test_completing_a_task_sets_purge_at(pg_dsn: str) -> None:
+    clock = FakeClock()
+    async with scratch_schema(pg_dsn) as dsn, brokers(dsn, clock, 1) as [broker]:
+        retentions = [timedelta(hours=1), timedelta(minutes=30), None]
+        await broker.enqueue_batch([NewTask("q", "t", retention=r) for r in retentions])
+        leased = await broker.lease("q", 3, TTL)
+        [by_ack] = [t for t in leased if t.retention == timedelta(hours=1)]
+        by_batch = [t for t in leased if t is not by_ack]
+        clock.advance(timedelta(seconds=5))
+        await broker.ack(by_ack.id, by_ack.lease_id or "")
+        await broker.ack_batch([AckItem(t.id, t.lease_id or "") for t in by_batch])
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows = await conn.fetch("SELECT id, purge_at FROM conveyor_tasks")
+            now = clock.now()
+            assert {row["id"]: row["purge_at"] for row in rows} == {
+                t.id: None if t.retention is None else now + t.retention for t in leased
+            }
+            assert sum(row["purge_at"] is not None for row in rows) == 2
+        finally:
+            await conn.close()
+
+
+async def test_a_row_completed_by_a_release_before_003_goes_by_its_own_retention(
+    pg_dsn: str,
+) -> None:
+    """During a rolling upgrade the previous release completes tasks without purge_at: such
+    a row is purged by its own retention (at the default at the earliest), not kept."""
+    clock = FakeClock()
+    async with scratch_schema(pg_dsn) as dsn, brokers(dsn, clock, 1) as [broker]:
+        await broker.enqueue_batch(
+            [NewTask("q", "t", retention=timedelta(hours=3)), NewTask("q", "t")]
+        )
+        leased = await broker.lease("q", 2, TTL)
+        await broker.ack_batch([AckItem(t.id, t.lease_id or "") for t in leased])
+        [old_release] = [t for t in leased if t.retention is not None]
+        conn = await asyncpg.connect(dsn)
+        try:  # what an older release's ack leaves behind
+            await conn.execute(
+                "UPDATE conveyor_tasks SET purge_at = NULL WHERE id = $1", old_release.id
+            )
+        finally:
+            await conn.close()
+        default, archive = timedelta(hours=1), timedelta(days=7)
+        clock.advance(timedelta(hours=2))  # past the default, not past its own 3 h
+        assert (
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=archive, default_retention=default)
+            )
+            == 1
+        )  # the one on the default
+        assert (await broker.get_task(old_release.id)).id == old_release.id
+        clock.advance(timedelta(hours=1, seconds=1))
+        assert (
+            await broker.purge_terminal(
+                TerminalPurgeParams(archive_retention=archive, default_retention=default)
+            )
+            == 1
+        )
+        with pytest.raises(TaskNotFound):
+            await broker.get_task(old_release.id)
