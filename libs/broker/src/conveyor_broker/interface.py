@@ -48,6 +48,7 @@ import abc
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
+from importlib import metadata
 
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.errors import BrokerClosed
@@ -99,6 +100,15 @@ DEFAULT_MAX_RETRY = 25
 # What list_tasks and reap_expired_leases do when given no params.
 _DEFAULT_LIST = TaskListParams()
 _DEFAULT_REAP = LeaseReapParams()
+
+
+def package_version() -> str:
+    """The installed conveyor-broker version, for :meth:`Broker.info` ("0" from a bare
+    checkout)."""
+    try:
+        return metadata.version("conveyor-broker")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0"
 
 
 class Broker(abc.ABC):

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import datetime, timedelta
-from importlib import metadata
 from types import MappingProxyType
 
 from conveyor_broker.clock import Clock
@@ -28,7 +27,7 @@ from conveyor_broker.errors import (
     WebhookWorkerNotFound,
 )
 from conveyor_broker.ids import new_id
-from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker
+from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker, package_version
 from conveyor_broker.memory_table import TaskTable, new_row
 from conveyor_broker.types import (
     ARCHIVED_BY_ADMIN_ERROR,
@@ -57,13 +56,6 @@ from conveyor_broker.types import (
 from conveyor_broker.validation import MAX_PAYLOAD
 
 _RUNNABLE_NOW = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
-
-
-def _package_version() -> str:
-    try:
-        return metadata.version("conveyor-broker")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-        return "0"
 
 
 class MemoryBroker(Broker):
@@ -486,7 +478,7 @@ class MemoryBroker(Broker):
     async def _info(self) -> BrokerInfo:
         # Driver ``memory``, no schema.
         async with self._locked():
-            return BrokerInfo(driver="memory", version=_package_version())
+            return BrokerInfo(driver="memory", version=package_version())
 
     async def _upkeep_storage(self) -> StorageUpkeep:
         # Nothing to keep up: no planner, no dead row versions.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -32,7 +31,7 @@ from conveyor_broker.errors import (
     WebhookWorkerNotFound,
 )
 from conveyor_broker.ids import new_ids
-from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker
+from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker, package_version
 from conveyor_broker.postgres import enqueue, upkeep
 from conveyor_broker.postgres.migrations import schema_version
 from conveyor_broker.postgres.queries.admin import (
@@ -486,7 +485,7 @@ class PostgresBroker(Broker):
         # The driver name, this package's version and the applied schema version.
         async with self._pool.acquire() as conn:
             version = await schema_version(conn)
-        return BrokerInfo(DRIVER, _package_version(), version)
+        return BrokerInfo(DRIVER, package_version(), version)
 
     async def _upkeep_storage(self) -> StorageUpkeep:
         return await self._upkeep.check(self._pool, self._clock.now())
@@ -552,10 +551,3 @@ async def _keep_session(conn: asyncpg.Connection[asyncpg.Record]) -> None:
     LISTEN or change settings, so there is nothing to undo; an open transaction is still
     rolled back by the pool itself before this runs.
     """
-
-
-def _package_version() -> str:
-    try:
-        return metadata.version("conveyor-broker")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-        return "0"
