@@ -12,7 +12,6 @@ from conveyor_broker.clock import FakeClock
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.types import NewTask, TaskEvent, TaskState
 from conveyor_protos.v1 import service_pb2, task_pb2
-from conveyor_runtime.codec import decode_events, event_from_proto
 from conveyor_runtime.events import (
     MAX_EVENTS_PER_MESSAGE,
     EventGate,
@@ -22,6 +21,7 @@ from conveyor_runtime.events import (
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.testing import eventually
+from conveyor_runtime.wire import decode_events, event_from_proto
 from nats.aio.msg import Msg
 
 TIMEOUT = 10.0

@@ -15,7 +15,7 @@ from conveyor_api.testing import CountingBroker, MakeApi, Recorder, WorkerStream
 from conveyor_broker import FakeClock, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from conveyor_runtime.events import EventPublisher
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
@@ -168,7 +168,7 @@ async def test_task_actions_and_their_wakes(
 
     when = clock.now() + timedelta(minutes=5)
     moved = await admin.RescheduleTask(
-        service_pb2.RescheduleTaskRequest(id=later.id, process_at=codec.timestamp(when))
+        service_pb2.RescheduleTaskRequest(id=later.id, process_at=wire.timestamp(when))
     )
     assert moved.task.state == task_pb2.TASK_STATE_SCHEDULED
     assert (await broker.get_task(later.id)).available_at == when
@@ -198,7 +198,7 @@ async def test_cancel_of_a_running_task_reaches_its_worker(
     await registers.wait_for()
     await put(broker)
     [leased] = await broker.lease("q", 1, TTL)
-    env = codec.task_to_envelope(leased)
+    env = wire.task_to_envelope(leased)
     await dispatch(nc, subjects, welcome.session_id, "q", [env])
     await worker.read_kind("dispatch")
 

@@ -14,7 +14,7 @@ before the first announcement reaches it are not published (the stream is live, 
 log).
 
 Each message carries a run of consecutive events of one queue and state (see
-:func:`~conveyor_runtime.codec.encode_events`): a broker call's rows share both, so a
+:func:`~conveyor_runtime.wire.encode_events`): a broker call's rows share both, so a
 batch of a hundred acks costs one publish, not a hundred, and watchers still see every
 event in the order this process emitted them.
 """
@@ -33,8 +33,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from conveyor_runtime.codec import encode_events, event_state_token
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.wire import encode_events, event_state_token
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Every message on them is a hint: losing one may delay work, never lose or duplicate it.
 Payloads are the protobuf messages of ``conveyor_protos.v1.cluster_pb2`` (and
 ``service_pb2.TaskEvent`` for events, several to a message: see
-:func:`conveyor_runtime.codec.encode_events`).
+:func:`conveyor_runtime.wire.encode_events`).
 """
 
 from __future__ import annotations

@@ -11,33 +11,12 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from conveyor_broker import (
-    Broker,
-    BrokerError,
-    InvalidTask,
-    QueueStats,
-    Task,
-    TaskState,
-    WebhookWorker,
-    WebhookWorkerSpec,
-)
+from conveyor_broker import Broker, BrokerError, InvalidTask, Task, TaskState
 from conveyor_broker.clock import Clock
 from conveyor_broker.types import CANCELED_WHILE_RUNNING_ERROR
-from conveyor_broker.validation import (
-    check_queue,
-    check_task_id,
-    check_webhook_name,
-    check_webhook_worker,
-)
+from conveyor_broker.validation import check_queue, check_task_id, check_webhook_name
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
-from conveyor_runtime.codec import (
-    decode_events,
-    duration,
-    from_duration,
-    from_timestamp,
-    set_timestamp,
-    task_to_proto,
-)
+from conveyor_runtime import wire
 from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate, announce_watch
 from conveyor_runtime.subjects import Subjects
 from google.protobuf.message import DecodeError
@@ -46,7 +25,6 @@ from nats.aio.msg import Msg
 
 from conveyor_api.broker_status import abort_for_error
 from conveyor_api.coalesce import WakePublisher
-from conveyor_api.convert import state_filter
 from conveyor_api.session import SessionRegistry
 
 logger = logging.getLogger(__name__)
@@ -79,60 +57,6 @@ NOT_YET_IMPLEMENTED = (
     "SetCronPaused",
     "DeleteCronEntry",
 )
-
-
-#: What an UpsertWebhookWorker that leaves a field unset (zero) gets.
-DEFAULT_WEBHOOK_SPEC = WebhookWorkerSpec(name="", url="", queues={})
-
-
-def webhook_worker_to_proto(worker: WebhookWorker) -> service_pb2.WebhookWorker:
-    """A stored registration as the wire message, WITHOUT its secrets (write-only)."""
-    message = service_pb2.WebhookWorker(
-        name=worker.name,
-        url=worker.url,
-        queues=dict(worker.queues),
-        concurrency=worker.concurrency,
-        timeout=duration(worker.timeout),
-        paused=worker.paused,
-    )
-    set_timestamp(message.created_at, worker.created_at)
-    set_timestamp(message.updated_at, worker.updated_at)
-    return message
-
-
-def webhook_spec_from_proto(message: service_pb2.WebhookWorker) -> WebhookWorkerSpec:
-    """An operator's registration as the broker's spec, checked.
-
-    ``concurrency`` 0 and an unset ``timeout`` take the defaults (10, 30 s); no secrets
-    keeps the stored ones. Raises InvalidTask describing the first problem.
-    """
-    check_webhook_name(message.name)
-    timeout = DEFAULT_WEBHOOK_SPEC.timeout
-    if message.HasField("timeout"):
-        try:
-            timeout = from_duration(message.timeout)
-        except (ValueError, OverflowError) as exc:
-            raise InvalidTask(f"invalid webhook timeout: {exc}") from None
-    spec = WebhookWorkerSpec(
-        name=message.name,
-        url=message.url,
-        queues=dict(message.queues),
-        concurrency=message.concurrency or DEFAULT_WEBHOOK_SPEC.concurrency,
-        timeout=timeout,
-        paused=message.paused,
-        secrets=tuple(message.secrets),
-    )
-    check_webhook_worker(spec)
-    return spec
-
-
-def stats_to_proto(stats: QueueStats) -> service_pb2.QueueStats:
-    """Broker queue stats as the wire message (counts keyed by state name)."""
-    return service_pb2.QueueStats(
-        queue=stats.queue,
-        paused=stats.paused,
-        counts={state.value: stats.count(state) for state in TaskState},
-    )
 
 
 class AdminService(service_pb2_grpc.AdminServiceServicer):
@@ -181,7 +105,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             task = await self._broker.get_task(request.id)
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.GetTaskResponse(task=task_to_proto(task))
+        return service_pb2.GetTaskResponse(task=wire.task_to_proto(task))
 
     async def ListTasks(
         self, request: service_pb2.ListTasksRequest, context: _Context
@@ -192,14 +116,14 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
                 check_queue(request.queue)
             page = await self._broker.list_tasks(
                 queue=request.queue or None,
-                state=state_filter(request.state),
+                state=wire.state_filter(request.state),
                 limit=request.limit or 100,
                 cursor=request.cursor or None,
             )
         except Exception as exc:
             await abort_for_error(context, exc)
         return service_pb2.ListTasksResponse(
-            tasks=[task_to_proto(t) for t in page.tasks], next_cursor=page.next_cursor or ""
+            tasks=[wire.task_to_proto(t) for t in page.tasks], next_cursor=page.next_cursor or ""
         )
 
     async def ListQueues(
@@ -210,7 +134,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             stats = await self._broker.queue_stats()
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.ListQueuesResponse(queues=[stats_to_proto(s) for s in stats])
+        return service_pb2.ListQueuesResponse(queues=[wire.stats_to_proto(s) for s in stats])
 
     async def GetQueueStats(
         self, request: service_pb2.GetQueueStatsRequest, context: _Context
@@ -221,7 +145,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             stats = await self._broker.queue_stats(request.queue)
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.GetQueueStatsResponse(stats=stats_to_proto(stats[0]))
+        return service_pb2.GetQueueStatsResponse(stats=wire.stats_to_proto(stats[0]))
 
     async def GetClusterInfo(
         self, request: service_pb2.GetClusterInfoRequest, context: _Context
@@ -246,7 +170,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             for queue in request.queues:
                 check_queue(queue)
             for state in request.states:
-                state_filter(state)
+                wire.state_filter(state)
         except InvalidTask as exc:
             await abort_for_error(context, exc)
         wanted_states = set(request.states)
@@ -273,7 +197,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
                 if data is None:
                     return
                 try:
-                    events = decode_events(data)
+                    events = wire.decode_events(data)
                 except DecodeError:
                     logger.warning("watch_events.bad_event")
                     continue
@@ -383,7 +307,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         logger.info("admin.task_action action=%s task=%s", _action_name(action), task_id)
         if task is None:
             return service_pb2.TaskActionResponse()
-        return service_pb2.TaskActionResponse(task=task_to_proto(task))
+        return service_pb2.TaskActionResponse(task=wire.task_to_proto(task))
 
     async def CancelTask(
         self, request: service_pb2.TaskActionRequest, context: _Context
@@ -421,7 +345,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         """Move a waiting task to ``process_at``."""
         if not request.HasField("process_at"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "process_at is required")
-        when = from_timestamp(request.process_at)
+        when = wire.from_timestamp(request.process_at)
         return await self._single(service_pb2.TASK_ACTION_RESCHEDULE, request.id, context, when)
 
     async def BatchTaskAction(
@@ -464,7 +388,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         try:
             if not request.HasField("worker"):
                 raise InvalidTask("worker is required")
-            spec = webhook_spec_from_proto(request.worker)
+            spec = wire.webhook_spec_from_proto(request.worker)
             worker = await self._broker.upsert_webhook_worker(spec)
         except Exception as exc:
             await abort_for_error(context, exc)
@@ -476,7 +400,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             worker.paused,
             len(worker.secrets),
         )
-        return service_pb2.UpsertWebhookWorkerResponse(worker=webhook_worker_to_proto(worker))
+        return service_pb2.UpsertWebhookWorkerResponse(worker=wire.webhook_worker_to_proto(worker))
 
     async def GetWebhookWorker(
         self, request: service_pb2.GetWebhookWorkerRequest, context: _Context
@@ -487,7 +411,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             worker = await self._broker.get_webhook_worker(request.name)
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.GetWebhookWorkerResponse(worker=webhook_worker_to_proto(worker))
+        return service_pb2.GetWebhookWorkerResponse(worker=wire.webhook_worker_to_proto(worker))
 
     async def ListWebhookWorkers(
         self, request: service_pb2.ListWebhookWorkersRequest, context: _Context
@@ -498,7 +422,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         except Exception as exc:
             await abort_for_error(context, exc)
         return service_pb2.ListWebhookWorkersResponse(
-            workers=[webhook_worker_to_proto(w) for w in workers]
+            workers=[wire.webhook_worker_to_proto(w) for w in workers]
         )
 
     async def SetWebhookWorkerPaused(
@@ -535,7 +459,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         if action == service_pb2.TASK_ACTION_RESCHEDULE:
             if not request.HasField("process_at"):
                 raise InvalidTask("RESCHEDULE needs process_at")
-            process_at = from_timestamp(request.process_at)
+            process_at = wire.from_timestamp(request.process_at)
         selector = request.selector
         if selector.ids:
             if selector.queue or selector.state:
@@ -549,7 +473,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             raise InvalidTask("the selector needs ids, or a queue (and optionally a state)")
         check_queue(selector.queue)
         page = await self._broker.list_tasks(
-            queue=selector.queue, state=state_filter(selector.state), limit=MAX_BATCH_ACTION
+            queue=selector.queue, state=wire.state_filter(selector.state), limit=MAX_BATCH_ACTION
         )
         return [t.id for t in page.tasks], process_at
 

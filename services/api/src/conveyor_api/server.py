@@ -15,6 +15,7 @@ from conveyor_runtime.events import EventGate
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tracing import tracing_enabled
+from conveyor_runtime.wire import DISPATCH_OVERHEAD, TaskDefaults
 from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -23,7 +24,6 @@ from nats.aio.subscription import Subscription
 from conveyor_api.admin_service import AdminService
 from conveyor_api.auth import BearerAuthInterceptor, ReadOnlyInterceptor
 from conveyor_api.coalesce import WakePublisher
-from conveyor_api.convert import DISPATCH_OVERHEAD, TaskDefaults
 from conveyor_api.decoding import add_service
 from conveyor_api.gateway import Gateway, GatewayConfig, WorkerSpec
 from conveyor_api.group_commit import AckBatcher, EnqueueCommitter

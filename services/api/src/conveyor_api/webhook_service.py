@@ -11,14 +11,14 @@ which checks the lease). The gateway's reply becomes the call's status.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from conveyor_broker import Broker, InvalidTask, WebhookWorkerNotFound
 from conveyor_broker.validation import check_webhook_name
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
-from conveyor_runtime.codec import set_timestamp
+from conveyor_runtime import wire
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import (
     InvalidToken,
@@ -94,14 +94,9 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"progress is {len(request.progress)} bytes; the limit is {self._max_result}",
             )
-        callback = _callback(claims)
-        callback.heartbeat.progress = request.progress
+        callback = wire.webhook_heartbeat(claims, request.progress)
         reply = await self._route(claims, callback, context)
-        response = service_pb2.WebhookHeartbeatResponse()
-        if reply.lease_expires_at > 0:
-            expires = datetime.fromtimestamp(reply.lease_expires_at, UTC)
-            set_timestamp(response.lease_expires_at, expires)
-        return response
+        return wire.heartbeat_response(reply)
 
     async def ReportResult(
         self, request: service_pb2.WebhookReportResultRequest, context: _Context
@@ -112,18 +107,7 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         problem = _check_result(request, self._max_result)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        callback = _callback(claims)
-        outcome = callback.result
-        outcome.outcome = request.outcome
-        outcome.result = request.result
-        outcome.error = request.error
-        retry_after = request.retry_after
-        outcome.retry_after = (
-            retry_after.seconds + retry_after.nanos / _NANOS
-            if request.HasField("retry_after")
-            else -1.0
-        )
-        await self._route(claims, callback, context)
+        await self._route(claims, wire.webhook_result(claims, request), context)
         return service_pb2.WebhookReportResultResponse()
 
     async def _authenticate(self, token: str, context: _Context) -> LeaseClaims:
@@ -188,15 +172,6 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         await context.abort(
             grpc.StatusCode.INTERNAL, f"unknown reply status {reply.status} from the webhook worker"
         )
-
-
-def _callback(claims: LeaseClaims) -> cluster_pb2.WebhookCallback:
-    return cluster_pb2.WebhookCallback(
-        worker=claims.worker,
-        task_id=claims.task_id,
-        lease_id=claims.lease_id,
-        queue=claims.queue,
-    )
 
 
 def _check_result(request: service_pb2.WebhookReportResultRequest, max_result: int) -> str | None:

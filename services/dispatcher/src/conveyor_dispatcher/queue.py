@@ -20,8 +20,8 @@ from conveyor_broker.errors import LeaseLost
 from conveyor_broker.interface import Broker
 from conveyor_broker.types import Task
 from conveyor_protos.v1 import cluster_pb2, task_pb2
-from conveyor_runtime.codec import task_to_envelope
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.wire import task_to_envelope
 from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NatsClient
 
