@@ -16,6 +16,7 @@ from conveyor_broker import FakeClock, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import wire
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.events import EventPublisher
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
@@ -262,7 +263,7 @@ async def events(
     broker: CountingBroker, nc: NatsClient, subjects: Subjects
 ) -> AsyncIterator[EventPublisher]:
     """The broker's lifecycle events published to NATS, as a service runtime does."""
-    publisher = EventPublisher(nc, subjects)
+    publisher = EventPublisher(Bus(nc, subjects))
     await publisher.start()
     broker.set_event_sink(publisher)
     yield publisher

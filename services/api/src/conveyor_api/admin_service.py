@@ -17,11 +17,9 @@ from conveyor_broker.types import CANCELED_WHILE_RUNNING_ERROR
 from conveyor_broker.validation import check_queue, check_task_id, check_webhook_name
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime import wire
-from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate, announce_watch
-from conveyor_runtime.subjects import Subjects
-from google.protobuf.message import DecodeError
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
+from conveyor_runtime.bus import Bus, Published
+from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate
+from nats.aio.subscription import Subscription
 
 from conveyor_api.broker_status import abort_for_error
 from conveyor_api.coalesce import WakePublisher
@@ -66,8 +64,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         self,
         *,
         broker: Broker,
-        nc: NATS,
-        subjects: Subjects,
+        bus: Bus,
         wakes: WakePublisher,
         registry: SessionRegistry,
         server_version: str,
@@ -77,12 +74,11 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         self._broker = broker
         self._clock = clock
         self._event_gate = event_gate
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._wakes = wakes
         self._registry = registry
         self._server_version = server_version
-        self._watchers: set[asyncio.Queue[bytes | None]] = set()
+        self._watchers: set[asyncio.Queue[list[service_pb2.TaskEvent] | None]] = set()
 
     def end_watches(self) -> None:
         """End every WatchEvents stream (OK status), so a server stop need not wait."""
@@ -174,33 +170,31 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         except InvalidTask as exc:
             await abort_for_error(context, exc)
         wanted_states = set(request.states)
-        inbox: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=_WATCH_BACKLOG)
+        inbox: asyncio.Queue[list[service_pb2.TaskEvent] | None] = asyncio.Queue(
+            maxsize=_WATCH_BACKLOG
+        )
 
-        async def on_event(msg: Msg) -> None:
+        def on_events(events: list[service_pb2.TaskEvent]) -> None:
             try:
-                inbox.put_nowait(msg.data)
+                inbox.put_nowait(events)
             except asyncio.QueueFull:
                 logger.warning("watch_events.dropped reason=backlog_full")
 
-        subjects = [self._subjects.events(q, "*") for q in sorted(set(request.queues))] or [
-            self._subjects.events_wildcard()
-        ]
-        subs = [await self._nc.subscribe(s, cb=on_event) for s in subjects]
+        subs: list[Subscription] = []
+        for queue in sorted(set(request.queues)):
+            subs.append(await self._bus.subscribe_events(on_events, queue=queue))
+        if not subs:
+            subs.append(await self._bus.subscribe_events(on_events))
         self._watchers.add(inbox)
         await self._announce_watch()  # before the first event could matter to the caller
         announcer = asyncio.get_running_loop().create_task(self._keep_announcing())
         try:
-            await self._nc.flush()
+            await self._bus.nc.flush()
             await context.send_initial_metadata(())
             while True:
-                data = await inbox.get()
-                if data is None:
+                events = await inbox.get()
+                if events is None:
                     return
-                try:
-                    events = wire.decode_events(data)
-                except DecodeError:
-                    logger.warning("watch_events.bad_event")
-                    continue
                 for event in events:
                     if not wanted_states or event.state in wanted_states:
                         yield event
@@ -219,7 +213,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         if self._event_gate is not None:
             self._event_gate.keep_open()  # this process: at once, no round trip
         try:
-            await announce_watch(self._nc, self._subjects)
+            await self._bus.publish_watch()
         except Exception as exc:
             logger.warning("watch_events.announce_failed error=%r", exc)
 
@@ -237,8 +231,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         except Exception as exc:
             await abort_for_error(context, exc)
         reason = "paused" if paused else "resumed"
-        body = cluster_pb2.Control(queue=queue, reason=reason).SerializeToString()
-        await self._publish(self._subjects.control(queue), body)
+        await self._publish(cluster_pb2.Control(queue=queue, reason=reason))
         logger.info("admin.queue_%s queue=%s", reason, queue)
 
     async def PauseQueue(
@@ -257,12 +250,12 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
 
     # ---------------------------------------------------------- task actions
 
-    async def _publish(self, subject: str, body: bytes) -> None:
+    async def _publish(self, message: Published) -> None:
         # Hints only: the broker write already happened, so a lost publish just delays.
         try:
-            await self._nc.publish(subject, body)
+            await self._bus.publish(message)
         except Exception as exc:
-            logger.warning("admin.publish_failed subject=%s error=%r", subject, exc)
+            logger.warning("admin.publish_failed message=%s error=%r", type(message).__name__, exc)
 
     async def _act(
         self, action: int, task_id: str, process_at: datetime | None = None
@@ -274,10 +267,11 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             task = await broker.cancel_task(task_id)
             if task.state is TaskState.ARCHIVED and task.last_error == CANCELED_WHILE_RUNNING_ERROR:
                 # It was running: its gateway (wherever it is) tells the worker to stop.
-                body = cluster_pb2.CancelBroadcast(
-                    task_id=task_id, reason=CANCELED_WHILE_RUNNING_ERROR
-                ).SerializeToString()
-                await self._publish(self._subjects.cancel(), body)
+                await self._publish(
+                    cluster_pb2.CancelBroadcast(
+                        task_id=task_id, reason=CANCELED_WHILE_RUNNING_ERROR
+                    )
+                )
             return task
         if action == service_pb2.TASK_ACTION_DELETE:
             await broker.delete_task(task_id)

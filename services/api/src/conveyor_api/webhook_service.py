@@ -19,7 +19,7 @@ from conveyor_broker import Broker, InvalidTask, WebhookWorkerNotFound
 from conveyor_broker.validation import check_webhook_name
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime import wire
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.webhook_auth import (
     InvalidToken,
     LeaseClaims,
@@ -28,7 +28,6 @@ from conveyor_runtime.webhook_auth import (
 )
 from google.protobuf.message import DecodeError
 from nats import errors as nats_errors
-from nats.aio.client import Client as NATS
 
 from conveyor_api.broker_status import abort_for_error
 
@@ -73,14 +72,12 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         self,
         *,
         broker: Broker,
-        nc: NATS,
-        subjects: Subjects,
+        bus: Bus,
         max_result: int,
         timeout: float = CALLBACK_TIMEOUT,
     ) -> None:
         self._broker = broker
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._max_result = max_result
         self._timeout = timeout
 
@@ -128,10 +125,8 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         self, claims: LeaseClaims, callback: cluster_pb2.WebhookCallback, context: _Context
     ) -> cluster_pb2.WebhookCallbackReply:
         """Ask the worker's gateway to apply ``callback``; its reply as a status."""
-        subject = self._subjects.webhook_callback(claims.worker)
-        body = callback.SerializeToString()
         try:
-            msg = await self._nc.request(subject, body, timeout=self._timeout)
+            reply = await self._bus.webhook_callback(callback, within=self._timeout)
         except (nats_errors.NoRespondersError, nats_errors.TimeoutError):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -140,7 +135,8 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         except nats_errors.MaxPayloadError:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the callback is {len(body)} bytes, more than the cluster's message limit",
+                f"the callback is {callback.ByteSize()} bytes, more than the cluster's "
+                "message limit",
             )
         except nats_errors.Error as exc:
             logger.warning("webhook.callback_route_failed worker=%s error=%r", claims.worker, exc)
@@ -148,8 +144,6 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"cannot reach webhook worker {claims.worker}: {type(exc).__name__}; retry",
             )
-        try:
-            reply = _Reply.FromString(msg.data)
         except DecodeError:
             logger.warning("webhook.bad_callback_reply worker=%s", claims.worker)
             await context.abort(grpc.StatusCode.INTERNAL, "malformed reply from the webhook worker")
