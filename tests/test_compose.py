@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
-from conveyor_api.convert import DISPATCH_OVERHEAD
 from conveyor_broker.validation import MAX_HEADER_LEN, MAX_HEADERS
 from conveyor_cli.main import cli
 from conveyor_runtime.embedded_nats import find_nats_server
 from conveyor_runtime.settings import SERVICE_SETTINGS, ApiSettings, CommonSettings
+from conveyor_runtime.wire import DISPATCH_OVERHEAD
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())

@@ -7,12 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
-from conveyor_api.convert import dispatch_size
 from conveyor_broker import FakeClock, NewTask
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.validation import MAX_HEADER_LEN, MAX_HEADERS, MAX_KEY_LEN
 from conveyor_dispatcher.queue import fit_offer
-from conveyor_runtime.codec import task_to_envelope
+from conveyor_runtime.wire import dispatch_size, task_to_envelope
 
 LIMIT = 8 * 1024 * 1024
 

@@ -20,9 +20,9 @@ from conveyor_gateway.attempt_bounds import DEADLINE_EXCEEDED_ERROR
 from conveyor_gateway.credits import REDELIVERED_REASON
 from conveyor_gateway.gateway import LEASE_LOST_REASON
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
-from conveyor_runtime.codec import task_to_envelope
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.wire import task_to_envelope
 from conveyor_testkit.polling import wait_until
 
 TTL = timedelta(seconds=30)

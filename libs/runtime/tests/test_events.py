@@ -12,15 +12,11 @@ from conveyor_broker.clock import FakeClock
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.types import NewTask, TaskEvent, TaskState
 from conveyor_protos.v1 import service_pb2, task_pb2
-from conveyor_runtime.codec import decode_events, event_from_proto
-from conveyor_runtime.events import (
-    MAX_EVENTS_PER_MESSAGE,
-    EventGate,
-    EventPublisher,
-    announce_watch,
-)
+from conveyor_runtime.bus import Bus
+from conveyor_runtime.events import MAX_EVENTS_PER_MESSAGE, EventGate, EventPublisher
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.wire import decode_events, event_from_proto
 from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 
@@ -41,6 +37,12 @@ async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
 def subjects() -> Subjects:
     """Subjects and buckets no other test uses."""
     return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def bus(nc: NatsClient, subjects: Subjects) -> Bus:
+    """The bus the publisher and the gate use (the tests read NATS directly)."""
+    return Bus(nc, subjects)
 
 
 async def collect(nc: NatsClient, subject: str, count: int) -> tuple[list[Msg], asyncio.Event]:
@@ -64,11 +66,11 @@ def unpack(messages: list[Msg]) -> list[tuple[str, service_pb2.TaskEvent]]:
 
 
 async def test_broker_events_are_published_per_queue_and_state(
-    nc: NatsClient, subjects: Subjects
+    nc: NatsClient, subjects: Subjects, bus: Bus
 ) -> None:
     got, enough = await collect(nc, subjects.events_wildcard(), 4)
     broker = MemoryBroker(FakeClock())
-    publisher = EventPublisher(nc, subjects)
+    publisher = EventPublisher(bus)
     await publisher.start()
     broker.set_event_sink(publisher)
     try:
@@ -104,14 +106,14 @@ async def test_broker_events_are_published_per_queue_and_state(
 
 
 async def test_a_run_of_one_queue_and_state_is_one_message(
-    nc: NatsClient, subjects: Subjects
+    nc: NatsClient, subjects: Subjects, bus: Bus
 ) -> None:
     at = datetime(2030, 1, 1, tzinfo=UTC)
     done, pending = TaskState.COMPLETED, TaskState.PENDING
     plan = [("a", pending)] * 3 + [("a", done)] * 2 + [("b", pending)] + [("a", pending)]
     plan += [("c", done)] * (2 * MAX_EVENTS_PER_MESSAGE + 5)
     got, enough = await collect(nc, subjects.events_wildcard(), len(plan))
-    publisher = EventPublisher(nc, subjects)
+    publisher = EventPublisher(bus)
     # Buffered before the publisher starts, so it finds them all at once.
     for n, (queue, state) in enumerate(plan):
         publisher(TaskEvent(f"id{n}", queue, "t", state, None, at))
@@ -135,10 +137,10 @@ async def test_a_run_of_one_queue_and_state_is_one_message(
 
 
 async def test_overflow_drops_the_oldest_and_never_blocks(
-    nc: NatsClient, subjects: Subjects
+    nc: NatsClient, subjects: Subjects, bus: Bus
 ) -> None:
     got, enough = await collect(nc, subjects.events_wildcard(), 2)
-    publisher = EventPublisher(nc, subjects, max_buffered=2)
+    publisher = EventPublisher(bus, max_buffered=2)
     at = datetime(2030, 1, 1, tzinfo=UTC)
     # Not started yet: the sink only buffers.
     for n in range(3):
@@ -153,9 +155,9 @@ async def test_overflow_drops_the_oldest_and_never_blocks(
     assert ids == ["id1", "id2"]
 
 
-async def test_stop_flushes_what_is_buffered(nc: NatsClient, subjects: Subjects) -> None:
+async def test_stop_flushes_what_is_buffered(nc: NatsClient, subjects: Subjects, bus: Bus) -> None:
     got, enough = await collect(nc, subjects.events_wildcard(), 50)
-    publisher = EventPublisher(nc, subjects)
+    publisher = EventPublisher(bus)
     await publisher.start()
     at = datetime(2030, 1, 1, tzinfo=UTC)
     for n in range(50):
@@ -168,22 +170,22 @@ async def test_stop_flushes_what_is_buffered(nc: NatsClient, subjects: Subjects)
 
 
 async def test_gate_publishes_only_while_someone_watches(
-    nc: NatsClient, subjects: Subjects
+    nc: NatsClient, subjects: Subjects, bus: Bus
 ) -> None:
     """Unwatched, the broker builds no events; an announcement turns them on for the TTL,
     and they stop again once the TTL passes without another one."""
     got, _ = await collect(nc, subjects.events_wildcard(), 1)
     broker = MemoryBroker(FakeClock())
-    publisher = EventPublisher(nc, subjects)
+    publisher = EventPublisher(bus)
     await publisher.start()
-    gate = EventGate(broker, publisher, nc, subjects, ttl=0.5)
+    gate = EventGate(broker, publisher, bus, ttl=0.5)
     await gate.start()
     await nc.flush()
     try:
         unwatched = (await broker.enqueue(NewTask(queue="emails", type="send"))).task
         assert not gate.open
 
-        await announce_watch(nc, subjects)
+        await bus.publish_watch()
         await wait_until(lambda: gate.open, within=TIMEOUT)
         watched = (await broker.enqueue(NewTask(queue="emails", type="send"))).task
         await wait_until(lambda: any(e.task_id == watched.id for _, e in unpack(got)))
@@ -205,12 +207,12 @@ async def test_gate_publishes_only_while_someone_watches(
 
 
 async def test_gate_in_process_keep_open_needs_no_round_trip(
-    nc: NatsClient, subjects: Subjects
+    nc: NatsClient, subjects: Subjects, bus: Bus
 ) -> None:
     """A watcher in the same process opens the gate at once, before any NATS message."""
     broker = MemoryBroker(FakeClock())
-    publisher = EventPublisher(nc, subjects)
-    gate = EventGate(broker, publisher, nc, subjects, ttl=30)
+    publisher = EventPublisher(bus)
+    gate = EventGate(broker, publisher, bus, ttl=30)
     try:
         gate.keep_open()
         assert gate.open

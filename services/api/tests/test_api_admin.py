@@ -14,7 +14,8 @@ from conveyor_api import ApiServer
 from conveyor_broker import FakeClock, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.events import EventPublisher
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
@@ -169,7 +170,7 @@ async def test_task_actions_and_their_wakes(
 
     when = clock.now() + timedelta(minutes=5)
     moved = await admin.RescheduleTask(
-        service_pb2.RescheduleTaskRequest(id=later.id, process_at=codec.timestamp(when))
+        service_pb2.RescheduleTaskRequest(id=later.id, process_at=wire.timestamp(when))
     )
     assert moved.task.state == task_pb2.TASK_STATE_SCHEDULED
     assert (await broker.get_task(later.id)).available_at == when
@@ -199,7 +200,7 @@ async def test_cancel_of_a_running_task_reaches_its_worker(
     await registers.wait_for()
     await put(broker)
     [leased] = await broker.lease("q", 1, TTL)
-    env = codec.task_to_envelope(leased)
+    env = wire.task_to_envelope(leased)
     await dispatch(nc, subjects, welcome.session_id, "q", [env])
     await worker.read_kind("dispatch")
 
@@ -263,7 +264,7 @@ async def events(
     broker: CountingBroker, nc: NatsClient, subjects: Subjects
 ) -> AsyncIterator[EventPublisher]:
     """The broker's lifecycle events published to NATS, as a service runtime does."""
-    publisher = EventPublisher(nc, subjects)
+    publisher = EventPublisher(Bus(nc, subjects))
     await publisher.start()
     broker.set_event_sink(publisher)
     yield publisher

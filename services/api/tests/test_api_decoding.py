@@ -13,7 +13,7 @@ from conveyor_api.decoding import Undecodable, add_service, malformed_message, t
 from conveyor_api.session import MALFORMED_FRAME
 from conveyor_broker import NewTask, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.brokers import CountingBroker
@@ -197,7 +197,7 @@ async def test_garbage_frame_ends_the_session_and_releases_its_tasks(
         await registers.wait_for(lambda m: m.gateway == welcome.session_id)
         await broker.enqueue_batch([NewTask(queue="q", type="t", payload=b"p")] * 2)
         tasks = await broker.lease("q", 2, timedelta(seconds=30))
-        envelopes = [codec.task_to_envelope(t) for t in tasks]
+        envelopes = [wire.task_to_envelope(t) for t in tasks]
         reply = await dispatch(nc, subjects, welcome.session_id, "q", envelopes)
         assert len(reply.accepted) == 2
         for _ in envelopes:

@@ -20,7 +20,7 @@ from conveyor_gateway.attempt_bounds import (
     retry_misses_deadline,
 )
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.brokers import CountingBroker
@@ -62,7 +62,7 @@ async def deliver(
     """Enqueue ``task``, lease it and dispatch it to the worker; the envelope it got."""
     await broker.enqueue(task)
     [leased] = await broker.lease(task.queue, 1, TTL)
-    env = codec.task_to_envelope(leased)
+    env = wire.task_to_envelope(leased)
     stream, gateway = worker
     reply = await dispatch(nc, subjects, gateway, task.queue, [env])
     assert list(reply.accepted) == [env.id]
@@ -197,7 +197,7 @@ async def test_time_bounds_that_can_never_be_met_are_refused(
 ) -> None:
     opts = task_pb2.TaskOptions()
     for name, seconds in options.items():
-        getattr(opts, name).CopyFrom(codec.timestamp(clock.now() + timedelta(seconds=seconds)))
+        getattr(opts, name).CopyFrom(wire.timestamp(clock.now() + timedelta(seconds=seconds)))
     request = service_pb2.EnqueueRequest(task=task_pb2.NewTask(queue="q", type="t", options=opts))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await tasks.Enqueue(request)

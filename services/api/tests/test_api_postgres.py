@@ -16,7 +16,7 @@ from conveyor_broker import EnqueueResult, FakeClock, NewTask, TaskState
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing.schemas import DATA_TABLES, migrated_schema
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.polling import wait_until
@@ -96,7 +96,7 @@ async def test_worker_session_on_postgres(
     api = await make_api()
     registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("pgq"))
     await broker.enqueue_batch([NewTask(queue="pgq", type="job") for _ in range(4)])
-    envs = [codec.task_to_envelope(t) for t in await broker.lease("pgq", 4, TTL)]
+    envs = [wire.task_to_envelope(t) for t in await broker.lease("pgq", 4, TTL)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
         worker = WorkerStream(ch)
         welcome = await worker.hello({"pgq": 1}, 4)

@@ -15,7 +15,7 @@ from conveyor_api import ApiServer
 from conveyor_broker import FakeClock, NewTask, TaskState
 from conveyor_broker.ids import is_ulid
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.brokers import CountingBroker
@@ -70,7 +70,7 @@ async def leased(broker: CountingBroker, queue: str, n: int) -> list[task_pb2.Ta
     await broker.enqueue_batch([NewTask(queue=queue, type="job", payload=b"p") for _ in range(n)])
     tasks = await broker.lease(queue, n, TTL)
     assert len(tasks) == n
-    return [codec.task_to_envelope(t) for t in tasks]
+    return [wire.task_to_envelope(t) for t in tasks]
 
 
 async def state_of(broker: CountingBroker, task_id: str) -> TaskState:

@@ -17,13 +17,13 @@ from conveyor_broker import Broker, FakeClock, WebhookWorker, WebhookWorkerSpec
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing.schemas import migrated_schema
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import LeaseClaims, mint_lease_token
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.stream import MakeApi
 from google.protobuf.duration_pb2 import Duration
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 TOKEN = "s3cret-token"
@@ -286,13 +286,11 @@ class FakeGateway:
         self._sub: Subscription | None = None
 
     async def start(self, nc: NatsClient, subjects: Subjects, worker: str = NAME) -> FakeGateway:
-        async def on_msg(msg: Msg) -> None:
-            self.callbacks.append(cluster_pb2.WebhookCallback.FromString(msg.data))
-            await msg.respond(self.reply.SerializeToString())
+        async def answer(callback: cluster_pb2.WebhookCallback) -> Reply:
+            self.callbacks.append(callback)
+            return self.reply
 
-        self._sub = await nc.subscribe(
-            subjects.webhook_callback(worker), queue="webhook", cb=on_msg
-        )
+        self._sub = await Bus(nc, subjects).serve_webhook_callbacks(worker, answer)
         await nc.flush()
         return self
 

@@ -10,7 +10,7 @@ from conveyor_broker.memory import MemoryBroker
 from conveyor_dispatcher.credits import CreditBook
 from conveyor_dispatcher.queue import fit_offer, split_offer
 from conveyor_protos.v1 import cluster_pb2, task_pb2
-from conveyor_runtime.codec import task_to_envelope
+from conveyor_runtime.wire import task_to_envelope
 
 
 def test_register_sets_credits_to_capacity_minus_in_flight() -> None:

@@ -2,7 +2,9 @@
 
 A FakeGateway speaks the gateway side of the NATS contract: it registers, answers
 DispatchRequests (accepting as many as its policy says), re-registers on owner_changed,
-and publishes Done. Brokers run on a FakeClock, so leases never expire by themselves:
+and publishes Done. It answers dispatch requests on the raw connection, because it must
+be able to misbehave as no Bus user can (never answer, publish a Done before its
+reply). Brokers run on a FakeClock, so leases never expire by themselves:
 a task that goes back to PENDING was released on purpose.
 """
 
@@ -19,6 +21,7 @@ from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.types import NewTask, TaskListParams, TaskState
 from conveyor_dispatcher import Dispatcher
 from conveyor_protos.v1 import cluster_pb2, task_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
@@ -49,6 +52,7 @@ class FakeGateway:
         self.id = f"gw-{uuid.uuid4().hex[:8]}"
         self.nc = nc
         self.subjects = subjects
+        self.bus = Bus(nc, subjects)
         self.queue = queue
         self.capacity = capacity
         self.weight = weight
@@ -70,9 +74,7 @@ class FakeGateway:
         self._subs.append(
             await self.nc.subscribe(self.subjects.dispatch(self.id), cb=self._on_dispatch)
         )
-        self._subs.append(
-            await self.nc.subscribe(self.subjects.owner_changed(self.queue), cb=self._on_owner)
-        )
+        self._subs.append(await self.bus.subscribe_owner_changed(self._on_owner, queue=self.queue))
         await self.nc.flush()
         await self.register()
 
@@ -93,21 +95,21 @@ class FakeGateway:
             closing=closing,
             returned=self.returned,
         )
-        await self.nc.publish(self.subjects.register(self.queue), msg.SerializeToString())
+        await self.bus.publish(msg)
         await self.nc.flush()
 
     async def done(self, n: int) -> None:
         self.in_flight -= n
         self.returned += n
         msg = cluster_pb2.Done(gateway=self.id, queue=self.queue, n=n, returned=self.returned)
-        await self.nc.publish(self.subjects.done(self.queue), msg.SerializeToString())
+        await self.bus.publish(msg)
         await self.nc.flush()
 
     @property
     def accepted_ids(self) -> list[str]:
         return [env.id for env in self.received]
 
-    async def _on_owner(self, msg: Msg) -> None:
+    async def _on_owner(self, queue: str) -> None:
         await self.register()
 
     async def _on_dispatch(self, msg: Msg) -> None:
@@ -192,7 +194,7 @@ async def count(broker: Broker, queue: str, state: TaskState) -> int:
 
 
 async def wake(nc: NatsClient, subjects: Subjects, queue: str) -> None:
-    await nc.publish(subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString())
+    await Bus(nc, subjects).publish(cluster_pb2.Wake(queue=queue))
     await nc.flush()
 
 
@@ -367,8 +369,7 @@ async def test_pause_stops_dispatch_and_resume_restarts_it(
     assert qd is not None
 
     async def control() -> None:
-        msg = cluster_pb2.Control(queue=queue_name, reason="test")
-        await nc.publish(subjects.control(queue_name), msg.SerializeToString())
+        await Bus(nc, subjects).publish(cluster_pb2.Control(queue=queue_name, reason="test"))
         await nc.flush()
 
     await broker.set_queue_paused(queue_name, True)
@@ -641,8 +642,9 @@ async def test_queues_woken_together_share_lease_round_trips(
         await enqueue(broker, queue, 2)
     asks = d.leaser.asks
     rounds = d.leaser.rounds
+    bus = Bus(nc, subjects)
     for queue in queues:
-        await nc.publish(subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString())
+        await bus.publish(cluster_pb2.Wake(queue=queue))
     await nc.flush()
     await wait_until(lambda: all(len(gw.received) == 2 for gw in gateways))
     # However many leases the wakes (and any late re-registration) made, they shared

@@ -12,11 +12,11 @@ import pytest
 from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_broker.types import NewTask
 from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.polling import wait_until
-from nats.aio.msg import Msg
 
 pytestmark = pytest.mark.postgres
 
@@ -47,28 +47,24 @@ async def test_dispatcher_process_dispatches_and_hands_over_on_sigterm(
         )
     nc = await connect_nats(nats_url, name="process-test")
     broker: PostgresBroker | None = None
+    bus = Bus(nc, subjects)
     try:
-        owner_changes: list[Msg] = []
+        owner_changes: list[str] = []
         received: list[str] = []
 
-        async def on_owner(msg: Msg) -> None:
-            owner_changes.append(msg)
-
-        async def on_dispatch(msg: Msg) -> None:
-            request = cluster_pb2.DispatchRequest.FromString(msg.data)
+        def on_dispatch(request: cluster_pb2.DispatchRequest) -> cluster_pb2.DispatchReply:
             received.extend(env.id for env in request.tasks)
-            reply = cluster_pb2.DispatchReply(
+            return cluster_pb2.DispatchReply(
                 accepted=[env.id for env in request.tasks], credits=5 - len(received)
             )
-            await msg.respond(reply.SerializeToString())
 
-        await nc.subscribe(subjects.owner_changed(queue), cb=on_owner)
-        await nc.subscribe(subjects.dispatch(gateway), cb=on_dispatch)
+        await bus.subscribe_owner_changed(owner_changes.append, queue=queue)
+        await bus.serve_dispatch(gateway, on_dispatch)
         register = cluster_pb2.Register(gateway=gateway, queue=queue, capacity=5, weight=1)
 
         async def claimed() -> bool:
             # Keep announcing until the process is up and has claimed the queue.
-            await nc.publish(subjects.register(queue), register.SerializeToString())
+            await bus.publish(register)
             await nc.flush()
             return len(owner_changes) > 0
 
@@ -77,7 +73,7 @@ async def test_dispatcher_process_dispatches_and_hands_over_on_sigterm(
         await migrate(fresh_pg_dsn)
         broker = await PostgresBroker.connect(fresh_pg_dsn, max_size=2)
         task = (await broker.enqueue(NewTask(queue=queue, type="t"))).task
-        await nc.publish(subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString())
+        await bus.publish(cluster_pb2.Wake(queue=queue))
         await wait_until(lambda: received == [task.id])
 
         claims = len(owner_changes)

@@ -20,6 +20,7 @@ from conveyor_broker.postgres import PostgresBroker, upkeep
 from conveyor_broker.types import LEASE_EXPIRED_ERROR, AckItem, NewTask, StorageUpkeep, TaskState
 from conveyor_maintenance import REAPER, SCHEDULER, STORAGE, Maintenance
 from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
@@ -30,7 +31,8 @@ TIMEOUT = 10.0
 
 
 class WakeLog:
-    """Every Wake published under a prefix, by queue."""
+    """Every Wake published under a prefix, by queue, read straight off NATS (so the
+    subject is checked against the message too)."""
 
     def __init__(self) -> None:
         self.queues: list[str] = []
@@ -326,7 +328,7 @@ async def test_a_promote_hint_runs_the_scheduler_at_once(
     await wait_until(lambda: m.passes[SCHEDULER] >= 1)
     passes = m.passes[SCHEDULER]
     clock.advance(timedelta(seconds=5))
-    await nc.publish(subjects.promote(), b"")
+    await Bus(nc, subjects).publish_promote()
     await wait_until(lambda: wakes.count("hinted") >= 1)
     assert (await broker.get_task(task.id)).state is TaskState.PENDING
     assert m.passes[SCHEDULER] == passes + 1

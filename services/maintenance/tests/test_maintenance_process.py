@@ -12,11 +12,11 @@ import pytest
 from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_broker.types import NewTask
 from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.polling import wait_until
-from nats.aio.msg import Msg
 
 pytestmark = pytest.mark.postgres
 
@@ -29,11 +29,7 @@ async def test_maintenance_process_wakes_due_queues_and_stops_on_sigterm(
     broker = await PostgresBroker.connect(fresh_pg_dsn, max_size=2)
     nc = await connect_nats(nats_url, name="process-test")
     woken: list[str] = []
-
-    async def on_wake(msg: Msg) -> None:
-        woken.append(cluster_pb2.Wake.FromString(msg.data).queue)
-
-    await nc.subscribe(subjects.queue_wildcard("wake"), cb=on_wake)
+    await Bus(nc, subjects).subscribe(cluster_pb2.Wake, lambda wake: woken.append(wake.queue))
     await nc.flush()
     # Due work nobody announced: the reaper's sweep must find it.
     await broker.enqueue(NewTask(queue="forgotten", type="t"))

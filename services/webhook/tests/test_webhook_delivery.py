@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from conveyor_protos.v1 import service_pb2, task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from conveyor_runtime.webhook_auth import LeaseClaims, verify_delivery, verify_lease_token
 from conveyor_webhook.delivery import (
     DELIVERY_HEADER,
@@ -43,7 +43,7 @@ def envelope(**fields: object) -> task_pb2.TaskEnvelope:
         lease_id=LEASE,
         attempt=2,
         max_retry=7,
-        lease_expires_at=codec.timestamp(EXPIRES),
+        lease_expires_at=wire.timestamp(EXPIRES),
     )
     for name, value in fields.items():
         getattr(env, name).CopyFrom(value)
@@ -95,7 +95,7 @@ def test_the_lease_token_names_the_delivery_and_verifies_with_the_secret() -> No
 def test_a_deadline_is_an_rfc3339_utc_timestamp() -> None:
     deadline = datetime(2030, 1, 2, 3, 4, 5, 600000, tzinfo=UTC)
     body, _ = delivery_body(
-        envelope(deadline=codec.timestamp(deadline)), worker="w", secret="s", callback=""
+        envelope(deadline=wire.timestamp(deadline)), worker="w", secret="s", callback=""
     )
     assert json.loads(body)["params"]["deadline"] == "2030-01-02T03:04:05.600000Z"
     assert rfc3339(datetime(2030, 1, 1, 1, tzinfo=UTC) + timedelta(hours=1)).endswith("02:00:00Z")
@@ -213,7 +213,7 @@ def test_as_result_maps_answers_to_stream_results() -> None:
     assert (result.task_id, result.lease_id) == (TASK, LEASE)
     assert result.outcome == service_pb2.OUTCOME_FAILURE
     assert result.error == "later"
-    assert codec.from_duration(result.retry_after) == timedelta(seconds=90)
+    assert wire.from_duration(result.retry_after) == timedelta(seconds=90)
 
     no_delay = as_result(Finished(service_pb2.OUTCOME_FAILURE, error="x"), TASK, LEASE)
     assert not no_delay.HasField("retry_after")

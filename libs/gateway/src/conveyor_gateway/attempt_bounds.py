@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 
 from conveyor_broker.clock import Clock
 from conveyor_protos.v1 import task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 
 #: last_error prefix of a task archived because its deadline passed.
 DEADLINE_EXCEEDED_ERROR = "deadline exceeded"
@@ -82,8 +82,8 @@ def deadline_error(error: str) -> str:
 
 def envelope_bounds(env: task_pb2.TaskEnvelope) -> tuple[timedelta | None, datetime | None]:
     """The (per-attempt timeout, deadline) a delivery carries; None where unset."""
-    timeout = codec.from_duration(env.timeout) if env.HasField("timeout") else None
-    deadline = codec.from_timestamp(env.deadline) if env.HasField("deadline") else None
+    timeout = wire.from_duration(env.timeout) if env.HasField("timeout") else None
+    deadline = wire.from_timestamp(env.deadline) if env.HasField("deadline") else None
     return timeout, deadline
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from conveyor_broker import AckItem, Broker, LeaseLost, Task, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from conveyor_runtime.subjects import Subjects
 from nats.aio.client import Client as NATS
 
@@ -434,5 +434,5 @@ class Gateway:
             concurrency=self.spec.concurrency,
             in_flight=len(self._held),
             labels=dict(self.spec.labels),
-            connected_at=codec.timestamp(self.connected_at),
+            connected_at=wire.timestamp(self.connected_at),
         )

@@ -21,7 +21,7 @@ from datetime import timedelta
 
 from conveyor_broker import AckItem, Broker, LeaseLost, TaskNotFound, TaskState
 from conveyor_protos.v1 import service_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 
 from conveyor_gateway.attempt_bounds import (
     DEADLINE_EXCEEDED_ERROR,
@@ -184,7 +184,7 @@ class Outcomes:
     def _retry_delay(self, held: Held, result: service_pb2.Result) -> timedelta:
         if result.HasField("retry_after"):
             try:
-                requested: timedelta | None = codec.from_duration(result.retry_after)
+                requested: timedelta | None = wire.from_duration(result.retry_after)
             except (ValueError, OverflowError):
                 requested = None
             if requested is not None and requested >= timedelta(0):

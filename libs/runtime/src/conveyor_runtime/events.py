@@ -9,12 +9,12 @@ Events cost every process CPU per task, so by default they are published on dema
 an :class:`EventGate` attaches the publisher to the broker only while someone has
 announced on ``<prefix>.watch`` within :data:`WATCH_TTL` seconds. A watcher announces
 itself before it reads and every :data:`WATCH_REANNOUNCE` seconds while it reads
-(:func:`announce_watch`); the api's WatchEvents does. Events that happen in a process
-before the first announcement reaches it are not published (the stream is live, not a
-log).
+(:meth:`conveyor_runtime.bus.Bus.publish_watch`); the api's WatchEvents does. Events
+that happen in a process before the first announcement reaches it are not published (the
+stream is live, not a log).
 
 Each message carries a run of consecutive events of one queue and state (see
-:func:`~conveyor_runtime.codec.encode_events`): a broker call's rows share both, so a
+:func:`~conveyor_runtime.wire.encode_events`): a broker call's rows share both, so a
 batch of a hundred acks costs one publish, not a hundred, and watchers still see every
 event in the order this process emitted them.
 """
@@ -29,12 +29,9 @@ from collections import deque
 
 from conveyor_broker.interface import Broker
 from conveyor_broker.types import TaskEvent
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from conveyor_runtime.codec import encode_events, event_state_token
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.bus import Bus
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +50,10 @@ class EventPublisher:
     Call it from the event loop's thread; calls from other threads are handed over to it.
     """
 
-    def __init__(self, nc: NatsClient, subjects: Subjects, *, max_buffered: int = 100_000) -> None:
+    def __init__(self, bus: Bus, *, max_buffered: int = 100_000) -> None:
         if max_buffered < 1:
             raise ValueError("max_buffered must be >= 1")
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._buffer: deque[TaskEvent] = deque()
         self._max = max_buffered
         self._wakeup = asyncio.Event()
@@ -122,9 +118,8 @@ class EventPublisher:
             ):
                 run += 1
             events = [buffer.popleft() for _ in range(run)]
-            subject = self._subjects.events(first.queue, event_state_token(first.state))
             try:
-                await self._nc.publish(subject, encode_events(events))
+                await self._bus.publish_events(events)
             except BaseException:
                 buffer.extendleft(reversed(events))  # retried on the next pass
                 raise
@@ -146,31 +141,25 @@ class EventPublisher:
                 self._wakeup.set()
 
 
-async def announce_watch(nc: NatsClient, subjects: Subjects) -> None:
-    """Tell every process that someone watches events now (see :class:`EventGate`)."""
-    await nc.publish(subjects.watch(), b"")
-
-
 class EventGate:
     """Attaches ``publisher`` to ``broker`` while someone watches events.
 
-    Each announcement on ``subjects.watch()`` keeps the sink attached for ``ttl`` seconds
-    more; without announcements the broker has no sink, and builds no events at all.
+    Each announcement (:meth:`conveyor_runtime.bus.Bus.publish_watch`) keeps the sink
+    attached for ``ttl`` seconds more; without announcements the broker has no sink, and
+    builds no events at all.
     """
 
     def __init__(
         self,
         broker: Broker,
         publisher: EventPublisher,
-        nc: NatsClient,
-        subjects: Subjects,
+        bus: Bus,
         *,
         ttl: float = WATCH_TTL,
     ) -> None:
         self._broker = broker
         self._publisher = publisher
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._ttl = ttl
         self._sub: Subscription | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -183,10 +172,7 @@ class EventGate:
     async def start(self) -> None:
         """Listen for announcements."""
         if self._sub is None:
-            self._sub = await self._nc.subscribe(self._subjects.watch(), cb=self._on_watch)
-
-    async def _on_watch(self, msg: Msg) -> None:
-        self.keep_open()
+            self._sub = await self._bus.subscribe_watch(self.keep_open)
 
     def keep_open(self) -> None:
         """Publish events for ``ttl`` seconds from now (also for in-process watchers)."""

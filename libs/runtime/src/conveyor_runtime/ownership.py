@@ -1,4 +1,4 @@
-"""Ownership through a JetStream key-value bucket whose entries expire (DESIGN.md, Ownership).
+"""Ownership through a JetStream key-value bucket whose entries expire.
 
 A key (a queue name, or a singleton role) is owned by whoever created it last. The owner
 claims it with a create (which fails while anyone holds it), keeps it with a

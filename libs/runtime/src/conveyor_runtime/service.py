@@ -34,6 +34,7 @@ from pydantic import ValidationError
 
 from conveyor_runtime import health
 from conveyor_runtime.broker_factory import open_broker
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.events import EventGate, EventPublisher
 from conveyor_runtime.logging import configure_logging
 from conveyor_runtime.nats_connect import close_nats, connect_nats
@@ -49,13 +50,15 @@ ServiceMain = Callable[[S, asyncio.Event], Coroutine[Any, Any, None]]
 
 @dataclass(frozen=True, slots=True)
 class Runtime:
-    """What a service process works with: its broker, clock, NATS connection and subjects."""
+    """What a service process works with: its broker, clock, NATS connection, subjects
+    and the bus over them."""
 
     settings: CommonSettings
     broker: Broker
     nc: NatsClient
     clock: Clock
     subjects: Subjects
+    bus: Bus
     events: EventPublisher | None
     #: Attaches ``events`` to the broker while someone watches (``events = on_demand``).
     gate: EventGate | None = None
@@ -81,7 +84,8 @@ async def open_runtime(
     broker = await open_broker(settings, clock)
     try:
         nc = await connect_nats(settings.nats_url, name=f"{name}-{settings.instance_id}")
-        events = EventPublisher(nc, subjects) if publish_events else None
+        bus = Bus(nc, subjects)
+        events = EventPublisher(bus) if publish_events else None
         gate: EventGate | None = None
         try:
             if events is not None:
@@ -89,7 +93,7 @@ async def open_runtime(
                 if settings.events == "always":
                     broker.set_event_sink(events)
                 else:
-                    gate = EventGate(broker, events, nc, subjects)
+                    gate = EventGate(broker, events, bus)
                     await gate.start()
             beat = (
                 asyncio.create_task(health.beat(settings.health_file, nc, broker))
@@ -97,7 +101,7 @@ async def open_runtime(
                 else None
             )
             try:
-                yield Runtime(settings, broker, nc, clock, subjects, events, gate)
+                yield Runtime(settings, broker, nc, clock, subjects, bus, events, gate)
             finally:
                 if beat is not None:
                     beat.cancel()

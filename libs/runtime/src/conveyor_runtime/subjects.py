@@ -1,9 +1,11 @@
-"""The NATS subjects services coordinate over (DESIGN.md, "NATS subjects").
+"""The NATS subjects services coordinate over.
 
 Every message on them is a hint: losing one may delay work, never lose or duplicate it.
-Payloads are the protobuf messages of ``conveyor_protos.v1.cluster_pb2`` (and
-``service_pb2.TaskEvent`` for events, several to a message: see
-:func:`conveyor_runtime.codec.encode_events`).
+Payloads are the protobuf messages of ``conveyor_protos.v1.cluster_pb2`` (the messages of
+``protos/conveyor/v1/cluster.proto``), and ``service_pb2.TaskEvent`` for events, several
+to a message (see :func:`conveyor_runtime.wire.encode_events`). Services send and
+receive them through :class:`conveyor_runtime.bus.Bus`, which knows which message goes on
+which subject; this module only spells the subjects.
 """
 
 from __future__ import annotations

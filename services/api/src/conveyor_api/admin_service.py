@@ -15,12 +15,9 @@ from conveyor_broker import (
     Broker,
     BrokerError,
     InvalidTask,
-    QueueStats,
     Task,
     TaskListParams,
     TaskState,
-    WebhookWorker,
-    WebhookWorkerSpec,
 )
 from conveyor_broker.clock import Clock
 from conveyor_broker.types import CANCELED_WHILE_RUNNING_ERROR
@@ -28,26 +25,15 @@ from conveyor_broker.validation import (
     check_queue,
     check_task_id,
     check_webhook_name,
-    check_webhook_worker,
 )
 from conveyor_gateway import WakePublisher
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
-from conveyor_runtime.codec import (
-    decode_events,
-    duration,
-    from_duration,
-    from_timestamp,
-    set_timestamp,
-    task_to_proto,
-)
-from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate, announce_watch
-from conveyor_runtime.subjects import Subjects
-from google.protobuf.message import DecodeError
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
+from conveyor_runtime import wire
+from conveyor_runtime.bus import Bus, Published
+from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate
+from nats.aio.subscription import Subscription
 
 from conveyor_api.broker_status import abort_for_error
-from conveyor_api.convert import state_filter
 from conveyor_api.session import SessionRegistry
 
 logger = logging.getLogger(__name__)
@@ -82,60 +68,6 @@ NOT_YET_IMPLEMENTED = (
 )
 
 
-#: What an UpsertWebhookWorker that leaves a field unset (zero) gets.
-DEFAULT_WEBHOOK_SPEC = WebhookWorkerSpec(name="", url="", queues={})
-
-
-def webhook_worker_to_proto(worker: WebhookWorker) -> service_pb2.WebhookWorker:
-    """A stored registration as the wire message, WITHOUT its secrets (write-only)."""
-    message = service_pb2.WebhookWorker(
-        name=worker.name,
-        url=worker.url,
-        queues=dict(worker.queues),
-        concurrency=worker.concurrency,
-        timeout=duration(worker.timeout),
-        paused=worker.paused,
-    )
-    set_timestamp(message.created_at, worker.created_at)
-    set_timestamp(message.updated_at, worker.updated_at)
-    return message
-
-
-def webhook_spec_from_proto(message: service_pb2.WebhookWorker) -> WebhookWorkerSpec:
-    """An operator's registration as the broker's spec, checked.
-
-    ``concurrency`` 0 and an unset ``timeout`` take the defaults (10, 30 s); no secrets
-    keeps the stored ones. Raises InvalidTask describing the first problem.
-    """
-    check_webhook_name(message.name)
-    timeout = DEFAULT_WEBHOOK_SPEC.timeout
-    if message.HasField("timeout"):
-        try:
-            timeout = from_duration(message.timeout)
-        except (ValueError, OverflowError) as exc:
-            raise InvalidTask(f"invalid webhook timeout: {exc}") from None
-    spec = WebhookWorkerSpec(
-        name=message.name,
-        url=message.url,
-        queues=dict(message.queues),
-        concurrency=message.concurrency or DEFAULT_WEBHOOK_SPEC.concurrency,
-        timeout=timeout,
-        paused=message.paused,
-        secrets=tuple(message.secrets),
-    )
-    check_webhook_worker(spec)
-    return spec
-
-
-def stats_to_proto(stats: QueueStats) -> service_pb2.QueueStats:
-    """Broker queue stats as the wire message (counts keyed by state name)."""
-    return service_pb2.QueueStats(
-        queue=stats.queue,
-        paused=stats.paused,
-        counts={state.value: stats.count(state) for state in TaskState},
-    )
-
-
 class AdminService(service_pb2_grpc.AdminServiceServicer):
     """Operator API. Mutations are refused by the read-only interceptor when configured."""
 
@@ -143,8 +75,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         self,
         *,
         broker: Broker,
-        nc: NATS,
-        subjects: Subjects,
+        bus: Bus,
         wakes: WakePublisher,
         registry: SessionRegistry,
         server_version: str,
@@ -154,12 +85,11 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         self._broker = broker
         self._clock = clock
         self._event_gate = event_gate
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._wakes = wakes
         self._registry = registry
         self._server_version = server_version
-        self._watchers: set[asyncio.Queue[bytes | None]] = set()
+        self._watchers: set[asyncio.Queue[list[service_pb2.TaskEvent] | None]] = set()
 
     def end_watches(self) -> None:
         """End every WatchEvents stream (OK status), so a server stop need not wait."""
@@ -182,7 +112,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             task = await self._broker.get_task(request.id)
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.GetTaskResponse(task=task_to_proto(task))
+        return service_pb2.GetTaskResponse(task=wire.task_to_proto(task))
 
     async def ListTasks(
         self, request: service_pb2.ListTasksRequest, context: _Context
@@ -194,7 +124,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             page = await self._broker.list_tasks(
                 TaskListParams(
                     queue=request.queue or None,
-                    state=state_filter(request.state),
+                    state=wire.state_filter(request.state),
                     limit=request.limit or 100,
                     cursor=request.cursor or None,
                 )
@@ -202,7 +132,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         except Exception as exc:
             await abort_for_error(context, exc)
         return service_pb2.ListTasksResponse(
-            tasks=[task_to_proto(t) for t in page.tasks], next_cursor=page.next_cursor or ""
+            tasks=[wire.task_to_proto(t) for t in page.tasks], next_cursor=page.next_cursor or ""
         )
 
     async def ListQueues(
@@ -213,7 +143,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             stats = await self._broker.queue_stats()
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.ListQueuesResponse(queues=[stats_to_proto(s) for s in stats])
+        return service_pb2.ListQueuesResponse(queues=[wire.stats_to_proto(s) for s in stats])
 
     async def GetQueueStats(
         self, request: service_pb2.GetQueueStatsRequest, context: _Context
@@ -224,7 +154,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             stats = await self._broker.queue_stats(request.queue)
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.GetQueueStatsResponse(stats=stats_to_proto(stats[0]))
+        return service_pb2.GetQueueStatsResponse(stats=wire.stats_to_proto(stats[0]))
 
     async def GetClusterInfo(
         self, request: service_pb2.GetClusterInfoRequest, context: _Context
@@ -249,37 +179,35 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             for queue in request.queues:
                 check_queue(queue)
             for state in request.states:
-                state_filter(state)
+                wire.state_filter(state)
         except InvalidTask as exc:
             await abort_for_error(context, exc)
         wanted_states = set(request.states)
-        inbox: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=_WATCH_BACKLOG)
+        inbox: asyncio.Queue[list[service_pb2.TaskEvent] | None] = asyncio.Queue(
+            maxsize=_WATCH_BACKLOG
+        )
 
-        async def on_event(msg: Msg) -> None:
+        def on_events(events: list[service_pb2.TaskEvent]) -> None:
             try:
-                inbox.put_nowait(msg.data)
+                inbox.put_nowait(events)
             except asyncio.QueueFull:
                 logger.warning("watch_events.dropped reason=backlog_full")
 
-        subjects = [self._subjects.events(q, "*") for q in sorted(set(request.queues))] or [
-            self._subjects.events_wildcard()
-        ]
-        subs = [await self._nc.subscribe(s, cb=on_event) for s in subjects]
+        subs: list[Subscription] = []
+        for queue in sorted(set(request.queues)):
+            subs.append(await self._bus.subscribe_events(on_events, queue=queue))
+        if not subs:
+            subs.append(await self._bus.subscribe_events(on_events))
         self._watchers.add(inbox)
         await self._announce_watch()  # before the first event could matter to the caller
         announcer = asyncio.get_running_loop().create_task(self._keep_announcing())
         try:
-            await self._nc.flush()
+            await self._bus.nc.flush()
             await context.send_initial_metadata(())
             while True:
-                data = await inbox.get()
-                if data is None:
+                events = await inbox.get()
+                if events is None:
                     return
-                try:
-                    events = decode_events(data)
-                except DecodeError:
-                    logger.warning("watch_events.bad_event")
-                    continue
                 for event in events:
                     if not wanted_states or event.state in wanted_states:
                         yield event
@@ -298,7 +226,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         if self._event_gate is not None:
             self._event_gate.keep_open()  # this process: at once, no round trip
         try:
-            await announce_watch(self._nc, self._subjects)
+            await self._bus.publish_watch()
         except Exception as exc:
             logger.warning("watch_events.announce_failed error=%r", exc)
 
@@ -316,8 +244,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         except Exception as exc:
             await abort_for_error(context, exc)
         reason = "paused" if paused else "resumed"
-        body = cluster_pb2.Control(queue=queue, reason=reason).SerializeToString()
-        await self._publish(self._subjects.control(queue), body)
+        await self._publish(cluster_pb2.Control(queue=queue, reason=reason))
         logger.info("admin.queue_%s queue=%s", reason, queue)
 
     async def PauseQueue(
@@ -336,12 +263,12 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
 
     # ---------------------------------------------------------- task actions
 
-    async def _publish(self, subject: str, body: bytes) -> None:
+    async def _publish(self, message: Published) -> None:
         # Hints only: the broker write already happened, so a lost publish just delays.
         try:
-            await self._nc.publish(subject, body)
+            await self._bus.publish(message)
         except Exception as exc:
-            logger.warning("admin.publish_failed subject=%s error=%r", subject, exc)
+            logger.warning("admin.publish_failed message=%s error=%r", type(message).__name__, exc)
 
     async def _act(
         self, action: int, task_id: str, process_at: datetime | None = None
@@ -353,10 +280,11 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             task = await broker.cancel_task(task_id)
             if task.state is TaskState.ARCHIVED and task.last_error == CANCELED_WHILE_RUNNING_ERROR:
                 # It was running: its gateway (wherever it is) tells the worker to stop.
-                body = cluster_pb2.CancelBroadcast(
-                    task_id=task_id, reason=CANCELED_WHILE_RUNNING_ERROR
-                ).SerializeToString()
-                await self._publish(self._subjects.cancel(), body)
+                await self._publish(
+                    cluster_pb2.CancelBroadcast(
+                        task_id=task_id, reason=CANCELED_WHILE_RUNNING_ERROR
+                    )
+                )
             return task
         if action == service_pb2.TASK_ACTION_DELETE:
             await broker.delete_task(task_id)
@@ -386,7 +314,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         logger.info("admin.task_action action=%s task=%s", _action_name(action), task_id)
         if task is None:
             return service_pb2.TaskActionResponse()
-        return service_pb2.TaskActionResponse(task=task_to_proto(task))
+        return service_pb2.TaskActionResponse(task=wire.task_to_proto(task))
 
     async def CancelTask(
         self, request: service_pb2.TaskActionRequest, context: _Context
@@ -424,7 +352,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         """Move a waiting task to ``process_at``."""
         if not request.HasField("process_at"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "process_at is required")
-        when = from_timestamp(request.process_at)
+        when = wire.from_timestamp(request.process_at)
         return await self._single(service_pb2.TASK_ACTION_RESCHEDULE, request.id, context, when)
 
     async def BatchTaskAction(
@@ -467,7 +395,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         try:
             if not request.HasField("worker"):
                 raise InvalidTask("worker is required")
-            spec = webhook_spec_from_proto(request.worker)
+            spec = wire.webhook_spec_from_proto(request.worker)
             worker = await self._broker.upsert_webhook_worker(spec)
         except Exception as exc:
             await abort_for_error(context, exc)
@@ -479,7 +407,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             worker.paused,
             len(worker.secrets),
         )
-        return service_pb2.UpsertWebhookWorkerResponse(worker=webhook_worker_to_proto(worker))
+        return service_pb2.UpsertWebhookWorkerResponse(worker=wire.webhook_worker_to_proto(worker))
 
     async def GetWebhookWorker(
         self, request: service_pb2.GetWebhookWorkerRequest, context: _Context
@@ -490,7 +418,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             worker = await self._broker.get_webhook_worker(request.name)
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.GetWebhookWorkerResponse(worker=webhook_worker_to_proto(worker))
+        return service_pb2.GetWebhookWorkerResponse(worker=wire.webhook_worker_to_proto(worker))
 
     async def ListWebhookWorkers(
         self, request: service_pb2.ListWebhookWorkersRequest, context: _Context
@@ -501,7 +429,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         except Exception as exc:
             await abort_for_error(context, exc)
         return service_pb2.ListWebhookWorkersResponse(
-            workers=[webhook_worker_to_proto(w) for w in workers]
+            workers=[wire.webhook_worker_to_proto(w) for w in workers]
         )
 
     async def SetWebhookWorkerPaused(
@@ -538,7 +466,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         if action == service_pb2.TASK_ACTION_RESCHEDULE:
             if not request.HasField("process_at"):
                 raise InvalidTask("RESCHEDULE needs process_at")
-            process_at = from_timestamp(request.process_at)
+            process_at = wire.from_timestamp(request.process_at)
         selector = request.selector
         if selector.ids:
             if selector.queue or selector.state:
@@ -553,7 +481,9 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         check_queue(selector.queue)
         page = await self._broker.list_tasks(
             TaskListParams(
-                queue=selector.queue, state=state_filter(selector.state), limit=MAX_BATCH_ACTION
+                queue=selector.queue,
+                state=wire.state_filter(selector.state),
+                limit=MAX_BATCH_ACTION,
             )
         )
         return [t.id for t in page.tasks], process_at

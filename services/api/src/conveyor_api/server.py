@@ -19,18 +19,17 @@ from conveyor_gateway import (
     WorkerSpec,
 )
 from conveyor_protos.v1 import cluster_pb2, service_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.events import EventGate
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tracing import tracing_enabled
-from google.protobuf.message import DecodeError
+from conveyor_runtime.wire import DISPATCH_OVERHEAD, TaskDefaults
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from conveyor_api.admin_service import AdminService
 from conveyor_api.auth import BearerAuthInterceptor, ReadOnlyInterceptor
-from conveyor_api.convert import DISPATCH_OVERHEAD, TaskDefaults
 from conveyor_api.decoding import add_service
 from conveyor_api.semver import parse_version
 from conveyor_api.session import HELLO_TIMEOUT, FrameWriter, SessionRegistry, WorkerService
@@ -93,6 +92,7 @@ class ApiServer:
         self.nc = nc
         self.clock: Clock = clock or SystemClock()
         self.subjects = Subjects(settings.subject_prefix)
+        self.bus = Bus(nc, self.subjects)
         self.port = 0
         self.registry = SessionRegistry()
         self.wakes = WakePublisher(nc, self.subjects)
@@ -189,8 +189,7 @@ class ApiServer:
         )
         self._admin = AdminService(
             broker=self.broker,
-            nc=self.nc,
-            subjects=self.subjects,
+            bus=self.bus,
             wakes=self.wakes,
             registry=self.registry,
             server_version=__version__,
@@ -201,18 +200,13 @@ class ApiServer:
         add_service(
             server,
             _SERVICES["WebhookService"],
-            WebhookService(
-                broker=self.broker,
-                nc=self.nc,
-                subjects=self.subjects,
-                max_result=settings.max_result,
-            ),
+            WebhookService(broker=self.broker, bus=self.bus, max_result=settings.max_result),
         )
         self.port = server.add_insecure_port(f"{settings.host}:{settings.port}")
         if self.port == 0:
             raise OSError(f"could not bind {settings.host}:{settings.port}")
-        self._cancel_sub = await self.nc.subscribe(
-            self.subjects.cancel(), cb=self._on_cancel_broadcast
+        self._cancel_sub = await self.bus.subscribe(
+            cluster_pb2.CancelBroadcast, self._on_cancel_broadcast
         )
         await self.nc.flush()
         await server.start()
@@ -226,13 +220,8 @@ class ApiServer:
             settings.read_only,
         )
 
-    async def _on_cancel_broadcast(self, msg: Msg) -> None:
+    def _on_cancel_broadcast(self, request: cluster_pb2.CancelBroadcast) -> None:
         # One subscription per process, routed here, rather than one per session.
-        try:
-            request = cluster_pb2.CancelBroadcast.FromString(msg.data)
-        except DecodeError:
-            logger.warning("api.bad_cancel_broadcast")
-            return
         if request.task_id:
             self.registry.cancel_task(request.task_id, request.reason or DEFAULT_CANCEL_REASON)
 

@@ -35,7 +35,7 @@ from conveyor_broker.ids import new_id
 from conveyor_broker.validation import check_queue
 from conveyor_gateway import Gateway, GatewayConfig, WorkerSpec
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
-from conveyor_runtime.codec import duration
+from conveyor_runtime.wire import duration
 
 from conveyor_api.decoding import Undecodable, malformed_message
 from conveyor_api.semver import at_least

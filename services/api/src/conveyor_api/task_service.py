@@ -21,10 +21,9 @@ from conveyor_broker.clock import Clock
 from conveyor_broker.validation import check_task_id
 from conveyor_gateway import EnqueueCommitter, WakePublisher
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc
-from conveyor_runtime.codec import task_to_proto
+from conveyor_runtime.wire import TaskDefaults, new_task_from_request, task_to_proto
 
 from conveyor_api.broker_status import abort_for_error, status_code_of
-from conveyor_api.convert import TaskDefaults, new_task_from_request
 
 logger = logging.getLogger(__name__)
 

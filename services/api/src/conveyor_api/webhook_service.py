@@ -11,7 +11,7 @@ which checks the lease). The gateway's reply becomes the call's status.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -19,8 +19,8 @@ from conveyor_broker import Broker, InvalidTask, WebhookWorkerNotFound
 from conveyor_broker.validation import check_webhook_name
 from conveyor_gateway.outcomes import BROKER_UNAVAILABLE, FINAL_OUTCOMES
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
-from conveyor_runtime.codec import set_timestamp
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime import wire
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.webhook_auth import (
     InvalidToken,
     LeaseClaims,
@@ -29,7 +29,6 @@ from conveyor_runtime.webhook_auth import (
 )
 from google.protobuf.message import DecodeError
 from nats import errors as nats_errors
-from nats.aio.client import Client as NATS
 
 from conveyor_api.broker_status import abort_for_error
 
@@ -62,14 +61,12 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         self,
         *,
         broker: Broker,
-        nc: NATS,
-        subjects: Subjects,
+        bus: Bus,
         max_result: int,
         timeout: float = CALLBACK_TIMEOUT,
     ) -> None:
         self._broker = broker
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._max_result = max_result
         self._timeout = timeout
 
@@ -83,14 +80,9 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"progress is {len(request.progress)} bytes; the limit is {self._max_result}",
             )
-        callback = _callback(claims)
-        callback.heartbeat.progress = request.progress
+        callback = wire.webhook_heartbeat(claims, request.progress)
         reply = await self._route(claims, callback, context)
-        response = service_pb2.WebhookHeartbeatResponse()
-        if reply.lease_expires_at > 0:
-            expires = datetime.fromtimestamp(reply.lease_expires_at, UTC)
-            set_timestamp(response.lease_expires_at, expires)
-        return response
+        return wire.heartbeat_response(reply)
 
     async def ReportResult(
         self, request: service_pb2.WebhookReportResultRequest, context: _Context
@@ -101,18 +93,7 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         problem = _check_result(request, self._max_result)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        callback = _callback(claims)
-        outcome = callback.result
-        outcome.outcome = request.outcome
-        outcome.result = request.result
-        outcome.error = request.error
-        retry_after = request.retry_after
-        outcome.retry_after = (
-            retry_after.seconds + retry_after.nanos / _NANOS
-            if request.HasField("retry_after")
-            else -1.0
-        )
-        await self._route(claims, callback, context)
+        await self._route(claims, wire.webhook_result(claims, request), context)
         return service_pb2.WebhookReportResultResponse()
 
     async def _authenticate(self, token: str, context: _Context) -> LeaseClaims:
@@ -133,10 +114,8 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         self, claims: LeaseClaims, callback: cluster_pb2.WebhookCallback, context: _Context
     ) -> cluster_pb2.WebhookCallbackReply:
         """Ask the worker's gateway to apply ``callback``; its reply as a status."""
-        subject = self._subjects.webhook_callback(claims.worker)
-        body = callback.SerializeToString()
         try:
-            msg = await self._nc.request(subject, body, timeout=self._timeout)
+            reply = await self._bus.webhook_callback(callback, within=self._timeout)
         except (nats_errors.NoRespondersError, nats_errors.TimeoutError):
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -145,7 +124,8 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         except nats_errors.MaxPayloadError:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the callback is {len(body)} bytes, more than the cluster's message limit",
+                f"the callback is {callback.ByteSize()} bytes, more than the cluster's "
+                "message limit",
             )
         except nats_errors.Error as exc:
             logger.warning("webhook.callback_route_failed worker=%s error=%r", claims.worker, exc)
@@ -153,8 +133,6 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"cannot reach webhook worker {claims.worker}: {type(exc).__name__}; retry",
             )
-        try:
-            reply = _Reply.FromString(msg.data)
         except DecodeError:
             logger.warning("webhook.bad_callback_reply worker=%s", claims.worker)
             await context.abort(grpc.StatusCode.INTERNAL, "malformed reply from the webhook worker")
@@ -177,15 +155,6 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         await context.abort(
             grpc.StatusCode.INTERNAL, f"unknown reply status {reply.status} from the webhook worker"
         )
-
-
-def _callback(claims: LeaseClaims) -> cluster_pb2.WebhookCallback:
-    return cluster_pb2.WebhookCallback(
-        worker=claims.worker,
-        task_id=claims.task_id,
-        lease_id=claims.lease_id,
-        queue=claims.queue,
-    )
 
 
 def _check_result(request: service_pb2.WebhookReportResultRequest, max_result: int) -> str | None:

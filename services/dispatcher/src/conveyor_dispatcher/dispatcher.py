@@ -18,19 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.validation import check_queue
 from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
-from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from conveyor_dispatcher.leases import LeaseBatcher
@@ -55,6 +54,7 @@ class Dispatcher:
         self.settings = settings
         self.instance_id = settings.instance_id
         self.subjects = Subjects(settings.subject_prefix)
+        self.bus = Bus(nc, self.subjects)
         self._broker = broker
         #: Every owned queue leases through it, so their leases share round trips.
         self.leaser = LeaseBatcher(broker)
@@ -105,16 +105,14 @@ class Dispatcher:
         self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.owner_ttl, self._on_lost)
         await self._keeper.start()
         self._running = True
-        handlers: dict[str, Callable[[Msg], Awaitable[None]]] = {
-            "wake": self._on_wake,
-            "register": self._on_register,
-            "done": self._on_done,
-            "control": self._on_control,
-            "owner": self._on_owner,
-        }
-        for kind, handler in handlers.items():
-            sub = await self._nc.subscribe(self.subjects.queue_wildcard(kind), cb=handler)
-            self._subs.append(sub)
+        bus = self.bus
+        self._subs += [
+            await bus.subscribe(cluster_pb2.Wake, self._on_wake),
+            await bus.subscribe(cluster_pb2.Register, self._on_register),
+            await bus.subscribe(cluster_pb2.Done, self._on_done),
+            await bus.subscribe(cluster_pb2.Control, self._on_control),
+            await bus.subscribe_owner_changed(self._on_owner),
+        ]
         await self._nc.flush()
         self._housekeeper = asyncio.create_task(self._housekeep(), name="dispatcher-housekeeping")
         self._spawn(self._want_due_queues())
@@ -170,72 +168,55 @@ class Dispatcher:
             self._keeper = None
         with contextlib.suppress(Exception):
             for name, _ in queues:
-                await self._nc.publish(self.subjects.owner_changed(name), b"")
+                await self.bus.publish_owner_changed(name)
             await self._nc.flush()
         logger.info("dispatcher.stopped instance=%s released=%d", self.instance_id, len(queues))
 
     # ------------------------------------------------------------- messages
 
+    # A queue owned or being claimed here was checked when it was wanted, so only the
+    # others are: the check costs more than the rest of a wake's handling.
     @staticmethod
-    def _queue_of(msg: Msg) -> str | None:
-        queue = Subjects.queue_of(msg.subject)
+    def _valid(queue: str) -> bool:
         try:
             check_queue(queue)
         except InvalidTask:
-            logger.debug("dispatcher.bad_queue_subject subject=%s", msg.subject)
-            return None
-        return queue
+            logger.debug("dispatcher.bad_queue queue=%r", queue)
+            return False
+        return True
 
-    async def _on_wake(self, msg: Msg) -> None:
-        queue = self._queue_of(msg)
-        if queue is None:
-            return
+    def _on_wake(self, wake: cluster_pb2.Wake) -> None:
+        queue = wake.queue
         qd = self._queues.get(queue)
         if qd is not None:
             qd.wake()
-        else:
+        elif self._valid(queue):
             self._want(queue, None)
 
-    async def _on_register(self, msg: Msg) -> None:
-        queue = self._queue_of(msg)
-        if queue is None:
-            return
-        try:
-            reg = cluster_pb2.Register.FromString(msg.data)
-        except DecodeError:
-            logger.warning("dispatcher.bad_register queue=%s", queue)
-            return
+    def _on_register(self, reg: cluster_pb2.Register) -> None:
         if not reg.gateway:
             return
+        queue = reg.queue
         qd = self._queues.get(queue)
         if qd is not None:
             qd.register(reg)
         elif queue in self._claiming:
             self._claiming[queue].append(reg)
-        elif not reg.closing:
+        elif not reg.closing and self._valid(queue):
             self._want(queue, reg)
 
-    async def _on_done(self, msg: Msg) -> None:
-        queue = self._queue_of(msg)
-        qd = self._queues.get(queue) if queue else None
-        if qd is None:
-            return
-        try:
-            done = cluster_pb2.Done.FromString(msg.data)
-        except DecodeError:
-            logger.warning("dispatcher.bad_done queue=%s", queue)
-            return
-        qd.done(done)
+    def _on_done(self, done: cluster_pb2.Done) -> None:
+        qd = self._queues.get(done.queue)
+        if qd is not None:
+            qd.done(done)
 
-    async def _on_control(self, msg: Msg) -> None:
-        queue = self._queue_of(msg)
-        qd = self._queues.get(queue) if queue else None
+    def _on_control(self, control: cluster_pb2.Control) -> None:
+        qd = self._queues.get(control.queue)
         if qd is not None:
             self._spawn(self._reload(qd))
 
-    async def _on_owner(self, msg: Msg) -> None:
-        queue = self._queue_of(msg)
-        if queue is not None and queue not in self._queues:
+    def _on_owner(self, queue: str) -> None:
+        if queue not in self._queues and self._valid(queue):
             # The owner changed or left. Try at once: if it left, this claim is the
             # hand-over (whatever order the gateways' re-registrations arrive in); if
             # another instance just claimed, it costs one refused create.
@@ -287,12 +268,7 @@ class Dispatcher:
             self.claims_refused += 1
             return
         qd = QueueDispatcher(
-            queue,
-            broker=self._broker,
-            nc=self._nc,
-            subjects=self.subjects,
-            config=self._config,
-            leaser=self.leaser,
+            queue, broker=self._broker, bus=self.bus, config=self._config, leaser=self.leaser
         )
         try:
             await qd.open()
@@ -314,7 +290,7 @@ class Dispatcher:
             self.instance_id,
             qd.paused,
         )
-        await self._nc.publish(self.subjects.owner_changed(queue), b"")
+        await self.bus.publish_owner_changed(queue)
         qd.wake()
 
     def _on_lost(self, queue: str) -> None:

@@ -1,4 +1,4 @@
-"""QueueDispatcher: the dispatch loop of one owned queue (the spec's QueueGrain).
+"""QueueDispatcher: the dispatch loop of one owned queue.
 
 Its state is rebuilt from the broker (the pause flag) and from gateway registrations; it
 holds nothing durable. Events (wake, register, done, control) arrive from NATS callbacks
@@ -20,10 +20,9 @@ from conveyor_broker.errors import LeaseLost
 from conveyor_broker.interface import Broker
 from conveyor_broker.types import Task
 from conveyor_protos.v1 import cluster_pb2, task_pb2
-from conveyor_runtime.codec import task_to_envelope
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.bus import Bus
+from conveyor_runtime.wire import task_to_envelope
 from google.protobuf.message import DecodeError
-from nats.aio.client import Client as NatsClient
 
 from conveyor_dispatcher.credits import CreditBook
 from conveyor_dispatcher.leases import LeaseBatcher
@@ -56,8 +55,7 @@ class QueueDispatcher:
         queue: str,
         *,
         broker: Broker,
-        nc: NatsClient,
-        subjects: Subjects,
+        bus: Bus,
         config: QueueConfig,
         leaser: LeaseBatcher | None = None,
     ) -> None:
@@ -66,8 +64,7 @@ class QueueDispatcher:
         self._broker = broker
         # Shared by every queue of one dispatcher, so their leases go out together.
         self._leaser = leaser or LeaseBatcher(broker)
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._config = config
         self._paused = False
         self._closed = False
@@ -239,7 +236,7 @@ class QueueDispatcher:
         (accepted, released).
         """
         offer, oversized = fit_offer(
-            [(task, task_to_envelope(task)) for task in tasks], self._nc.max_payload
+            [(task, task_to_envelope(task)) for task in tasks], self._bus.max_payload
         )
         if oversized:
             await self._archive_oversized(oversized)
@@ -267,7 +264,7 @@ class QueueDispatcher:
         PIECE_BYTES (or the NATS server's max_payload, when smaller), one after another,
         while the queue is still dispatched and the gateway still has room.
         """
-        pieces = split_offer(batch, min(PIECE_BYTES, self._nc.max_payload))
+        pieces = split_offer(batch, min(PIECE_BYTES, self._bus.max_payload))
         rejected: list[Task] = []
         for n, piece in enumerate(pieces):
             if n and (self._stopped() or self.book.credits_of(gateway) <= 0):
@@ -292,12 +289,7 @@ class QueueDispatcher:
             tasks=[envelope for _, envelope in piece],
         )
         try:
-            msg = await self._nc.request(
-                self._subjects.dispatch(gateway),
-                request.SerializeToString(),
-                timeout=self._config.dispatch_timeout,
-            )
-            reply = cluster_pb2.DispatchReply.FromString(msg.data)
+            reply = await self._bus.dispatch(gateway, request, within=self._config.dispatch_timeout)
         except nats.errors.NoRespondersError:
             logger.info("dispatcher.gateway_gone queue=%s gateway=%s", self.queue, gateway)
             self.book.forget(gateway)
@@ -326,7 +318,7 @@ class QueueDispatcher:
         for task, size in tasks:
             error = (
                 f"cannot dispatch: the task's envelope is {size} bytes and this cluster's "
-                f"NATS messages carry at most {self._nc.max_payload}; raise the nats-server "
+                f"NATS messages carry at most {self._bus.max_payload}; raise the nats-server "
                 "max_payload (or lower CONVEYOR_MAX_PAYLOAD), then revive the task"
             )
             logger.error(

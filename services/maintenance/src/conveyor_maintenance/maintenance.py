@@ -36,12 +36,12 @@ from conveyor_broker.types import (
     TerminalPurgeParams,
 )
 from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tracing import tracer
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Maintenance:
         self.settings = settings
         self.instance_id = settings.instance_id
         self.subjects = Subjects(settings.subject_prefix)
+        self.bus = Bus(nc, self.subjects)
         self._broker = broker
         self._nc = nc
         # The broker takes "now" from this clock; tick timers are process-local.
@@ -107,7 +108,7 @@ class Maintenance:
         )
         self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
         await self._keeper.start()
-        self._hint_sub = await self._nc.subscribe(self.subjects.promote(), cb=self._on_promote_hint)
+        self._hint_sub = await self.bus.subscribe_promote(self._promote_hint.set)
         self._loops = [
             asyncio.create_task(
                 self._lead(
@@ -148,9 +149,6 @@ class Maintenance:
             await self._keeper.stop(release=True)
             self._keeper = None
         logger.info("maintenance.stopped instance=%s", self.instance_id)
-
-    async def _on_promote_hint(self, _msg: Msg) -> None:
-        self._promote_hint.set()
 
     def _on_lost(self, role: str) -> None:
         logger.warning("maintenance.leadership_lost role=%s instance=%s", role, self.instance_id)
@@ -197,9 +195,7 @@ class Maintenance:
     async def wake(self, queues: Iterable[str]) -> None:
         """Publish a Wake for each queue."""
         for queue in queues:
-            await self._nc.publish(
-                self.subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString()
-            )
+            await self.bus.publish(cluster_pb2.Wake(queue=queue))
 
     async def scheduler_pass(self) -> dict[str, int]:
         """Promote due SCHEDULED tasks and wake their queues; tasks promoted per queue."""

@@ -35,7 +35,7 @@ from conveyor_broker import (
 )
 from conveyor_gateway.outcomes import BROKER_UNAVAILABLE
 from conveyor_protos.v1 import cluster_pb2, service_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
 
@@ -81,7 +81,7 @@ def set_retry_after(
     if seconds is None or not math.isfinite(seconds) or seconds < 0:
         return
     if seconds <= limit.total_seconds():
-        result.retry_after.CopyFrom(codec.duration(timedelta(seconds=seconds)))
+        result.retry_after.CopyFrom(wire.duration(timedelta(seconds=seconds)))
 
 
 def outcome_result(callback: cluster_pb2.WebhookCallback) -> service_pb2.Result:

@@ -13,7 +13,7 @@ import json
 from datetime import UTC, datetime
 
 from conveyor_protos.v1 import task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from conveyor_runtime.webhook_auth import (
     SIGNATURE_HEADER,
     LeaseClaims,
@@ -53,12 +53,12 @@ def delivery_body(
         "max_retry": env.max_retry,
         "lease_token": token,
         "lease_expires_at": (
-            rfc3339(codec.from_timestamp(env.lease_expires_at))
+            rfc3339(wire.from_timestamp(env.lease_expires_at))
             if env.HasField("lease_expires_at")
             else None
         ),
         "deadline": (
-            rfc3339(codec.from_timestamp(env.deadline)) if env.HasField("deadline") else None
+            rfc3339(wire.from_timestamp(env.deadline)) if env.HasField("deadline") else None
         ),
         "callback": callback,
     }

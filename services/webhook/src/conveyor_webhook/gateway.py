@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 from conveyor_broker import LeaseLost, WebhookWorker
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
-from conveyor_runtime import codec
+from conveyor_runtime import wire
 from conveyor_runtime.webhook_auth import sign_delivery
 
 from conveyor_webhook.breaker import CircuitBreaker, Ticket
@@ -419,7 +419,7 @@ class WebhookGateway:
             logger.exception("webhook.park_extend_failed worker=%s task=%s", self.name, env.id)
             # The latest expiry known: the dispatch's, or a heartbeat's since.
             known = [
-                codec.from_timestamp(env.lease_expires_at)
+                wire.from_timestamp(env.lease_expires_at)
                 if env.HasField("lease_expires_at")
                 else self._clock.now()
             ]

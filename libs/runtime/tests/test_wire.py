@@ -1,4 +1,4 @@
-"""Broker model <-> protobuf conversions."""
+"""Broker model <-> protobuf conversions (conveyor_runtime.wire)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conveyor_broker.errors import InvalidTask
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.types import NewTask, OnFailure, TaskEvent, TaskState
 from conveyor_protos.v1 import service_pb2, task_pb2
-from conveyor_runtime.codec import (
+from conveyor_runtime.wire import (
     decode_events,
     encode_events,
     event_from_proto,

@@ -1,4 +1,5 @@
-"""Request conversion for the api: the shared codec plus server defaults and strict checks.
+"""A producer's request as the broker takes it: the task conversion plus the server's
+defaults and strict checks.
 
 Every problem is an ``InvalidTask`` whose message a caller can act on, so the gRPC layer
 maps it straight to INVALID_ARGUMENT.
@@ -10,11 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from conveyor_broker import InvalidTask, NewTask, TaskState
 from conveyor_broker.clock import Clock
+from conveyor_broker.errors import InvalidTask
+from conveyor_broker.types import NewTask, TaskState
 from conveyor_broker.validation import check_new_task
 from conveyor_protos.v1 import task_pb2
-from conveyor_runtime import codec
+
+from conveyor_runtime.wire.tasks import new_task_from_proto, state_from_proto
+from conveyor_runtime.wire.time import from_duration
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +62,9 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
         raise InvalidTask(f"unknown on_failure value {opts.on_failure}")
     now = clock.now()
     try:
-        if opts.HasField("process_in") and codec.from_duration(opts.process_in) < timedelta(0):
-            raise InvalidTask(
-                f"process_in must be >= 0, got {codec.from_duration(opts.process_in)}"
-            )
-        task = codec.new_task_from_proto(
+        if opts.HasField("process_in") and from_duration(opts.process_in) < timedelta(0):
+            raise InvalidTask(f"process_in must be >= 0, got {from_duration(opts.process_in)}")
+        task = new_task_from_proto(
             msg, now, max_retry=defaults.max_retry, retention=defaults.retention
         )
     except InvalidTask:
@@ -104,7 +106,7 @@ def state_filter(value: int) -> TaskState | None:
     """The state a request filters on: None for UNSPECIFIED; InvalidTask when unknown."""
     if value == task_pb2.TASK_STATE_UNSPECIFIED:
         return None
-    state = codec.state_from_proto(value)  # type: ignore[arg-type]
+    state = state_from_proto(value)  # type: ignore[arg-type]
     if state is None:
         raise InvalidTask(f"unknown task state {value}")
     return state

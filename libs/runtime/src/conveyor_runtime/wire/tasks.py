@@ -1,20 +1,19 @@
-"""Conversions between the broker's data model and the protobuf wire messages.
+"""Tasks on the wire: states, options, envelopes, stored tasks and producers' new tasks.
 
-Timestamps and durations travel as ``google.protobuf`` Timestamp/Duration; an unset
-message field means None. Every datetime that comes out of here is timezone-aware UTC.
+The broker's side of each conversion is its data model (``conveyor_broker.types``); the
+checks and server defaults an api applies to a producer's request are in
+:mod:`conveyor_runtime.wire.requests`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from conveyor_broker.errors import InvalidTask
-from conveyor_broker.types import NewTask, OnFailure, Task, TaskEvent, TaskState
-from conveyor_protos.v1 import service_pb2, task_pb2
-from google.protobuf.duration_pb2 import Duration
-from google.protobuf.message import DecodeError
-from google.protobuf.timestamp_pb2 import Timestamp
+from conveyor_broker.types import NewTask, OnFailure, Task, TaskState
+from conveyor_protos.v1 import task_pb2
+
+from conveyor_runtime.wire.time import from_duration, from_timestamp, set_timestamp
 
 _STATE_TO_PROTO: dict[TaskState, task_pb2.TaskState] = {
     TaskState.PENDING: task_pb2.TASK_STATE_PENDING,
@@ -37,7 +36,7 @@ _ON_FAILURE_TO_PROTO: dict[OnFailure, task_pb2.OnFailure] = {
 _ON_FAILURE_FROM_PROTO = {v: k for k, v in _ON_FAILURE_TO_PROTO.items()}
 
 
-# ---------------------------------------------------------------- scalars
+# ------------------------------------------------------------------ states
 
 
 def state_to_proto(state: TaskState | None) -> task_pb2.TaskState:
@@ -58,46 +57,6 @@ def on_failure_to_proto(value: OnFailure) -> task_pb2.OnFailure:
 def on_failure_from_proto(value: task_pb2.OnFailure) -> OnFailure:
     """The OnFailure policy of a proto enum value (UNSPECIFIED means BLOCK)."""
     return _ON_FAILURE_FROM_PROTO.get(value, OnFailure.BLOCK)
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_NAIVE_EPOCH = datetime(1970, 1, 1)
-
-
-def _seconds_nanos(value: datetime) -> tuple[int, int]:
-    # Timestamp.FromDatetime goes through utctimetuple() and calendar.timegm: several
-    # microseconds a call, and the hot path converts a few per task. Integer arithmetic on
-    # the difference from the epoch gives the same fields (a naive value counts as UTC).
-    delta = value - (_NAIVE_EPOCH if value.tzinfo is None else _EPOCH)
-    return delta.days * 86400 + delta.seconds, delta.microseconds * 1000
-
-
-def set_timestamp(field: Timestamp, value: datetime) -> None:
-    """Set a Timestamp field (a message's sub-message) to ``value``."""
-    field.seconds, field.nanos = _seconds_nanos(value)
-
-
-def timestamp(value: datetime) -> Timestamp:
-    """A Timestamp for an aware datetime."""
-    seconds, nanos = _seconds_nanos(value)
-    return Timestamp(seconds=seconds, nanos=nanos)
-
-
-def duration(value: timedelta) -> Duration:
-    """A Duration for a timedelta."""
-    d = Duration()
-    d.FromTimedelta(value)
-    return d
-
-
-def from_timestamp(ts: Timestamp) -> datetime:
-    """An aware UTC datetime for a Timestamp."""
-    return ts.ToDatetime(tzinfo=UTC)
-
-
-def from_duration(d: Duration) -> timedelta:
-    """A timedelta for a Duration."""
-    return d.ToTimedelta()
 
 
 # ------------------------------------------------------------------ tasks
@@ -258,84 +217,3 @@ def new_task_to_proto(task: NewTask) -> task_pb2.NewTask:
         headers=dict(task.headers),
         options=opts,
     )
-
-
-# ----------------------------------------------------------------- events
-
-
-def event_state_token(state: TaskState | None) -> str:
-    """The subject token of an event's state: the state's value, or ``deleted``."""
-    return "deleted" if state is None else state.value
-
-
-def event_to_proto(event: TaskEvent) -> service_pb2.TaskEvent:
-    """A lifecycle event on the wire (state UNSPECIFIED: the task was deleted)."""
-    pb = service_pb2.TaskEvent(
-        task_id=event.task_id,
-        queue=event.queue,
-        type=event.type,
-        state=state_to_proto(event.state),
-        previous_state=state_to_proto(event.previous_state),
-        error=event.error or "",
-    )
-    set_timestamp(pb.at, event.at)
-    return pb
-
-
-def event_from_proto(pb: service_pb2.TaskEvent) -> TaskEvent:
-    """The broker event of a wire event."""
-    return TaskEvent(
-        task_id=pb.task_id,
-        queue=pb.queue,
-        type=pb.type,
-        state=state_from_proto(pb.state),
-        previous_state=state_from_proto(pb.previous_state),
-        at=from_timestamp(pb.at),
-        error=pb.error or None,
-    )
-
-
-# ------------------------------------------------------------------ event batches
-#
-# One NATS message on ``<prefix>.events.<queue>.<state>`` carries every event of a run of
-# same-queue, same-state events (typically all the rows of one broker call): a message per
-# event would cost each service a NATS publish per task and state. The payload is
-# protobuf's length-delimited stream: each TaskEvent serialized and prefixed by its size
-# as a varint (what ``writeDelimitedTo`` writes); one event alone is the same format.
-
-
-def encode_events(events: Sequence[TaskEvent]) -> bytes:
-    """The payload carrying ``events``, in order (see :func:`decode_events`)."""
-    out = bytearray()
-    for event in events:
-        data = event_to_proto(event).SerializeToString()
-        size = len(data)
-        while size >= 0x80:
-            out.append((size & 0x7F) | 0x80)
-            size >>= 7
-        out.append(size)
-        out += data
-    return bytes(out)
-
-
-def decode_events(data: bytes) -> list[service_pb2.TaskEvent]:
-    """The events of a payload written by :func:`encode_events`. Raises DecodeError when
-    the payload is not such a stream."""
-    events: list[service_pb2.TaskEvent] = []
-    pos, end = 0, len(data)
-    while pos < end:
-        size = shift = 0
-        while True:
-            if pos >= end or shift > 28:
-                raise DecodeError("truncated or oversized event length")
-            byte = data[pos]
-            pos += 1
-            size |= (byte & 0x7F) << shift
-            shift += 7
-            if byte < 0x80:
-                break
-        if pos + size > end:
-            raise DecodeError("event runs past the end of the payload")
-        events.append(service_pb2.TaskEvent.FromString(data[pos : pos + size]))
-        pos += size
-    return events

@@ -1,0 +1,67 @@
+"""The AdminService's own messages: queue stats and webhook worker registrations.
+
+Task reads and task actions use :mod:`conveyor_runtime.wire.tasks`; this module holds what
+only operators exchange with the api.
+"""
+
+from __future__ import annotations
+
+from conveyor_broker.errors import InvalidTask
+from conveyor_broker.types import QueueStats, TaskState, WebhookWorker, WebhookWorkerSpec
+from conveyor_broker.validation import check_webhook_name, check_webhook_worker
+from conveyor_protos.v1 import service_pb2
+
+from conveyor_runtime.wire.time import duration, from_duration, set_timestamp
+
+#: What an UpsertWebhookWorker that leaves a field unset (zero) gets.
+DEFAULT_WEBHOOK_SPEC = WebhookWorkerSpec(name="", url="", queues={})
+
+
+def stats_to_proto(stats: QueueStats) -> service_pb2.QueueStats:
+    """Broker queue stats as the wire message (counts keyed by state name)."""
+    return service_pb2.QueueStats(
+        queue=stats.queue,
+        paused=stats.paused,
+        counts={state.value: stats.count(state) for state in TaskState},
+    )
+
+
+def webhook_worker_to_proto(worker: WebhookWorker) -> service_pb2.WebhookWorker:
+    """A stored registration as the wire message, WITHOUT its secrets (write-only)."""
+    message = service_pb2.WebhookWorker(
+        name=worker.name,
+        url=worker.url,
+        queues=dict(worker.queues),
+        concurrency=worker.concurrency,
+        timeout=duration(worker.timeout),
+        paused=worker.paused,
+    )
+    set_timestamp(message.created_at, worker.created_at)
+    set_timestamp(message.updated_at, worker.updated_at)
+    return message
+
+
+def webhook_spec_from_proto(message: service_pb2.WebhookWorker) -> WebhookWorkerSpec:
+    """An operator's registration as the broker's spec, checked.
+
+    ``concurrency`` 0 and an unset ``timeout`` take the defaults (10, 30 s); no secrets
+    keeps the stored ones. Raises InvalidTask describing the first problem.
+    """
+    check_webhook_name(message.name)
+    timeout = DEFAULT_WEBHOOK_SPEC.timeout
+    if message.HasField("timeout"):
+        try:
+            timeout = from_duration(message.timeout)
+        except (ValueError, OverflowError) as exc:
+            raise InvalidTask(f"invalid webhook timeout: {exc}") from None
+    spec = WebhookWorkerSpec(
+        name=message.name,
+        url=message.url,
+        queues=dict(message.queues),
+        concurrency=message.concurrency or DEFAULT_WEBHOOK_SPEC.concurrency,
+        timeout=timeout,
+        paused=message.paused,
+        secrets=tuple(message.secrets),
+    )
+    check_webhook_worker(spec)
+    return spec

@@ -1,0 +1,360 @@
+"""Bus: typed NATS messages against a real nats-server.
+
+What NATS sees is checked on raw subscriptions (subjects, payload bytes, queue groups),
+so processes that still send by hand and processes on the bus understand each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+import nats.errors
+import pytest
+from conveyor_broker.types import TaskEvent, TaskState
+from conveyor_protos.v1 import cluster_pb2, service_pb2
+from conveyor_runtime.bus import MALFORMED_CALLBACK, RESOLVE_GROUP, WEBHOOK_GROUP, Bus, Published
+from conveyor_runtime.nats_connect import NatsClient
+from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.wire import encode_events, event_to_proto
+from conveyor_testkit.polling import wait_until
+from google.protobuf.message import DecodeError
+from nats.aio.msg import Msg
+
+TIMEOUT = 10.0
+AT = datetime(2030, 1, 1, tzinfo=UTC)
+GARBAGE = b"\xff\xff not a protobuf"
+
+
+@pytest.fixture
+def bus(nc: NatsClient, subjects: Subjects) -> Bus:
+    return Bus(nc, subjects)
+
+
+class Raw:
+    """Every message under the test's prefix, as NATS delivers it."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[str, bytes]] = []
+
+    async def start(self, nc: NatsClient, subjects: Subjects) -> Raw:
+        async def on_msg(msg: Msg) -> None:
+            self.messages.append((msg.subject, msg.data))
+
+        await nc.subscribe(f"{subjects.prefix}.>", cb=on_msg)
+        await nc.flush()
+        return self
+
+    async def wait_for(self, count: int) -> list[tuple[str, bytes]]:
+        await wait_until(lambda: len(self.messages) >= count, within=TIMEOUT)
+        return self.messages
+
+
+def event(task_id: str, queue: str = "q", state: TaskState | None = TaskState.PENDING) -> TaskEvent:
+    return TaskEvent(task_id, queue, "t", state, None, AT)
+
+
+# ------------------------------------------------------------------ publish
+
+
+async def test_each_message_type_goes_on_its_subject_with_its_bytes(
+    bus: Bus, nc: NatsClient, subjects: Subjects
+) -> None:
+    raw = await Raw().start(nc, subjects)
+    p = subjects.prefix
+    sent: list[tuple[Published, str]] = [
+        (cluster_pb2.Wake(queue="a"), f"{p}.q.a.wake"),
+        (cluster_pb2.Register(gateway="g", queue="b", capacity=3, returned=7), f"{p}.q.b.register"),
+        (cluster_pb2.Done(gateway="g", queue="c", n=2, returned=9), f"{p}.q.c.done"),
+        (cluster_pb2.Control(queue="d", reason="paused"), f"{p}.q.d.control"),
+        (cluster_pb2.CancelBroadcast(task_id="t1", reason="operator"), f"{p}.cancel"),
+        (cluster_pb2.Resolve(task_id="t2", queue="e"), f"{p}.resolve"),
+    ]
+    for message, _ in sent:
+        await bus.publish(message)
+    got = await raw.wait_for(len(sent))
+    assert got == [(subject, message.SerializeToString()) for message, subject in sent]
+    # The same subjects the Subjects helpers spell.
+    assert got[0][0] == subjects.wake("a")
+    assert got[4][0] == subjects.cancel()
+
+
+async def test_hints_and_events_go_on_their_subjects(
+    bus: Bus, nc: NatsClient, subjects: Subjects
+) -> None:
+    raw = await Raw().start(nc, subjects)
+    p = subjects.prefix
+    run = [event("t1", "mail", TaskState.COMPLETED), event("t2", "mail", TaskState.COMPLETED)]
+    await bus.publish_promote()
+    await bus.publish_watch()
+    await bus.publish_owner_changed("mail")
+    await bus.publish_events(run)
+    await bus.publish_events([event("t3", "mail", None)])
+    assert await raw.wait_for(5) == [
+        (f"{p}.promote", b""),
+        (f"{p}.watch", b""),
+        (f"{p}.q.mail.owner", b""),
+        (f"{p}.events.mail.completed", encode_events(run)),
+        (f"{p}.events.mail.deleted", encode_events([event("t3", "mail", None)])),
+    ]
+
+
+def test_a_type_the_bus_does_not_publish_is_a_type_error(bus: Bus) -> None:
+    request: Any = cluster_pb2.DispatchRequest(queue="q")
+    with pytest.raises(TypeError, match="DispatchRequest"):
+        bus.publish(request)
+
+
+# ---------------------------------------------------------------- subscribe
+
+
+async def test_every_type_round_trips_to_its_handler(bus: Bus, nc: NatsClient) -> None:
+    got: list[object] = []
+
+    async def collect_async(message: cluster_pb2.Register) -> None:
+        await asyncio.sleep(0)
+        got.append(message)
+
+    await bus.subscribe(cluster_pb2.Wake, got.append)
+    await bus.subscribe(cluster_pb2.Register, collect_async)
+    await bus.subscribe(cluster_pb2.Done, got.append)
+    await bus.subscribe(cluster_pb2.Control, got.append)
+    await bus.subscribe(cluster_pb2.CancelBroadcast, got.append)
+    await bus.subscribe(cluster_pb2.Resolve, got.append)
+    await nc.flush()
+    sent: list[Published] = [
+        cluster_pb2.Wake(queue="a"),
+        cluster_pb2.Register(gateway="g", queue="b", capacity=4, labels={"zone": "x"}),
+        cluster_pb2.Done(gateway="g", queue="c", n=1, returned=1),
+        cluster_pb2.Control(queue="d", reason="resumed"),
+        cluster_pb2.CancelBroadcast(task_id="t1", reason="operator"),
+        cluster_pb2.Resolve(task_id="t2", queue="e"),
+    ]
+    for message in sent:
+        await bus.publish(message)
+    await wait_until(lambda: len(got) == len(sent), within=TIMEOUT)
+    assert {type(m): m for m in got} == {type(m): m for m in sent}
+
+
+async def test_a_queue_subscription_gets_only_that_queue(bus: Bus, nc: NatsClient) -> None:
+    mail: list[cluster_pb2.Done] = []
+    await bus.subscribe(cluster_pb2.Done, mail.append, queue="mail")
+    await nc.flush()
+    await bus.publish(cluster_pb2.Done(gateway="g", queue="other", n=1))
+    await bus.publish(cluster_pb2.Done(gateway="g", queue="mail", n=2))
+    # One connection publishes both in order: "other" would have arrived first.
+    await wait_until(lambda: len(mail) == 1, within=TIMEOUT)
+    assert [d.queue for d in mail] == ["mail"]
+
+
+async def test_messages_sent_by_hand_reach_a_bus_handler(
+    bus: Bus, nc: NatsClient, subjects: Subjects
+) -> None:
+    got: list[cluster_pb2.Register] = []
+    await bus.subscribe(cluster_pb2.Register, got.append)
+    await nc.flush()
+    register = cluster_pb2.Register(gateway="old", queue="mail", capacity=2)
+    await nc.publish(subjects.register("mail"), register.SerializeToString())
+    await wait_until(lambda: got == [register], within=TIMEOUT)
+
+
+async def test_an_undecodable_payload_is_dropped_and_the_subscription_lives_on(
+    bus: Bus, nc: NatsClient, subjects: Subjects, caplog: pytest.LogCaptureFixture
+) -> None:
+    got: list[cluster_pb2.Register] = []
+    cancels: list[cluster_pb2.CancelBroadcast] = []
+    await bus.subscribe(cluster_pb2.Register, got.append)
+    await bus.subscribe(cluster_pb2.CancelBroadcast, cancels.append)
+    await nc.flush()
+    with caplog.at_level(logging.WARNING, logger="conveyor_runtime.bus"):
+        await nc.publish(subjects.register("mail"), GARBAGE)
+        await nc.publish(subjects.cancel(), GARBAGE)
+        await bus.publish(cluster_pb2.Register(gateway="g", queue="mail", capacity=1))
+        await bus.publish(cluster_pb2.CancelBroadcast(task_id="t"))
+        await wait_until(lambda: len(got) == 1 and len(cancels) == 1, within=TIMEOUT)
+    assert got[0].gateway == "g"
+    assert cancels[0].task_id == "t"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("bus.undecodable kind=Register" in w for w in warnings), warnings
+    assert any("bus.undecodable kind=CancelBroadcast" in w for w in warnings), warnings
+
+
+async def test_resolve_is_subscribed_in_its_queue_group(bus: Bus, nc: NatsClient) -> None:
+    first: list[cluster_pb2.Resolve] = []
+    second: list[cluster_pb2.Resolve] = []
+    sub = await bus.subscribe(cluster_pb2.Resolve, first.append)
+    await bus.subscribe(cluster_pb2.Resolve, second.append)
+    await nc.flush()
+    assert sub.queue == RESOLVE_GROUP
+    for n in range(20):
+        await bus.publish(cluster_pb2.Resolve(task_id=f"t{n}", queue="q"))
+    await wait_until(lambda: len(first) + len(second) == 20, within=TIMEOUT)
+    # One member of the group takes each: none arrives twice.
+    assert sorted(r.task_id for r in first + second) == sorted(f"t{n}" for n in range(20))
+
+
+async def test_subscribe_refuses_what_it_cannot_route(bus: Bus) -> None:
+    kind: Any = cluster_pb2.DispatchRequest
+    with pytest.raises(TypeError, match="DispatchRequest"):
+        await bus.subscribe(kind, lambda _: None)
+    with pytest.raises(ValueError, match="not a per-queue message"):
+        await bus.subscribe(cluster_pb2.CancelBroadcast, lambda _: None, queue="mail")
+
+
+# -------------------------------------------------------------------- hints
+
+
+async def test_hints_reach_their_handlers(bus: Bus, nc: NatsClient) -> None:
+    promotes: list[None] = []
+    watches: list[None] = []
+    owners: list[str] = []
+    mail_owners: list[str] = []
+
+    async def on_watch() -> None:
+        watches.append(None)
+
+    await bus.subscribe_promote(lambda: promotes.append(None))
+    await bus.subscribe_watch(on_watch)
+    await bus.subscribe_owner_changed(owners.append)
+    await bus.subscribe_owner_changed(mail_owners.append, queue="mail")
+    await nc.flush()
+    await bus.publish_promote()
+    await bus.publish_watch()
+    await bus.publish_owner_changed("other")
+    await bus.publish_owner_changed("mail")
+    await wait_until(
+        lambda: (len(promotes), len(watches), len(owners), len(mail_owners)) == (1, 1, 2, 1),
+        within=TIMEOUT,
+    )
+    assert owners == ["other", "mail"]
+    assert mail_owners == ["mail"]
+
+
+# ------------------------------------------------------------------- events
+
+
+async def test_events_round_trip_and_filter_by_queue(
+    bus: Bus, nc: NatsClient, subjects: Subjects, caplog: pytest.LogCaptureFixture
+) -> None:
+    every: list[list[service_pb2.TaskEvent]] = []
+    mail: list[list[service_pb2.TaskEvent]] = []
+    await bus.subscribe_events(every.append)
+    await bus.subscribe_events(mail.append, queue="mail")
+    await nc.flush()
+    with caplog.at_level(logging.WARNING, logger="conveyor_runtime.bus"):
+        await nc.publish(subjects.events("mail", "pending"), GARBAGE)
+        await bus.publish_events([event("t1", "other")])
+        await bus.publish_events([event("t2", "mail"), event("t3", "mail")])
+        await wait_until(lambda: len(every) == 2 and len(mail) == 1, within=TIMEOUT)
+    assert every == [
+        [event_to_proto(event("t1", "other"))],
+        [event_to_proto(event("t2", "mail")), event_to_proto(event("t3", "mail"))],
+    ]
+    assert mail == every[1:]
+    assert any("bus.undecodable kind=TaskEvent" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------ request/reply
+
+
+async def test_dispatch_request_and_reply(bus: Bus, nc: NatsClient, subjects: Subjects) -> None:
+    seen: list[cluster_pb2.DispatchRequest] = []
+
+    def answer(request: cluster_pb2.DispatchRequest) -> cluster_pb2.DispatchReply:
+        seen.append(request)
+        return cluster_pb2.DispatchReply(
+            accepted=[env.id for env in request.tasks[:1]], credits=4, returned=2
+        )
+
+    await bus.serve_dispatch("gw-1", answer)
+    await nc.flush()
+    request = cluster_pb2.DispatchRequest(queue="mail", dispatcher="d")
+    request.tasks.add(id="a", queue="mail")
+    request.tasks.add(id="b", queue="mail")
+    reply = await bus.dispatch("gw-1", request, within=TIMEOUT)
+    assert seen == [request]
+    assert reply == cluster_pb2.DispatchReply(accepted=["a"], credits=4, returned=2)
+
+    # A requester that sends by hand, on the gateway's subject, gets the same answer.
+    msg = await nc.request(subjects.dispatch("gw-1"), request.SerializeToString(), TIMEOUT)
+    assert cluster_pb2.DispatchReply.FromString(msg.data) == reply
+
+    # An undecodable request is answered as an empty one, at once.
+    msg = await nc.request(subjects.dispatch("gw-1"), GARBAGE, TIMEOUT)
+    assert seen[-1] == cluster_pb2.DispatchRequest()
+    assert cluster_pb2.DispatchReply.FromString(msg.data).accepted == []
+
+    with pytest.raises(nats.errors.NoRespondersError):
+        await bus.dispatch("gw-gone", request, within=TIMEOUT)
+
+
+async def test_an_undecodable_dispatch_reply_is_a_decode_error(
+    bus: Bus, nc: NatsClient, subjects: Subjects
+) -> None:
+    async def garbage(msg: Msg) -> None:
+        await msg.respond(GARBAGE)
+
+    await nc.subscribe(subjects.dispatch("gw-bad"), cb=garbage)
+    await nc.flush()
+    with pytest.raises(DecodeError):
+        await bus.dispatch("gw-bad", cluster_pb2.DispatchRequest(queue="q"), within=TIMEOUT)
+
+
+async def test_webhook_callbacks_request_and_reply_in_their_queue_group(
+    bus: Bus, nc: NatsClient, subjects: Subjects
+) -> None:
+    seen: list[cluster_pb2.WebhookCallback] = []
+
+    async def answer(callback: cluster_pb2.WebhookCallback) -> cluster_pb2.WebhookCallbackReply:
+        seen.append(callback)
+        return cluster_pb2.WebhookCallbackReply(lease_expires_at=12.5)
+
+    sub = await bus.serve_webhook_callbacks("hooks", answer)
+    await nc.flush()
+    assert sub.queue == WEBHOOK_GROUP
+    assert sub.subject == subjects.webhook_callback("hooks")
+    callback = cluster_pb2.WebhookCallback(worker="hooks", task_id="t", lease_id="l", queue="q")
+    callback.heartbeat.progress = b"half"
+    reply = await bus.webhook_callback(callback, within=TIMEOUT)
+    assert seen == [callback]
+    assert reply.lease_expires_at == 12.5
+
+    msg = await nc.request(subjects.webhook_callback("hooks"), GARBAGE, TIMEOUT)
+    assert cluster_pb2.WebhookCallbackReply.FromString(msg.data) == MALFORMED_CALLBACK
+    assert len(seen) == 1
+
+    with pytest.raises(nats.errors.NoRespondersError):
+        await bus.webhook_callback(cluster_pb2.WebhookCallback(worker="nobody"), within=TIMEOUT)
+
+
+async def test_spawned_webhook_answers_do_not_wait_for_each_other(bus: Bus, nc: NatsClient) -> None:
+    release = asyncio.Event()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def answer(callback: cluster_pb2.WebhookCallback) -> cluster_pb2.WebhookCallbackReply:
+        if callback.task_id == "slow":
+            await release.wait()
+        return cluster_pb2.WebhookCallbackReply(message=callback.task_id)
+
+    def spawn(coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    await bus.serve_webhook_callbacks("hooks", answer, spawn=spawn)
+    await nc.flush()
+    slow = asyncio.ensure_future(
+        bus.webhook_callback(
+            cluster_pb2.WebhookCallback(worker="hooks", task_id="slow"), within=TIMEOUT
+        )
+    )
+    await wait_until(lambda: len(tasks) == 1, within=TIMEOUT)
+    fast = await bus.webhook_callback(
+        cluster_pb2.WebhookCallback(worker="hooks", task_id="fast"), within=TIMEOUT
+    )
+    assert fast.message == "fast"
+    assert not slow.done()
+    release.set()
+    assert (await slow).message == "slow"
