@@ -9,7 +9,14 @@ from typing import Any
 
 import grpc
 import pytest
-from conveyor import AsyncAdminClient, AsyncClient, InvalidArgument, ResourceExhausted, TaskState
+from conveyor import (
+    AsyncAdminClient,
+    AsyncClient,
+    InvalidArgument,
+    ResourceExhausted,
+    TaskState,
+    Unimplemented,
+)
 from conveyor_broker import Task, TaskListParams
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
@@ -74,6 +81,9 @@ async def test_bad_input_gets_clear_errors_and_loses_nothing(
             await client.enqueue("e2e.noop", "x" * (4 * 1024 * 1024), queue="bad")
         with pytest.raises(InvalidArgument, match="queue"):
             await client.enqueue("e2e.noop", {}, queue="no spaces")
+        # An option whose feature is not built: refused, never stored to wait forever.
+        with pytest.raises(Unimplemented, match="depends_on"):
+            await client.enqueue("e2e.noop", {}, queue="bad", depends_on=[done.id])
 
     async with grpc.aio.insecure_channel(stack.target) as channel:
         tasks: Any = service_pb2_grpc.TaskServiceStub

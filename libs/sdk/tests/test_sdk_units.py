@@ -90,6 +90,7 @@ EXPORTED = {
     "TaskState",
     "Unauthenticated",
     "Unavailable",
+    "Unimplemented",
     "WebhookWorker",
     "WebhookWorkerNotFound",
     "Worker",
@@ -320,6 +321,7 @@ def test_batch_items_map_errors_by_code() -> None:
         ("UNAUTHENTICATED", conveyor.Unauthenticated),
         ("FAILED_PRECONDITION", conveyor.FailedPrecondition),
         ("RESOURCE_EXHAUSTED", conveyor.ResourceExhausted),
+        ("UNIMPLEMENTED", conveyor.Unimplemented),
         ("INTERNAL", ConveyorError),
     ],
 )

@@ -122,6 +122,42 @@ async def test_bad_input_is_invalid_argument_and_stores_nothing(
     assert (await broker.get_task(before.task.id)).state is TaskState.PENDING
 
 
+#: Options whose feature is not built: each must be refused, never stored to wait forever.
+UNBUILT = [
+    pytest.param(
+        task_pb2.TaskOptions(depends_on=["01ARZ3NDEKTSV4RRFFQ69G5FAV"]),
+        "depends_on",
+        id="depends_on",
+    ),
+]
+
+
+@pytest.mark.parametrize(("options", "name"), UNBUILT)
+async def test_an_option_that_is_not_built_is_unimplemented_and_stores_nothing(
+    tasks: Any, broker: CountingBroker, options: task_pb2.TaskOptions, name: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await enqueue(tasks, new(options=options))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert name in (info.value.details() or "")
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await tasks.EnqueueTx(service_pb2.EnqueueTxRequest(tasks=[new(), new(options=options)]))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "task 1" in (info.value.details() or "")
+    assert await stored_count(broker) == 0
+
+    # In a batch only that item fails; the others are stored.
+    response = await tasks.EnqueueBatch(
+        service_pb2.EnqueueBatchRequest(tasks=[new(payload=b"a"), new(options=options)])
+    )
+    ok, refused = response.results
+    assert ok.created
+    assert refused.error_code == "UNIMPLEMENTED"
+    assert name in refused.error
+    assert await stored_count(broker) == 1
+
+
 async def test_payload_far_over_the_limit_is_refused_by_grpc(
     tasks: Any, broker: CountingBroker
 ) -> None:

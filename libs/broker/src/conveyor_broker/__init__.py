@@ -11,6 +11,7 @@ from conveyor_broker.errors import (
     InvalidState,
     InvalidTask,
     LeaseLost,
+    NotSupported,
     TaskNotFound,
     WebhookWorkerNotFound,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "LeaseReapParams",
     "LeaseRef",
     "NewTask",
+    "NotSupported",
     "OnFailure",
     "QueueStats",
     "ReapedTask",

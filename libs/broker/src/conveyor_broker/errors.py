@@ -50,6 +50,12 @@ class InvalidState(BrokerError):
         self.operation = operation
 
 
+class NotSupported(BrokerError):
+    """The request asks for something this server does not do yet (say, an option whose
+    feature is not built). Nothing was stored: a task that could never move is refused
+    rather than kept waiting forever."""
+
+
 class BrokerClosed(BrokerError):
     """The broker was closed."""
 

@@ -47,6 +47,7 @@ from conveyor._errors import (
     TaskNotFound,
     Unauthenticated,
     Unavailable,
+    Unimplemented,
     WebhookWorkerNotFound,
 )
 from conveyor._payload import Codec, JsonCodec, RawCodec
@@ -99,6 +100,7 @@ __all__ = [
     "TaskState",
     "Unauthenticated",
     "Unavailable",
+    "Unimplemented",
     "WebhookWorker",
     "WebhookWorkerNotFound",
     "Worker",

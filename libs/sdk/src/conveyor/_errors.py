@@ -83,6 +83,11 @@ class ResourceExhausted(ConveyorError):
     """A size or rate limit was hit (payload too large, too many items...)."""
 
 
+class Unimplemented(ConveyorError):
+    """The server does not do this yet (say, a task option whose feature is not built):
+    nothing was stored."""
+
+
 class CodecError(ConveyorError):
     """Stored bytes could not be decoded with the client's codec."""
 
@@ -98,6 +103,7 @@ _BY_CODE: dict[str, type[ConveyorError]] = {
     "UNAVAILABLE": Unavailable,
     "DEADLINE_EXCEEDED": DeadlineExceeded,
     "RESOURCE_EXHAUSTED": ResourceExhausted,
+    "UNIMPLEMENTED": Unimplemented,
 }
 
 

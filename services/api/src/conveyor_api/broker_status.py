@@ -13,6 +13,7 @@ from conveyor_broker import (
     InvalidState,
     InvalidTask,
     LeaseLost,
+    NotSupported,
     TaskNotFound,
     WebhookWorkerNotFound,
 )
@@ -30,6 +31,7 @@ _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (LeaseLost, grpc.StatusCode.FAILED_PRECONDITION),
     (BrokerClosed, grpc.StatusCode.UNAVAILABLE),
     (WebhookWorkerNotFound, grpc.StatusCode.NOT_FOUND),
+    (NotSupported, grpc.StatusCode.UNIMPLEMENTED),
 )
 
 

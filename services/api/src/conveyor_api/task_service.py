@@ -16,6 +16,7 @@ from conveyor_broker import (
     EnqueueResult,
     InvalidTask,
     NewTask,
+    NotSupported,
 )
 from conveyor_broker.clock import Clock
 from conveyor_broker.validation import check_task_id
@@ -69,8 +70,8 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
         for index, msg in enumerate(tasks):
             try:
                 out.append(new_task_from_request(msg, self._clock, self._defaults))
-            except InvalidTask as exc:
-                raise InvalidTask(f"task {index}: {exc}") from None
+            except (InvalidTask, NotSupported) as exc:
+                raise type(exc)(f"task {index}: {exc}") from None
         return out
 
     async def Enqueue(
@@ -101,7 +102,7 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
             try:
                 work.append((index, new_task_from_request(msg, self._clock, self._defaults)))
                 items.append(None)
-            except InvalidTask as exc:
+            except (InvalidTask, NotSupported) as exc:
                 items.append(_item_error(exc))
         outcomes = await self._committer.enqueue_many([task for _, task in work])
         for done, ((index, _), outcome) in enumerate(zip(work, outcomes, strict=True)):

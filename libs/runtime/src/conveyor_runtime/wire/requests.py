@@ -2,7 +2,8 @@
 defaults and strict checks.
 
 Every problem is an ``InvalidTask`` whose message a caller can act on, so the gRPC layer
-maps it straight to INVALID_ARGUMENT.
+maps it straight to INVALID_ARGUMENT; an option whose feature is not built yet is a
+``NotSupported`` (UNIMPLEMENTED), so no task is stored that could never move.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from conveyor_broker.clock import Clock
-from conveyor_broker.errors import InvalidTask
+from conveyor_broker.errors import InvalidTask, NotSupported
 from conveyor_broker.types import NewTask, TaskState
 from conveyor_broker.validation import check_new_task
 from conveyor_protos.v1 import task_pb2
@@ -55,7 +56,8 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
 
     ``process_in`` becomes ``process_at`` relative to ``clock``; unset ``max_retry`` and
     ``retention`` take the server defaults; an empty id stays unset, for the broker to
-    assign (in bulk, with the commit). Raises InvalidTask describing the first problem.
+    assign (in bulk, with the commit). Raises InvalidTask describing the first problem, or
+    NotSupported for an option that is not built yet (:func:`check_supported`).
     """
     opts = msg.options
     if opts.on_failure not in _ON_FAILURE_VALUES:
@@ -82,7 +84,23 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
                 "dispatched: send less, or raise the nats-server max_payload"
             )
     check_time_bounds(task, now)
+    check_supported(task)
     return task
+
+
+#: Task options the wire carries whose feature this server does not provide yet, and what
+#: a task using one would do if it were stored: nothing, ever.
+UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = (
+    ("depends_on", "dependencies are not resolved yet: the task would stay blocked forever"),
+)
+
+
+def check_supported(task: NewTask) -> None:
+    """Refuse a task that uses an option this server does not act on yet. Raises
+    NotSupported naming the option."""
+    for name, why in UNSUPPORTED_OPTIONS:
+        if getattr(task, name):
+            raise NotSupported(f"{name} is not supported by this server yet ({why})")
 
 
 def check_time_bounds(task: NewTask, now: datetime) -> None:
