@@ -129,6 +129,7 @@ UNBUILT = [
         "depends_on",
         id="depends_on",
     ),
+    pytest.param(task_pb2.TaskOptions(group="digest"), "group", id="group"),
 ]
 
 

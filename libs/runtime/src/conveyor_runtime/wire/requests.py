@@ -92,6 +92,7 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
 #: a task using one would do if it were stored: nothing, ever.
 UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = (
     ("depends_on", "dependencies are not resolved yet: the task would stay blocked forever"),
+    ("group", "aggregation groups are not dispatched yet: the task would stay aggregating forever"),
 )
 
 
