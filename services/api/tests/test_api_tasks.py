@@ -130,6 +130,9 @@ UNBUILT = [
         id="depends_on",
     ),
     pytest.param(task_pb2.TaskOptions(group="digest"), "group", id="group"),
+    pytest.param(
+        task_pb2.TaskOptions(concurrency_key="tenant-1"), "concurrency_key", id="concurrency_key"
+    ),
 ]
 
 
