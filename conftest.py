@@ -5,8 +5,8 @@
 - ``nats_server``: a private nats-server with JetStream on a free port (function scope,
   so a test may kill it); ``nats_url`` for tests that only need a URL (session scope).
 - For service tests: ``nc`` (a connection to ``nats_url``), ``subjects`` (a prefix of the
-  test's own), ``clock`` (a FakeClock) and ``broker`` (memory, and Postgres on a fresh
-  database, so sweeps see only the test's tasks).
+  test's own), ``bus`` (the two together), ``clock`` (a FakeClock) and ``broker`` (memory,
+  and Postgres on a fresh database, so sweeps see only the test's tasks).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 from conveyor_broker import Broker, FakeClock
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.postgres import PostgresBroker, migrate
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
@@ -94,6 +95,12 @@ async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
 def subjects() -> Subjects:
     """Subjects under a prefix no other test uses."""
     return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def bus(nc: NatsClient, subjects: Subjects) -> Bus:
+    """The typed messages of ``subjects`` on ``nc``."""
+    return Bus(nc, subjects)
 
 
 @pytest.fixture

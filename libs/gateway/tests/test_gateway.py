@@ -20,8 +20,7 @@ from conveyor_gateway.attempt_bounds import DEADLINE_EXCEEDED_ERROR
 from conveyor_gateway.credits import REDELIVERED_REASON
 from conveyor_gateway.gateway import LEASE_LOST_REASON
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
-from conveyor_runtime.nats_connect import NatsClient
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.wire import task_to_envelope
 from conveyor_testkit.polling import wait_until
 
@@ -49,8 +48,7 @@ class Parts:
     """What a gateway is built from."""
 
     broker: MemoryBroker
-    nc: NatsClient
-    subjects: Subjects
+    bus: Bus
     clock: FakeClock
     acks: AckBatcher
     wakes: WakePublisher
@@ -70,8 +68,7 @@ class Parts:
             "gw-test",
             spec,
             broker=self.broker,
-            nc=self.nc,
-            subjects=self.subjects,
+            bus=self.bus,
             config=self.config,
             acks=self.acks,
             wakes=self.wakes,
@@ -93,9 +90,9 @@ class Parts:
 
 
 @pytest.fixture
-async def parts(nc: NatsClient, subjects: Subjects, clock: FakeClock) -> AsyncIterator[Parts]:
+async def parts(bus: Bus, clock: FakeClock) -> AsyncIterator[Parts]:
     broker = MemoryBroker(clock)
-    p = Parts(broker, nc, subjects, clock, AckBatcher(broker), WakePublisher(nc, subjects))
+    p = Parts(broker, bus, clock, AckBatcher(broker), WakePublisher(bus))
     yield p
     await p.acks.aclose()
     await p.wakes.aclose()

@@ -11,8 +11,7 @@ from conveyor_broker import FakeClock, NewTask, TaskState
 from conveyor_broker.memory import MemoryBroker
 from conveyor_gateway.hints import WakePublisher
 from conveyor_protos.v1 import cluster_pb2
-from conveyor_runtime.nats_connect import NatsClient
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.bus import Bus
 from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 
@@ -23,25 +22,23 @@ class Wakes:
     def __init__(self) -> None:
         self.seen: list[tuple[str, float]] = []
 
-    async def on_msg(self, msg: Msg) -> None:
-        self.seen.append((cluster_pb2.Wake.FromString(msg.data).queue, time.monotonic()))
+    def on_wake(self, wake: cluster_pb2.Wake) -> None:
+        self.seen.append((wake.queue, time.monotonic()))
 
     def queues(self) -> list[str]:
         return [queue for queue, _ in self.seen]
 
 
-async def listen(nc: NatsClient, subjects: Subjects) -> Wakes:
+async def listen(bus: Bus) -> Wakes:
     wakes = Wakes()
-    await nc.subscribe(subjects.queue_wildcard("wake"), cb=wakes.on_msg)
-    await nc.flush()
+    await bus.subscribe(cluster_pb2.Wake, wakes.on_wake)
+    await bus.nc.flush()
     return wakes
 
 
-async def test_a_later_wake_goes_out_once_due_and_not_before(
-    nc: NatsClient, subjects: Subjects
-) -> None:
-    wakes = await listen(nc, subjects)
-    publisher = WakePublisher(nc, subjects)
+async def test_a_later_wake_goes_out_once_due_and_not_before(bus: Bus) -> None:
+    wakes = await listen(bus)
+    publisher = WakePublisher(bus)
     asked = time.monotonic()
     publisher.wake_later("slow", 0.6)
     publisher.wake_later("fast", 0.2)
@@ -54,11 +51,9 @@ async def test_a_later_wake_goes_out_once_due_and_not_before(
     await publisher.aclose()
 
 
-async def test_later_wakes_due_in_the_same_tick_share_one_wake(
-    nc: NatsClient, subjects: Subjects
-) -> None:
-    wakes = await listen(nc, subjects)
-    publisher = WakePublisher(nc, subjects)
+async def test_later_wakes_due_in_the_same_tick_share_one_wake(bus: Bus) -> None:
+    wakes = await listen(bus)
+    publisher = WakePublisher(bus)
     for _ in range(50):
         publisher.wake_later("q", 0.3)
     publisher.wake_later("other", 0.3)
@@ -66,16 +61,14 @@ async def test_later_wakes_due_in_the_same_tick_share_one_wake(
     # process between two of them could add one more, not dozens.
     assert publisher.later_pending < 10
     await wait_until(lambda: "other" in wakes.queues() and "q" in wakes.queues(), within=5)
-    await nc.flush()
+    await bus.nc.flush()
     assert wakes.queues().count("q") <= 2
     await publisher.aclose()
 
 
-async def test_a_due_or_past_later_wake_is_an_immediate_wake(
-    nc: NatsClient, subjects: Subjects
-) -> None:
-    wakes = await listen(nc, subjects)
-    publisher = WakePublisher(nc, subjects)
+async def test_a_due_or_past_later_wake_is_an_immediate_wake(bus: Bus) -> None:
+    wakes = await listen(bus)
+    publisher = WakePublisher(bus)
     publisher.wake_later("now", 0)
     publisher.wake_later("past", -5)
     assert publisher.later_pending == 0
@@ -83,10 +76,10 @@ async def test_a_due_or_past_later_wake_is_an_immediate_wake(
     await publisher.aclose()
 
 
-async def test_an_earlier_wake_rearms_the_timer(nc: NatsClient, subjects: Subjects) -> None:
+async def test_an_earlier_wake_rearms_the_timer(bus: Bus) -> None:
     """The timer follows the earliest later wake, whatever order they were asked in."""
-    wakes = await listen(nc, subjects)
-    publisher = WakePublisher(nc, subjects)
+    wakes = await listen(bus)
+    publisher = WakePublisher(bus)
     publisher.wake_later("late", 30)
     publisher.wake_later("soon", 0.1)
     await wait_until(lambda: wakes.queues() == ["soon"], within=5)
@@ -94,34 +87,32 @@ async def test_an_earlier_wake_rearms_the_timer(nc: NatsClient, subjects: Subjec
     await publisher.aclose()
 
 
-async def test_closing_drops_later_wakes(nc: NatsClient, subjects: Subjects) -> None:
-    wakes = await listen(nc, subjects)
-    publisher = WakePublisher(nc, subjects)
+async def test_closing_drops_later_wakes(bus: Bus) -> None:
+    wakes = await listen(bus)
+    publisher = WakePublisher(bus)
     publisher.wake_later("dropped", 0.2)
     await publisher.aclose()
     assert publisher.later_pending == 0
     # A wake asked after the dropped one was due still goes out (the loop and the
     # connection are fine); the dropped one never does.
     await asyncio.sleep(0)  # let a wrongly kept timer's callback be scheduled
-    other = WakePublisher(nc, subjects)
+    other = WakePublisher(bus)
     other.wake_later("probe", 0.4)
     await wait_until(lambda: "probe" in wakes.queues(), within=5)
     assert "dropped" not in wakes.queues()
     await other.aclose()
 
 
-async def test_later_wakes_past_the_horizon_are_left_to_the_sweep(
-    nc: NatsClient, subjects: Subjects
-) -> None:
-    publisher = WakePublisher(nc, subjects)
+async def test_later_wakes_past_the_horizon_are_left_to_the_sweep(bus: Bus) -> None:
+    publisher = WakePublisher(bus)
     publisher.wake_later("far", WakePublisher.LATER_HORIZON + 1)
     publisher.wake_later("near", WakePublisher.LATER_HORIZON - 1)
     assert publisher.later_pending == 1
     await publisher.aclose()
 
 
-async def test_later_wakes_past_the_cap_are_dropped(nc: NatsClient, subjects: Subjects) -> None:
-    publisher = WakePublisher(nc, subjects)
+async def test_later_wakes_past_the_cap_are_dropped(bus: Bus) -> None:
+    publisher = WakePublisher(bus)
     publisher.MAX_LATER = 3
     for n in range(5):
         publisher.wake_later(f"q{n}", 60)
@@ -129,18 +120,17 @@ async def test_later_wakes_past_the_cap_are_dropped(nc: NatsClient, subjects: Su
     await publisher.aclose()
 
 
-async def test_a_later_promote_hint_reaches_the_scheduler_once_due(
-    nc: NatsClient, subjects: Subjects
-) -> None:
+async def test_a_later_promote_hint_reaches_the_scheduler_once_due(bus: Bus) -> None:
     hints: list[float] = []
 
     async def on_hint(msg: Msg) -> None:
         assert msg.data == b""
         hints.append(time.monotonic())
 
-    await nc.subscribe(subjects.promote(), cb=on_hint)
-    await nc.flush()
-    publisher = WakePublisher(nc, subjects)
+    # Read straight off NATS, so the empty body is checked too.
+    await bus.nc.subscribe(bus.subjects.promote(), cb=on_hint)
+    await bus.nc.flush()
+    publisher = WakePublisher(bus)
     asked = time.monotonic()
     for _ in range(5):
         publisher.promote_later(0.3)  # due together: one hint (two if a tick edge fell
@@ -153,9 +143,9 @@ async def test_a_later_promote_hint_reaches_the_scheduler_once_due(
     await publisher.aclose()
 
 
-async def test_promote_hints_have_their_own_cap(nc: NatsClient, subjects: Subjects) -> None:
+async def test_promote_hints_have_their_own_cap(bus: Bus) -> None:
     """A stream of delayed tasks must not crowd out the retries' wakes."""
-    publisher = WakePublisher(nc, subjects)
+    publisher = WakePublisher(bus)
     publisher.MAX_LATER_PROMOTES = 3
     for n in range(10):
         publisher.promote_later(60 + n)
@@ -165,19 +155,14 @@ async def test_promote_hints_have_their_own_cap(nc: NatsClient, subjects: Subjec
     await publisher.aclose()
 
 
-async def test_when_due_hints_whoever_acts_on_the_task(
-    nc: NatsClient, subjects: Subjects, clock: FakeClock
-) -> None:
+async def test_when_due_hints_whoever_acts_on_the_task(bus: Bus, clock: FakeClock) -> None:
     """PENDING: its queue now; RETRY: its queue when the retry is due; SCHEDULED: the
     scheduler when it is due; anything else: nobody."""
-    wakes = await listen(nc, subjects)
+    wakes = await listen(bus)
     promotes: list[float] = []
 
-    async def on_hint(msg: Msg) -> None:
-        promotes.append(time.monotonic())
-
-    await nc.subscribe(subjects.promote(), cb=on_hint)
-    await nc.flush()
+    await bus.subscribe_promote(lambda: promotes.append(time.monotonic()))
+    await bus.nc.flush()
     broker = MemoryBroker(clock)
     now = clock.now()
     soon = timedelta(seconds=0.3)
@@ -195,7 +180,7 @@ async def test_when_due_hints_whoever_acts_on_the_task(
         TaskState.RETRY,
         TaskState.COMPLETED,
     ]
-    publisher = WakePublisher(nc, subjects)
+    publisher = WakePublisher(bus)
     asked = time.monotonic()
     for task in (pending, scheduled, retry, completed):
         publisher.when_due(task, now)

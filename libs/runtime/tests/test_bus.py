@@ -28,11 +28,6 @@ AT = datetime(2030, 1, 1, tzinfo=UTC)
 GARBAGE = b"\xff\xff not a protobuf"
 
 
-@pytest.fixture
-def bus(nc: NatsClient, subjects: Subjects) -> Bus:
-    return Bus(nc, subjects)
-
-
 class Raw:
     """Every message under the test's prefix, as NATS delivers it."""
 

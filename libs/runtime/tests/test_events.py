@@ -39,12 +39,6 @@ def subjects() -> Subjects:
     return Subjects(prefix=f"t{uuid.uuid4().hex[:12]}")
 
 
-@pytest.fixture
-def bus(nc: NatsClient, subjects: Subjects) -> Bus:
-    """The bus the publisher and the gate use (the tests read NATS directly)."""
-    return Bus(nc, subjects)
-
-
 async def collect(nc: NatsClient, subject: str, count: int) -> tuple[list[Msg], asyncio.Event]:
     """Messages on ``subject``; the event is set once they carry ``count`` events."""
     got: list[Msg] = []

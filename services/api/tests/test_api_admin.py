@@ -17,8 +17,6 @@ from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_
 from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.events import EventPublisher
-from conveyor_runtime.nats_connect import NatsClient
-from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
 
@@ -130,9 +128,9 @@ async def test_cluster_info_lists_local_sessions(
 
 
 async def test_pause_and_resume_publish_control(
-    api: ApiServer, admin: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    api: ApiServer, admin: Any, broker: CountingBroker, bus: Bus
 ) -> None:
-    controls = await Recorder(cluster_pb2.Control).start(nc, subjects.control("mail"))
+    controls = await Recorder(cluster_pb2.Control).start(bus, queue="mail")
     await admin.PauseQueue(service_pb2.PauseQueueRequest(queue="mail"))
     assert await broker.queue_paused("mail")
     await controls.wait_for(lambda m: m.reason == "paused")
@@ -152,11 +150,10 @@ async def test_task_actions_and_their_wakes(
     api: ApiServer,
     admin: Any,
     broker: CountingBroker,
-    nc: NatsClient,
-    subjects: Subjects,
+    bus: Bus,
     clock: FakeClock,
 ) -> None:
-    wakes = await Recorder(cluster_pb2.Wake).start(nc, subjects.wake("q"))
+    wakes = await Recorder(cluster_pb2.Wake).start(bus, queue="q")
     later = await put(broker, process_at=clock.now() + timedelta(hours=1))
     run = await admin.RunTaskNow(action(later.id))
     assert run.task.state == task_pb2.TASK_STATE_PENDING
@@ -191,17 +188,16 @@ async def test_cancel_of_a_running_task_reaches_its_worker(
     admin: Any,
     channel: grpc.aio.Channel,
     broker: CountingBroker,
-    nc: NatsClient,
-    subjects: Subjects,
+    bus: Bus,
 ) -> None:
-    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("q"))
+    registers = await Recorder(cluster_pb2.Register).start(bus, queue="q")
     worker = WorkerStream(channel)
     welcome = await worker.hello({"q": 1}, 1)
     await registers.wait_for()
     await put(broker)
     [leased] = await broker.lease("q", 1, TTL)
     env = wire.task_to_envelope(leased)
-    await dispatch(nc, subjects, welcome.session_id, "q", [env])
+    await dispatch(bus, welcome.session_id, "q", [env])
     await worker.read_kind("dispatch")
 
     response = await admin.CancelTask(action(env.id))
@@ -260,11 +256,9 @@ async def test_batch_task_action(admin: Any, broker: CountingBroker, clock: Fake
 
 
 @pytest.fixture
-async def events(
-    broker: CountingBroker, nc: NatsClient, subjects: Subjects
-) -> AsyncIterator[EventPublisher]:
+async def events(broker: CountingBroker, bus: Bus) -> AsyncIterator[EventPublisher]:
     """The broker's lifecycle events published to NATS, as a service runtime does."""
-    publisher = EventPublisher(Bus(nc, subjects))
+    publisher = EventPublisher(bus)
     await publisher.start()
     broker.set_event_sink(publisher)
     yield publisher

@@ -14,8 +14,7 @@ from conveyor_api.session import MALFORMED_FRAME
 from conveyor_broker import NewTask, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import wire
-from conveyor_runtime.nats_connect import NatsClient
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.bus import Bus
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.stream import MakeApi, Recorder, dispatch
@@ -186,9 +185,9 @@ async def test_garbage_first_frame_ends_the_session(channel: grpc.aio.Channel) -
 
 
 async def test_garbage_frame_ends_the_session_and_releases_its_tasks(
-    api: ApiServer, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    api: ApiServer, broker: CountingBroker, bus: Bus
 ) -> None:
-    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("q"))
+    registers = await Recorder(cluster_pb2.Register).start(bus, queue="q")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
         call = open_raw_session(channel)
         hello = service_pb2.Hello(queues={"q": 1}, concurrency=2, sdk_version="0.1.0")
@@ -198,7 +197,7 @@ async def test_garbage_frame_ends_the_session_and_releases_its_tasks(
         await broker.enqueue_batch([NewTask(queue="q", type="t", payload=b"p")] * 2)
         tasks = await broker.lease("q", 2, timedelta(seconds=30))
         envelopes = [wire.task_to_envelope(t) for t in tasks]
-        reply = await dispatch(nc, subjects, welcome.session_id, "q", envelopes)
+        reply = await dispatch(bus, welcome.session_id, "q", envelopes)
         assert len(reply.accepted) == 2
         for _ in envelopes:
             assert (await call.read()).HasField("dispatch")

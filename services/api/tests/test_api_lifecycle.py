@@ -21,8 +21,7 @@ from conveyor_gateway.attempt_bounds import (
 )
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import wire
-from conveyor_runtime.nats_connect import NatsClient
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.bus import Bus
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
@@ -39,11 +38,9 @@ async def api(make_api: MakeApi) -> ApiServer:
 
 
 @pytest.fixture
-async def worker(
-    channel: grpc.aio.Channel, nc: NatsClient, subjects: Subjects
-) -> AsyncIterator[tuple[WorkerStream, str]]:
+async def worker(channel: grpc.aio.Channel, bus: Bus) -> AsyncIterator[tuple[WorkerStream, str]]:
     """A raw worker session on queue ``q`` (concurrency 4), registered; and its gateway id."""
-    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("q"))
+    registers = await Recorder(cluster_pb2.Register).start(bus, queue="q")
     stream = WorkerStream(channel)
     welcome = await stream.hello({"q": 1}, 4)
     await registers.wait_for(lambda m: m.gateway == welcome.session_id)
@@ -54,8 +51,7 @@ async def worker(
 
 async def deliver(
     broker: CountingBroker,
-    nc: NatsClient,
-    subjects: Subjects,
+    bus: Bus,
     worker: tuple[WorkerStream, str],
     task: NewTask,
 ) -> task_pb2.TaskEnvelope:
@@ -64,7 +60,7 @@ async def deliver(
     [leased] = await broker.lease(task.queue, 1, TTL)
     env = wire.task_to_envelope(leased)
     stream, gateway = worker
-    reply = await dispatch(nc, subjects, gateway, task.queue, [env])
+    reply = await dispatch(bus, gateway, task.queue, [env])
     assert list(reply.accepted) == [env.id]
     assert (await stream.read_kind("dispatch")).dispatch.task.id == env.id
     return env
@@ -107,11 +103,11 @@ def test_retry_past_the_deadline_is_not_made() -> None:
 
 
 async def test_a_silent_attempt_is_cancelled_and_failed_at_its_timeout(
-    worker: tuple[WorkerStream, str], broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    worker: tuple[WorkerStream, str], broker: CountingBroker, bus: Bus
 ) -> None:
-    dones = await Recorder(cluster_pb2.Done).start(nc, subjects.done("q"))
+    dones = await Recorder(cluster_pb2.Done).start(bus, queue="q")
     task = NewTask(queue="q", type="t", timeout=timedelta(seconds=0.2), max_retry=3)
-    env = await deliver(broker, nc, subjects, worker, task)
+    env = await deliver(broker, bus, worker, task)
     stream, gateway = worker
     # The worker keeps heartbeating (its lease stays alive) but never reports.
     await stream.send(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
@@ -128,13 +124,12 @@ async def test_a_silent_attempt_is_cancelled_and_failed_at_its_timeout(
 async def test_a_silent_attempt_past_the_deadline_is_archived(
     worker: tuple[WorkerStream, str],
     broker: CountingBroker,
-    nc: NatsClient,
-    subjects: Subjects,
+    bus: Bus,
     clock: FakeClock,
 ) -> None:
     deadline = clock.now() + timedelta(seconds=0.2)
     task = NewTask(queue="q", type="t", deadline=deadline, max_retry=10)
-    env = await deliver(broker, nc, subjects, worker, task)
+    env = await deliver(broker, bus, worker, task)
     stream, _ = worker
     cancel = (await stream.read_kind("cancel")).cancel
     assert (cancel.task_id, cancel.reason) == (env.id, "deadline exceeded")
@@ -145,12 +140,11 @@ async def test_a_silent_attempt_past_the_deadline_is_archived(
 async def test_a_result_in_time_disarms_the_bound(
     worker: tuple[WorkerStream, str],
     broker: CountingBroker,
-    nc: NatsClient,
-    subjects: Subjects,
+    bus: Bus,
     api: ApiServer,
 ) -> None:
     task = NewTask(queue="q", type="t", timeout=timedelta(seconds=0.3))
-    env = await deliver(broker, nc, subjects, worker, task)
+    env = await deliver(broker, bus, worker, task)
     stream, gateway = worker
     assert api.registry.gateways[gateway].timed == 1
     await stream.result(env, service_pb2.OUTCOME_SUCCESS, result=b"ok")
@@ -161,18 +155,13 @@ async def test_a_result_in_time_disarms_the_bound(
 async def test_a_failure_whose_retry_misses_the_deadline_is_archived(
     worker: tuple[WorkerStream, str],
     broker: CountingBroker,
-    nc: NatsClient,
-    subjects: Subjects,
+    bus: Bus,
     clock: FakeClock,
 ) -> None:
     deadline = clock.now() + timedelta(minutes=10)
     stream, _ = worker
-    soon = await deliver(
-        broker, nc, subjects, worker, NewTask(queue="q", type="t", deadline=deadline)
-    )
-    late = await deliver(
-        broker, nc, subjects, worker, NewTask(queue="q", type="t", deadline=deadline)
-    )
+    soon = await deliver(broker, bus, worker, NewTask(queue="q", type="t", deadline=deadline))
+    late = await deliver(broker, bus, worker, NewTask(queue="q", type="t", deadline=deadline))
     await stream.result(soon, service_pb2.OUTCOME_FAILURE, error="boom", retry_after=60)
     await stream.result(late, service_pb2.OUTCOME_FAILURE, error="boom", retry_after=600)
     await wait_state(broker, soon.id, TaskState.RETRY)

@@ -17,8 +17,7 @@ from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing.schemas import DATA_TABLES, migrated_schema
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import wire
-from conveyor_runtime.nats_connect import NatsClient
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.bus import Bus
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
 
@@ -91,17 +90,17 @@ async def test_group_commit_and_uniqueness_on_postgres(
 
 
 async def test_worker_session_on_postgres(
-    make_api: MakeApi, broker: CountingPostgresBroker, nc: NatsClient, subjects: Subjects
+    make_api: MakeApi, broker: CountingPostgresBroker, bus: Bus
 ) -> None:
     api = await make_api()
-    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("pgq"))
+    registers = await Recorder(cluster_pb2.Register).start(bus, queue="pgq")
     await broker.enqueue_batch([NewTask(queue="pgq", type="job") for _ in range(4)])
     envs = [wire.task_to_envelope(t) for t in await broker.lease("pgq", 4, TTL)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
         worker = WorkerStream(ch)
         welcome = await worker.hello({"pgq": 1}, 4)
         await registers.wait_for(lambda m: m.gateway == welcome.session_id)
-        reply = await dispatch(nc, subjects, welcome.session_id, "pgq", envs)
+        reply = await dispatch(bus, welcome.session_id, "pgq", envs)
         assert len(reply.accepted) == 4
         for _ in envs:
             await worker.read_kind("dispatch")

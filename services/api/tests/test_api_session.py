@@ -16,8 +16,7 @@ from conveyor_broker import FakeClock, NewTask, TaskState
 from conveyor_broker.ids import is_ulid
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import wire
-from conveyor_runtime.nats_connect import NatsClient
-from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.bus import Bus
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
@@ -40,17 +39,13 @@ class Session:
 
 
 @pytest.fixture
-async def open_session(
-    channel: grpc.aio.Channel, nc: NatsClient, subjects: Subjects
-) -> AsyncIterator[Any]:
+async def open_session(channel: grpc.aio.Channel, bus: Bus) -> AsyncIterator[Any]:
     """Open worker sessions whose gateway has registered (so it can take dispatches)."""
     opened: list[Session] = []
 
     async def open_(queues: Mapping[str, int], concurrency: int, **hello: Any) -> Session:
-        registers = await Recorder(cluster_pb2.Register).start(
-            nc, subjects.queue_wildcard("register")
-        )
-        dones = await Recorder(cluster_pb2.Done).start(nc, subjects.queue_wildcard("done"))
+        registers = await Recorder(cluster_pb2.Register).start(bus)
+        dones = await Recorder(cluster_pb2.Done).start(bus)
         worker = WorkerStream(channel)
         welcome = await worker.hello(queues, concurrency, **hello)
         await registers.wait_for(lambda m: m.gateway == welcome.session_id, count=len(queues))
@@ -85,10 +80,10 @@ async def wait_state(broker: CountingBroker, task_id: str, state: TaskState) -> 
 
 
 async def dispatch_all(
-    nc: NatsClient, subjects: Subjects, session: Session, envs: list[task_pb2.TaskEnvelope]
+    bus: Bus, session: Session, envs: list[task_pb2.TaskEnvelope]
 ) -> cluster_pb2.DispatchReply:
     """Dispatch ``envs`` and read the Dispatch frames of the accepted ones."""
-    reply = await dispatch(nc, subjects, session.gateway, envs[0].queue, envs)
+    reply = await dispatch(bus, session.gateway, envs[0].queue, envs)
     for expected in reply.accepted:
         frame = await session.worker.read_kind("dispatch")
         assert frame.dispatch.task.id == expected
@@ -150,9 +145,7 @@ async def test_bad_hello_is_refused(
     assert text in await worker.details()
 
 
-async def test_welcome_and_register(
-    api: ApiServer, open_session: Any, nc: NatsClient, subjects: Subjects
-) -> None:
+async def test_welcome_and_register(api: ApiServer, open_session: Any, bus: Bus) -> None:
     session: Session = await open_session({"a": 3, "b": 1}, 8, labels={"zone": "eu"})
     welcome = session.welcome
     assert is_ulid(welcome.session_id)
@@ -172,7 +165,7 @@ async def test_welcome_and_register(
 
     # A new dispatcher owner asks for registrations: the gateway answers at once.
     before = len(session.registers.messages)
-    await nc.publish(subjects.owner_changed("b"), b"")
+    await bus.publish_owner_changed("b")
     await session.registers.wait_for(lambda m: m.queue == "b", count=2)
     assert [m.queue for m in session.registers.messages[before:]] == ["b"]
 
@@ -181,28 +174,28 @@ async def test_welcome_and_register(
 
 
 async def test_dispatch_is_capped_at_free_capacity(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
     session: Session = await open_session({"q": 1}, 2)
     envs = await leased(broker, "q", 3)
-    reply = await dispatch_all(nc, subjects, session, envs)
+    reply = await dispatch_all(bus, session, envs)
     assert list(reply.accepted) == [envs[0].id, envs[1].id]
     assert reply.credits == 0
     # Full: a further offer is refused outright.
-    more = await dispatch(nc, subjects, session.gateway, "q", envs[2:])
+    more = await dispatch(bus, session.gateway, "q", envs[2:])
     assert list(more.accepted) == []
     assert more.credits == 0
     # A queue the worker does not serve gets nothing either.
-    other = await dispatch(nc, subjects, session.gateway, "elsewhere", envs[2:])
+    other = await dispatch(bus, session.gateway, "elsewhere", envs[2:])
     assert list(other.accepted) == []
 
 
 async def test_accepts_dispatches_gets_one_dispatches_frame(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
     session: Session = await open_session({"q": 1}, 3, accepts_dispatches=True)
     envs = await leased(broker, "q", 4)
-    reply = await dispatch(nc, subjects, session.gateway, "q", envs)
+    reply = await dispatch(bus, session.gateway, "q", envs)
     assert list(reply.accepted) == [env.id for env in envs[:3]]
     frame = await session.worker.read_kind("dispatches")
     assert [t.id for t in frame.dispatches.tasks] == list(reply.accepted)
@@ -212,18 +205,18 @@ async def test_accepts_dispatches_gets_one_dispatches_frame(
     first = frame.dispatches.tasks[0]
     await session.worker.result(first, service_pb2.OUTCOME_SUCCESS)
     await wait_state(broker, first.id, TaskState.COMPLETED)
-    more = await dispatch(nc, subjects, session.gateway, "q", envs[3:])
+    more = await dispatch(bus, session.gateway, "q", envs[3:])
     assert list(more.accepted) == [envs[3].id]
     again = await session.worker.read_kind("dispatches")
     assert [t.id for t in again.dispatches.tasks] == [envs[3].id]
 
 
 async def test_without_accepts_dispatches_each_task_is_its_own_frame(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
     session: Session = await open_session({"q": 1}, 3)
     envs = await leased(broker, "q", 3)
-    reply = await dispatch(nc, subjects, session.gateway, "q", envs)
+    reply = await dispatch(bus, session.gateway, "q", envs)
     assert len(reply.accepted) == 3
     for expected in reply.accepted:
         frame = await session.worker.read_kind("dispatch")
@@ -231,13 +224,13 @@ async def test_without_accepts_dispatches_each_task_is_its_own_frame(
 
 
 async def test_session_cap_holds_across_queues(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
     # Three queues, two slots: each queue gets a slot, but never more than two in total.
     session: Session = await open_session({"a": 1, "b": 1, "c": 1}, 2)
     for queue, accepted in (("a", 1), ("b", 1), ("c", 0)):
         envs = await leased(broker, queue, 2)
-        reply = await dispatch_all(nc, subjects, session, envs)
+        reply = await dispatch_all(bus, session, envs)
         assert len(reply.accepted) == accepted, queue
 
 
@@ -245,11 +238,11 @@ async def test_session_cap_holds_across_queues(
 
 
 async def test_success_acks_and_publishes_done(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
     session: Session = await open_session({"q": 1}, 1)
     [env] = await leased(broker, "q", 1)
-    await dispatch_all(nc, subjects, session, [env])
+    await dispatch_all(bus, session, [env])
     await session.worker.result(env, service_pb2.OUTCOME_SUCCESS, result=b"42")
     await wait_state(broker, env.id, TaskState.COMPLETED)
     assert (await broker.get_task(env.id)).result == b"42"
@@ -258,16 +251,16 @@ async def test_success_acks_and_publishes_done(
     assert done.n == 1
     # The slot is free again.
     [env2] = await leased(broker, "q", 1)
-    reply = await dispatch_all(nc, subjects, session, [env2])
+    reply = await dispatch_all(bus, session, [env2])
     assert list(reply.accepted) == [env2.id]
 
 
 async def test_concurrent_acks_share_a_commit(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
     session: Session = await open_session({"q": 1}, 50)
     envs = await leased(broker, "q", 50)
-    await dispatch_all(nc, subjects, session, envs)
+    await dispatch_all(bus, session, envs)
     batch = service_pb2.BatchResult(
         results=[
             service_pb2.Result(
@@ -288,16 +281,16 @@ async def test_concurrent_acks_share_a_commit(
 
 
 async def test_result_over_max_result_fails_the_task(
-    make_api: MakeApi, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    make_api: MakeApi, broker: CountingBroker, bus: Bus
 ) -> None:
     api = await make_api(max_result=8)
-    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("q"))
+    registers = await Recorder(cluster_pb2.Register).start(bus, queue="q")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
         worker = WorkerStream(ch)
         welcome = await worker.hello({"q": 1}, 1)
         await registers.wait_for(lambda m: m.gateway == welcome.session_id)
         [env] = await leased(broker, "q", 1)
-        await dispatch(nc, subjects, welcome.session_id, "q", [env])
+        await dispatch(bus, welcome.session_id, "q", [env])
         await worker.read_kind("dispatch")
         await worker.result(env, service_pb2.OUTCOME_SUCCESS, result=b"x" * 9)
         await wait_state(broker, env.id, TaskState.RETRY)
@@ -309,11 +302,11 @@ async def test_result_over_max_result_fails_the_task(
 
 
 async def test_failure_retries_with_the_requested_delay(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, clock: FakeClock
+    open_session: Any, broker: CountingBroker, bus: Bus, clock: FakeClock
 ) -> None:
     session: Session = await open_session({"q": 1}, 2)
     env_after, env_backoff = await leased(broker, "q", 2)
-    await dispatch_all(nc, subjects, session, [env_after, env_backoff])
+    await dispatch_all(bus, session, [env_after, env_backoff])
     await session.worker.result(
         env_after, service_pb2.OUTCOME_FAILURE, error="boom", retry_after=120
     )
@@ -331,12 +324,12 @@ async def test_failure_retries_with_the_requested_delay(
 
 
 async def test_skip_retry_archives_and_release_returns_pending(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
-    wakes = await Recorder(cluster_pb2.Wake).start(nc, subjects.wake("q"))
+    wakes = await Recorder(cluster_pb2.Wake).start(bus, queue="q")
     session: Session = await open_session({"q": 1}, 2)
     skip, give_back = await leased(broker, "q", 2)
-    await dispatch_all(nc, subjects, session, [skip, give_back])
+    await dispatch_all(bus, session, [skip, give_back])
     await session.worker.result(skip, service_pb2.OUTCOME_SKIP_RETRY, error="bad input")
     await session.worker.result(give_back, service_pb2.OUTCOME_RELEASE)
     await wait_state(broker, skip.id, TaskState.ARCHIVED)
@@ -349,11 +342,11 @@ async def test_skip_retry_archives_and_release_returns_pending(
 
 
 async def test_bad_frames_are_ignored_and_the_stream_stays_up(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
     session: Session = await open_session({"q": 1}, 1)
     [env] = await leased(broker, "q", 1)
-    await dispatch_all(nc, subjects, session, [env])
+    await dispatch_all(bus, session, [env])
     worker = session.worker
     # A Result for a lease this session does not hold, a malformed one, a second
     # Hello, and an empty frame: each is logged and dropped.
@@ -374,12 +367,10 @@ async def test_bad_frames_are_ignored_and_the_stream_stays_up(
     assert broker.ack_batch_sizes == [1]
 
 
-async def test_progress_is_stored(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
-) -> None:
+async def test_progress_is_stored(open_session: Any, broker: CountingBroker, bus: Bus) -> None:
     session: Session = await open_session({"q": 1}, 1)
     [env] = await leased(broker, "q", 1)
-    await dispatch_all(nc, subjects, session, [env])
+    await dispatch_all(bus, session, [env])
     progress = service_pb2.Progress(task_id=env.id, lease_id=env.lease_id, progress=b"50%")
     await session.worker.send(service_pb2.WorkerFrame(progress=progress))
 
@@ -393,11 +384,11 @@ async def test_progress_is_stored(
 
 
 async def test_heartbeat_extends_every_lease(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, clock: FakeClock
+    open_session: Any, broker: CountingBroker, bus: Bus, clock: FakeClock
 ) -> None:
     session: Session = await open_session({"q": 1}, 2)
     envs = await leased(broker, "q", 2)
-    await dispatch_all(nc, subjects, session, envs)
+    await dispatch_all(bus, session, envs)
     clock.advance(timedelta(seconds=20))
     await session.worker.send(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
 
@@ -409,11 +400,11 @@ async def test_heartbeat_extends_every_lease(
 
 
 async def test_a_lost_lease_is_cancelled_on_the_worker(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, clock: FakeClock
+    open_session: Any, broker: CountingBroker, bus: Bus, clock: FakeClock
 ) -> None:
     session: Session = await open_session({"q": 1}, 1)
     [env] = await leased(broker, "q", 1)
-    await dispatch_all(nc, subjects, session, [env])
+    await dispatch_all(bus, session, [env])
     clock.advance(TTL + timedelta(seconds=1))
     reaped = await broker.reap_expired_leases()
     assert [r.task_id for r in reaped] == [env.id]
@@ -427,7 +418,7 @@ async def test_a_lost_lease_is_cancelled_on_the_worker(
     clock.advance(timedelta(hours=2))
     [env2] = await leased(broker, "q", 1)
     assert env2.id == env.id  # the same task, redelivered under a new lease
-    reply = await dispatch_all(nc, subjects, session, [env2])
+    reply = await dispatch_all(bus, session, [env2])
     assert list(reply.accepted) == [env.id]
     # A late Result for the old lease is dropped; the new delivery is unaffected.
     await session.worker.result(env, service_pb2.OUTCOME_SUCCESS)
@@ -437,13 +428,12 @@ async def test_a_lost_lease_is_cancelled_on_the_worker(
 
 
 async def test_cancel_broadcast_reaches_the_worker(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
     session: Session = await open_session({"q": 1}, 1)
     [env] = await leased(broker, "q", 1)
-    await dispatch_all(nc, subjects, session, [env])
-    body = cluster_pb2.CancelBroadcast(task_id=env.id, reason="operator").SerializeToString()
-    await nc.publish(subjects.cancel(), body)
+    await dispatch_all(bus, session, [env])
+    await bus.publish(cluster_pb2.CancelBroadcast(task_id=env.id, reason="operator"))
     cancel = (await session.worker.read_kind("cancel")).cancel
     assert (cancel.task_id, cancel.lease_id, cancel.reason) == (env.id, env.lease_id, "operator")
     await session.dones.wait_for(lambda m: m.gateway == session.gateway)
@@ -454,13 +444,13 @@ async def test_cancel_broadcast_reaches_the_worker(
 
 @pytest.mark.parametrize("how", ["half_close", "cancel"])
 async def test_stream_end_releases_everything_and_says_goodbye(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, how: str
+    open_session: Any, broker: CountingBroker, bus: Bus, how: str
 ) -> None:
     session: Session = await open_session({"a": 1, "b": 1}, 4)
     envs_a = await leased(broker, "a", 2)
     envs_b = await leased(broker, "b", 1)
-    await dispatch_all(nc, subjects, session, envs_a)
-    await dispatch_all(nc, subjects, session, envs_b)
+    await dispatch_all(bus, session, envs_a)
+    await dispatch_all(bus, session, envs_b)
     if how == "half_close":
         await session.worker.close()
     else:
@@ -475,16 +465,16 @@ async def test_stream_end_releases_everything_and_says_goodbye(
 
 
 async def test_server_stop_releases_and_tells_the_worker_to_reconnect(
-    make_api: MakeApi, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    make_api: MakeApi, broker: CountingBroker, bus: Bus
 ) -> None:
     api = await make_api()
-    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("q"))
+    registers = await Recorder(cluster_pb2.Register).start(bus, queue="q")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
         worker = WorkerStream(ch)
         welcome = await worker.hello({"q": 1}, 1)
         await registers.wait_for(lambda m: m.gateway == welcome.session_id)
         [env] = await leased(broker, "q", 1)
-        await dispatch(nc, subjects, welcome.session_id, "q", [env])
+        await dispatch(bus, welcome.session_id, "q", [env])
         await worker.read_kind("dispatch")
         await api.stop()
         assert await state_of(broker, env.id) is TaskState.PENDING
@@ -494,7 +484,7 @@ async def test_server_stop_releases_and_tells_the_worker_to_reconnect(
 
 
 async def test_dispatch_after_close_is_refused(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects, api: ApiServer
+    open_session: Any, broker: CountingBroker, api: ApiServer
 ) -> None:
     session: Session = await open_session({"q": 1}, 1)
     gateway = api.registry.gateways[session.gateway]
@@ -505,24 +495,22 @@ async def test_dispatch_after_close_is_refused(
 
 
 async def test_many_sessions_in_parallel(
-    open_session: Any, broker: CountingBroker, nc: NatsClient, subjects: Subjects
+    open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:
     sessions: list[Session] = await asyncio.gather(*(open_session({"p": 1}, 2) for _ in range(5)))
     assert len({s.gateway for s in sessions}) == 5
     for session in sessions:
         envs = await leased(broker, "p", 2)
-        reply = await dispatch_all(nc, subjects, session, envs)
+        reply = await dispatch_all(bus, session, envs)
         assert len(reply.accepted) == 2
         for env in envs:
             await session.worker.result(env, service_pb2.OUTCOME_SUCCESS)
     await wait_until(lambda: sum(broker.ack_batch_sizes) == 10, message="10 acks")
 
 
-async def test_register_is_repeated_every_tick(
-    make_api: MakeApi, nc: NatsClient, subjects: Subjects
-) -> None:
+async def test_register_is_repeated_every_tick(make_api: MakeApi, bus: Bus) -> None:
     api = await make_api(register_tick=0.05)
-    registers = await Recorder(cluster_pb2.Register).start(nc, subjects.register("q"))
+    registers = await Recorder(cluster_pb2.Register).start(bus, queue="q")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
         worker = WorkerStream(ch)
         welcome = await worker.hello({"q": 1}, 1)

@@ -14,6 +14,7 @@ from conveyor_api.task_service import YIELD_EVERY
 from conveyor_broker import FakeClock, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.settings import ApiSettings
@@ -257,6 +258,7 @@ async def test_concurrent_enqueues_share_commits_and_wakes(
     broker: CountingBroker,
     nc: NatsClient,
     subjects: Subjects,
+    bus: Bus,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first enqueue goes to the broker at once; those that arrive while its commit is
@@ -274,7 +276,7 @@ async def test_concurrent_enqueues_share_commits_and_wakes(
         return await commit(tasks)
 
     monkeypatch.setattr(broker, "enqueue_batch", slow_commit)
-    wakes = await Recorder(cluster_pb2.Wake).start(nc, subjects.wake("burst"))
+    wakes = await Recorder(cluster_pb2.Wake).start(bus, queue="burst")
     n = 200
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
         stub: Any = service_pb2_grpc.TaskServiceStub
@@ -297,7 +299,8 @@ async def test_concurrent_enqueues_share_commits_and_wakes(
     assert first < n // 2, held
     assert broker.enqueue_batch_sizes == [first, n - first]
 
-    # A marker published after every response: everything before it has arrived.
+    # A marker published after every response: everything before it has arrived. (By
+    # hand: the bus would publish it on the marker queue's subject.)
     await nc.publish(subjects.wake("burst"), cluster_pb2.Wake(queue="marker").SerializeToString())
     await wakes.wait_for(lambda m: m.queue == "marker")
     real = [m for m in wakes.messages if m.queue == "burst"]
@@ -339,12 +342,13 @@ async def test_a_refused_group_commit_still_answers_each_caller(
 
 
 async def test_wake_only_for_due_work(
-    api: ApiServer, tasks: Any, nc: NatsClient, subjects: Subjects
+    api: ApiServer, tasks: Any, nc: NatsClient, subjects: Subjects, bus: Bus
 ) -> None:
-    wakes = await Recorder(cluster_pb2.Wake).start(nc, subjects.queue_wildcard("wake"))
+    wakes = await Recorder(cluster_pb2.Wake).start(bus)
     await enqueue(tasks, new(queue="later", options=task_pb2.TaskOptions(process_in=seconds(60))))
     await enqueue(tasks, new(queue="now"))
     await wakes.wait_for(lambda m: m.queue == "now")
+    # A marker on the subject of "later" (by hand: the bus would publish it on its own).
     await nc.publish(subjects.wake("later"), cluster_pb2.Wake(queue="marker").SerializeToString())
     await wakes.wait_for(lambda m: m.queue == "marker")
     assert [m.queue for m in wakes.messages] == ["now", "marker"]

@@ -18,8 +18,6 @@ from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing.schemas import migrated_schema
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime.bus import Bus
-from conveyor_runtime.nats_connect import NatsClient
-from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import LeaseClaims, mint_lease_token
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.stream import MakeApi
@@ -285,13 +283,13 @@ class FakeGateway:
         self.callbacks: list[cluster_pb2.WebhookCallback] = []
         self._sub: Subscription | None = None
 
-    async def start(self, nc: NatsClient, subjects: Subjects, worker: str = NAME) -> FakeGateway:
+    async def start(self, bus: Bus, worker: str = NAME) -> FakeGateway:
         async def answer(callback: cluster_pb2.WebhookCallback) -> Reply:
             self.callbacks.append(callback)
             return self.reply
 
-        self._sub = await Bus(nc, subjects).serve_webhook_callbacks(worker, answer)
-        await nc.flush()
+        self._sub = await bus.serve_webhook_callbacks(worker, answer)
+        await bus.nc.flush()
         return self
 
     async def stop(self) -> None:
@@ -354,10 +352,8 @@ def hooks(channel: grpc.aio.Channel) -> Any:
 
 
 @pytest.fixture
-async def gateway(
-    nc: NatsClient, subjects: Subjects, registered: WebhookWorker
-) -> AsyncIterator[FakeGateway]:
-    fake = await FakeGateway().start(nc, subjects)
+async def gateway(bus: Bus, registered: WebhookWorker) -> AsyncIterator[FakeGateway]:
+    fake = await FakeGateway().start(bus)
     yield fake
     await fake.stop()
 
@@ -396,12 +392,12 @@ async def test_a_bad_or_forged_token_is_unauthenticated_and_routes_nothing(
 
 
 async def test_a_worker_without_secrets_accepts_no_token(
-    hooks: Any, broker: Broker, nc: NatsClient, subjects: Subjects
+    hooks: Any, broker: Broker, bus: Bus
 ) -> None:
     await broker.upsert_webhook_worker(
         WebhookWorkerSpec(name="bare", url="https://a.example.com/", queues={"q": 1})
     )
-    fake = await FakeGateway().start(nc, subjects, "bare")
+    fake = await FakeGateway().start(bus, "bare")
     await expect_code(
         hooks.Heartbeat,
         service_pb2.WebhookHeartbeatRequest(lease_token=lease_token(worker="bare")),

@@ -71,6 +71,8 @@ class FakeGateway:
         self._subs: list[Subscription] = []
 
     async def start(self) -> None:
+        # By hand, not Bus.serve_dispatch: a silent gateway never answers, and one that
+        # finishes at once publishes its Done before it replies.
         self._subs.append(
             await self.nc.subscribe(self.subjects.dispatch(self.id), cb=self._on_dispatch)
         )

@@ -20,6 +20,7 @@ from conveyor_broker import Broker, FakeClock, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_gateway import AckBatcher, GatewayConfig, WakePublisher
 from conveyor_protos.v1 import cluster_pb2, service_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import verify_delivery, verify_lease_token
@@ -40,7 +41,6 @@ from conveyor_testkit.webhooks import (
     status,
 )
 from conveyor_webhook import WebhookConfig, WebhookGateway, Wiring
-from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError
 
 QUEUE = "hooks"
@@ -448,8 +448,7 @@ async def test_an_operator_cancel_aborts_the_open_request(rig: Rig) -> None:
 
     task = await rig.broker.cancel_task(task_id)  # what AdminService does, then it broadcasts
     assert task.state == TaskState.ARCHIVED
-    broadcast = cluster_pb2.CancelBroadcast(task_id=task_id, reason="canceled")
-    await rig.nc.publish(rig.subjects.cancel(), broadcast.SerializeToString())
+    await rig.bus.publish(cluster_pb2.CancelBroadcast(task_id=task_id, reason="canceled"))
 
     await wait_until(lambda: gateway.open_deliveries == 0)
     assert gateway.gateway.in_flight == 0
@@ -462,11 +461,7 @@ async def test_an_operator_cancel_aborts_the_open_request(rig: Rig) -> None:
 @memory_only
 async def test_the_breaker_announces_zero_capacity_then_probes_then_closes(rig: Rig) -> None:
     announced: list[cluster_pb2.Register] = []
-
-    async def on_register(msg: Msg) -> None:
-        announced.append(cluster_pb2.Register.FromString(msg.data))
-
-    await rig.nc.subscribe(rig.subjects.register(QUEUE), cb=on_register)
+    await rig.bus.subscribe(cluster_pb2.Register, announced.append, queue=QUEUE)
     rig.endpoint.answer = status(503)
     gateway = await rig.start_gateway(
         manager_options={"breaker_threshold": 2, "breaker_cooldown": 1.0}, concurrency=4
@@ -551,8 +546,9 @@ async def test_a_gateway_that_fails_to_start_closes_what_it_opened(
             lease_ttl=timedelta(seconds=30), register_tick=5.0, max_result=1024, clock=clock
         )
     )
-    acks, wakes = AckBatcher(broker), WakePublisher(gone, subjects)
-    gateway = WebhookGateway(worker, Wiring(broker, gone, subjects, config, acks, wakes))
+    bus = Bus(gone, subjects)
+    acks, wakes = AckBatcher(broker), WakePublisher(bus)
+    gateway = WebhookGateway(worker, Wiring(broker, bus, config, acks, wakes))
 
     with pytest.raises(ConnectionClosedError):
         await gateway.start()

@@ -257,7 +257,7 @@ async def test_a_second_manager_runs_no_gateway_while_the_first_leads(rig: Rig) 
     await second.reconcile()
     assert not second.leading
     assert second.gateways == {}
-    kv = await open_lease_bucket(rig.nc, rig.subjects.leaders_bucket, 1.0)
+    kv = await open_lease_bucket(rig.bus.nc, rig.bus.subjects.leaders_bucket, 1.0)
     assert await KeyLease(kv, ROLE, "anyone").holder() == "first"
 
     # The first one stops (giving the role up): the second takes over.
@@ -274,7 +274,7 @@ async def test_losing_leadership_drains_every_gateway(rig: Rig) -> None:
     parked = await rig.park(gateway)
 
     # Someone else takes the key (as after a partition): the next refresh is refused.
-    kv = await open_lease_bucket(rig.nc, rig.subjects.leaders_bucket, 3.0)
+    kv = await open_lease_bucket(rig.bus.nc, rig.bus.subjects.leaders_bucket, 3.0)
     await kv.delete(ROLE)
     assert await KeyLease(kv, ROLE, "usurper").claim()
 

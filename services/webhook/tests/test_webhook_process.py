@@ -15,6 +15,7 @@ from conveyor_broker import TaskState
 from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_cli.dev import DevOptions, run_dev
 from conveyor_dispatcher import Dispatcher
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
@@ -60,7 +61,7 @@ async def test_webhook_process_delivers_and_stops_on_sigterm(
                 stderr=log,
             )
         try:
-            task_id = await submit(broker, nc, subjects, "hooks")
+            task_id = await submit(broker, Bus(nc, subjects), "hooks")
 
             async def completed() -> bool:
                 task = await broker.get_task(task_id)

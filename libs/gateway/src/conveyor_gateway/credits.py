@@ -23,10 +23,7 @@ from collections.abc import Callable, Collection, Coroutine
 from typing import Any
 
 from conveyor_protos.v1 import cluster_pb2, task_pb2
-from conveyor_runtime.subjects import Subjects
-from google.protobuf.message import DecodeError
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
+from conveyor_runtime.bus import Bus
 from nats.aio.subscription import Subscription
 
 from conveyor_gateway.capacity import capped_slots, split_capacity
@@ -52,8 +49,7 @@ class Credits:
         *,
         holdings: Holdings,
         transport: Transport,
-        nc: NATS,
-        subjects: Subjects,
+        bus: Bus,
         register_tick: float,
         spawn: Callable[[Coroutine[Any, Any, None]], None],
     ) -> None:
@@ -69,12 +65,11 @@ class Credits:
         self._held = holdings.by_lease
         self._per_queue = holdings.per_queue
         self._transport = transport
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._register_tick = register_tick
         self._spawn = spawn
         #: Slots given back (a Done per queue, coalesced).
-        self.done = DonePublisher(nc, subjects, gateway_id)
+        self.done = DonePublisher(bus, gateway_id)
         self._subs: list[Subscription] = []
         self._ticker: asyncio.Task[None] | None = None
         self._started = False
@@ -86,18 +81,15 @@ class Credits:
     async def start(self) -> None:
         """Subscribe to dispatch offers and owner changes, then announce the slots on
         every queue and keep re-announcing them."""
-        self._subs.append(
-            await self._nc.subscribe(self._subjects.dispatch(self._id), cb=self._on_dispatch)
-        )
+        bus = self._bus
+        self._subs.append(await bus.serve_dispatch(self._id, self._answer))
         for queue in sorted(self.capacity):
             self._subs.append(
-                await self._nc.subscribe(
-                    self._subjects.owner_changed(queue), cb=self._on_owner_changed
-                )
+                await bus.subscribe_owner_changed(self._on_owner_changed, queue=queue)
             )
         # The dispatch subscription must be known to the server before a dispatcher
         # hears about us, or its first request finds no responder.
-        await self._nc.flush()
+        await bus.nc.flush()
         self._started = True
         for queue in sorted(self.capacity):
             await self.register(queue)
@@ -190,31 +182,20 @@ class Credits:
             self._transport.dispatch(envelopes)
         return accepted
 
-    async def _on_dispatch(self, msg: Msg) -> None:
-        try:
-            request = cluster_pb2.DispatchRequest.FromString(msg.data)
-        except DecodeError:
-            logger.warning("gateway.bad_dispatch_request gateway=%s", self._id)
-            request = cluster_pb2.DispatchRequest()
-        accepted = self.accept(request) if request.queue else []
-        reply = cluster_pb2.DispatchReply(
-            accepted=accepted,
-            credits=self.free(request.queue),
-            returned=self.done.returned(request.queue),
-        )
-        if msg.reply:
-            try:
-                await msg.respond(reply.SerializeToString())
-            except Exception as exc:
-                # No reply: the dispatcher times out and releases them, but we already
-                # pushed them; the broker's lease keeps that from going wrong.
-                logger.warning("gateway.reply_failed gateway=%s error=%r", self._id, exc)
+    def _answer(self, request: cluster_pb2.DispatchRequest) -> cluster_pb2.DispatchReply:
+        """The reply to a dispatch offer (the bus sends it; one it cannot decode comes
+        here empty, and gets the free slots of no queue: none)."""
+        queue = request.queue
+        accepted = self.accept(request) if queue else []
         logger.debug(
             "gateway.dispatch gateway=%s queue=%s offered=%d accepted=%d",
             self._id,
-            request.queue,
+            queue,
             len(request.tasks),
             len(accepted),
+        )
+        return cluster_pb2.DispatchReply(
+            accepted=accepted, credits=self.free(queue), returned=self.done.returned(queue)
         )
 
     # -------------------------------------------------------------- register
@@ -233,9 +214,9 @@ class Credits:
 
     async def register(self, queue: str, *, closing: bool = False) -> None:
         """Announce the slots of ``queue`` (a failure to publish is logged)."""
-        body = self._register_message(queue, closing=closing).SerializeToString()
+        message = self._register_message(queue, closing=closing)
         try:
-            await self._nc.publish(self._subjects.register(queue), body)
+            await self._bus.publish(message)
         except Exception as exc:
             logger.warning(
                 "gateway.register_failed gateway=%s queue=%s error=%r", self._id, queue, exc
@@ -253,7 +234,6 @@ class Credits:
             for queue in sorted(self.capacity):
                 await self.register(queue)
 
-    async def _on_owner_changed(self, msg: Msg) -> None:
-        queue = Subjects.queue_of(msg.subject)
+    async def _on_owner_changed(self, queue: str) -> None:
         if queue in self.capacity and not self.closed:
             await self.register(queue)

@@ -34,8 +34,7 @@ from typing import Any
 from conveyor_broker import AckItem, Broker, LeaseLost, Task, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime import wire
-from conveyor_runtime.subjects import Subjects
-from nats.aio.client import Client as NATS
+from conveyor_runtime.bus import Bus
 
 from conveyor_gateway.attempt_bounds import AttemptBound
 from conveyor_gateway.config import GatewayConfig, WorkerSpec
@@ -67,8 +66,7 @@ class Gateway:
         spec: WorkerSpec,
         *,
         broker: Broker,
-        nc: NATS,
-        subjects: Subjects,
+        bus: Bus,
         config: GatewayConfig,
         acks: AckBatcher,
         wakes: WakePublisher,
@@ -94,8 +92,7 @@ class Gateway:
             spec,
             holdings=self._holdings,
             transport=transport,
-            nc=nc,
-            subjects=subjects,
+            bus=bus,
             register_tick=config.register_tick,
             spawn=self._spawn,
         )

@@ -18,8 +18,7 @@ from datetime import datetime
 
 from conveyor_broker import Task, TaskState
 from conveyor_protos.v1 import cluster_pb2
-from conveyor_runtime.subjects import Subjects
-from nats.aio.client import Client as NATS
+from conveyor_runtime.bus import Bus
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class _Coalescer(abc.ABC):
 
 
 class WakePublisher(_Coalescer):
-    """Publishes ``Wake`` on ``subjects.wake(queue)``, at most one pending per queue.
+    """Publishes ``Wake`` and promote hints on the ``bus``, at most one pending per queue.
 
     ``wake_later`` wakes a queue when work in it becomes due (a retry after its backoff),
     so the retry starts on time instead of at the reaper's next due-queue sweep; likewise
@@ -84,10 +83,9 @@ class WakePublisher(_Coalescer):
     #: and long backoffs would otherwise fill the table the short ones need.
     LATER_HORIZON = 300.0
 
-    def __init__(self, nc: NATS, subjects: Subjects) -> None:
+    def __init__(self, bus: Bus) -> None:
         super().__init__()
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._pending: set[str] = set()
         self._promote = False
         # Later wakes: a heap of (tick, queue or PROMOTE), the same pairs as a set, and
@@ -202,23 +200,22 @@ class WakePublisher(_Coalescer):
         queues = sorted(self._pending)
         self._pending.clear()
         promote, self._promote = self._promote, False
+        publish = self._bus.publish
         for queue in queues:
-            body = cluster_pb2.Wake(queue=queue).SerializeToString()
-            await self._nc.publish(self._subjects.wake(queue), body)
+            await publish(cluster_pb2.Wake(queue=queue))
         if promote:
-            await self._nc.publish(self._subjects.promote(), b"")
+            await self._bus.publish_promote()
 
 
 class DonePublisher(_Coalescer):
-    """Publishes ``Done{gateway, queue, n, returned}`` on ``subjects.done(queue)``, summed
-    per queue, with the running total of slots given back on that queue (which the
-    gateway also puts in its dispatch replies and registrations, so the dispatcher can
-    tell which Dones a reply already accounts for)."""
+    """Publishes ``Done{gateway, queue, n, returned}`` on the ``bus``, summed per queue,
+    with the running total of slots given back on that queue (which the gateway also puts
+    in its dispatch replies and registrations, so the dispatcher can tell which Dones a
+    reply already accounts for)."""
 
-    def __init__(self, nc: NATS, subjects: Subjects, gateway: str) -> None:
+    def __init__(self, bus: Bus, gateway: str) -> None:
         super().__init__()
-        self._nc = nc
-        self._subjects = subjects
+        self._bus = bus
         self._gateway = gateway
         self._pending: Counter[str] = Counter()
         self._returned: Counter[str] = Counter()
@@ -241,6 +238,6 @@ class DonePublisher(_Coalescer):
         # The totals as of this snapshot, so each Done's n and total agree.
         pending = {queue: (n, self._returned[queue]) for queue, n in self._pending.items()}
         self._pending.clear()
+        publish, gateway = self._bus.publish, self._gateway
         for queue, (n, returned) in sorted(pending.items()):
-            done = cluster_pb2.Done(gateway=self._gateway, queue=queue, n=n, returned=returned)
-            await self._nc.publish(self._subjects.done(queue), done.SerializeToString())
+            await publish(cluster_pb2.Done(gateway=gateway, queue=queue, n=n, returned=returned))

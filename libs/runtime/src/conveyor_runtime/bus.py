@@ -127,7 +127,8 @@ class Bus:
             raise TypeError(f"the bus does not publish {type(message).__name__}") from None
         if tail is not None:
             per_queue: Any = message  # every type with a tail has a queue field
-            head = head + per_queue.queue + tail
+            # One f-string: two + would build (and copy) an intermediate string.
+            head = f"{head}{per_queue.queue}{tail}"
         return self.nc.publish(head, message.SerializeToString())
 
     async def subscribe(

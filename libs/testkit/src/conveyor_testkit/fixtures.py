@@ -1,7 +1,8 @@
 """Pytest fixtures for the webhook service's tests: a real endpoint, a real dispatcher and
 WebhookManagers, all in the test's process, and the :class:`~conveyor_testkit.webhooks.Rig`
-bundling them with the ``broker``, ``nc``, ``subjects``, ``clock`` and ``nats_url``
-fixtures of the workspace's root conftest (a test module may override any of those).
+bundling them with the ``broker``, ``nc``, ``subjects``, ``bus``, ``clock`` and
+``nats_url`` fixtures of the workspace's root conftest (a test module may override any of
+those).
 
 A test module takes them by importing them (they are not in a conftest, whose module name
 every test folder would share)::
@@ -22,6 +23,7 @@ from collections.abc import AsyncIterator
 import pytest
 from conveyor_broker import Broker, FakeClock
 from conveyor_dispatcher import Dispatcher
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
@@ -71,12 +73,11 @@ async def managers_fixture(
 @pytest.fixture(name="rig")
 def rig_fixture(
     broker: Broker,
-    nc: NatsClient,
-    subjects: Subjects,
+    bus: Bus,
     clock: FakeClock,
     endpoint: Endpoint,
     managers: Managers,
     dispatcher: Dispatcher,
 ) -> Rig:
     """Registration ``billing`` on queue ``hooks``, with all of the above around it."""
-    return Rig(broker, nc, subjects, clock, endpoint, managers, dispatcher)
+    return Rig(broker, bus, clock, endpoint, managers, dispatcher)

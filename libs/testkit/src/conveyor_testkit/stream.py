@@ -1,5 +1,5 @@
-"""Driving an api server by hand, without the SDK: a raw worker stream, a recorder of NATS
-messages, and a stand-in dispatcher.
+"""Driving an api server by hand, without the SDK: a raw worker stream, a recorder of the
+bus's messages, and a stand-in dispatcher.
 
 Nothing here sleeps for time: waits poll a condition until a timeout.
 """
@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic
 
 import grpc
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
-from conveyor_runtime.subjects import Subjects
-from google.protobuf.message import Message
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
+from conveyor_runtime.bus import Bus, M
 from nats.aio.subscription import Subscription
 
 from conveyor_testkit.polling import wait_until
 
 if TYPE_CHECKING:
     from conveyor_api.server import ApiServer
-
-M = TypeVar("M", bound=Message)
 
 #: Starts an ApiServer with settings overrides (the api tests' ``make_api`` fixture).
 MakeApi = Callable[..., Awaitable["ApiServer"]]
@@ -125,23 +120,18 @@ class WorkerStream:
 
 
 class Recorder(Generic[M]):
-    """Collects the messages of one NATS subject (wildcards allowed), decoded as ``kind``."""
+    """Collects the ``kind`` messages on the bus (see :meth:`Bus.subscribe`)."""
 
     def __init__(self, kind: type[M]) -> None:
-        self.kind = kind
+        self.kind: type[M] = kind
         self.messages: list[M] = []
-        self.subjects: list[str] = []
         self._sub: Subscription | None = None
 
-    async def start(self, nc: NATS, subject: str) -> Recorder[M]:
-        """Subscribe (and flush, so nothing published afterwards is missed)."""
-
-        async def on_msg(msg: Msg) -> None:
-            self.messages.append(self.kind.FromString(msg.data))
-            self.subjects.append(msg.subject)
-
-        self._sub = await nc.subscribe(subject, cb=on_msg)
-        await nc.flush()
+    async def start(self, bus: Bus, *, queue: str = "*") -> Recorder[M]:
+        """Subscribe to those of ``queue`` (default: every queue's; per-queue kinds only),
+        and flush, so nothing published afterwards is missed."""
+        self._sub = await bus.subscribe(self.kind, self.messages.append, queue=queue)
+        await bus.nc.flush()
         return self
 
     async def wait_for(
@@ -167,8 +157,7 @@ class Recorder(Generic[M]):
 
 
 async def dispatch(
-    nc: NATS,
-    subjects: Subjects,
+    bus: Bus,
     gateway: str,
     queue: str,
     envelopes: Sequence[task_pb2.TaskEnvelope],
@@ -177,5 +166,4 @@ async def dispatch(
 ) -> cluster_pb2.DispatchReply:
     """Act as the dispatcher: offer ``envelopes`` to ``gateway`` and return its reply."""
     request = cluster_pb2.DispatchRequest(queue=queue, dispatcher="test", tasks=list(envelopes))
-    msg = await nc.request(subjects.dispatch(gateway), request.SerializeToString(), timeout=within)
-    return cluster_pb2.DispatchReply.FromString(msg.data)
+    return await bus.dispatch(gateway, request, within=within)

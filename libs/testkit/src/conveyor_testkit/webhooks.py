@@ -29,6 +29,7 @@ from conveyor_broker import (
 )
 from conveyor_broker.clock import Clock
 from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_webhook.gateway import WebhookGateway
@@ -183,19 +184,18 @@ def _knows(dispatcher: _Dispatcher, queue: str, gateway_id: str) -> bool:
     return qd is not None and gateway_id in qd.book
 
 
-async def submit(broker: Broker, nc: NATS, subjects: Subjects, queue: str, **fields: Any) -> str:
+async def submit(broker: Broker, bus: Bus, queue: str, **fields: Any) -> str:
     """Enqueue a task on ``queue`` and wake the queue; the task id."""
     fields.setdefault("payload", b'{"amount": 42}')
     fields.setdefault("type", "invoice.charge")
     result = await broker.enqueue(NewTask(queue=queue, **fields))
-    await nc.publish(subjects.wake(queue), cluster_pb2.Wake(queue=queue).SerializeToString())
-    await nc.flush()
+    await bus.publish(cluster_pb2.Wake(queue=queue))
+    await bus.nc.flush()
     return result.task.id
 
 
 async def send_callback(
-    nc: NATS,
-    subjects: Subjects,
+    bus: Bus,
     worker: str,
     *,
     task_id: str,
@@ -213,8 +213,7 @@ async def send_callback(
         request.result.CopyFrom(outcome)
     else:
         request.heartbeat.CopyFrom(cluster_pb2.WebhookBeat(progress=beat or b""))
-    msg = await nc.request(subjects.webhook_callback(worker), request.SerializeToString(), 5.0)
-    return cluster_pb2.WebhookCallbackReply.FromString(msg.data)
+    return await bus.webhook_callback(request, within=5.0)
 
 
 class Managers:
@@ -256,13 +255,12 @@ class Managers:
 @dataclass
 class Rig:
     """One webhook registration under test (``name``, serving ``queue``) with everything
-    around it: a broker on a FakeClock, NATS, a real :class:`Endpoint` (the
+    around it: a broker on a FakeClock, the NATS bus, a real :class:`Endpoint` (the
     registration's url), the dispatcher owning the queue, and :class:`Managers` to run
     the gateways. The shortcuts below default to that registration and queue."""
 
     broker: Broker
-    nc: NATS
-    subjects: Subjects
+    bus: Bus
     clock: FakeClock
     endpoint: Endpoint
     managers: Managers
@@ -303,7 +301,7 @@ class Rig:
     async def submit(self, queue: str | None = None, **fields: Any) -> str:
         """Enqueue a task on ``queue`` (default: the rig's) and wake it (see
         :func:`submit`); the task id."""
-        return await submit(self.broker, self.nc, self.subjects, queue or self.queue, **fields)
+        return await submit(self.broker, self.bus, queue or self.queue, **fields)
 
     async def park(self, gateway: WebhookGateway) -> Delivery:
         """Submit a task the endpoint accepts (whatever it answers otherwise); its
@@ -360,8 +358,7 @@ class Rig:
         ``outcome``) the way the api's WebhookService does (see :func:`send_callback`);
         ``lease_id``, ``task_id`` and ``queue`` stand in for the delivery's own."""
         return await send_callback(
-            self.nc,
-            self.subjects,
+            self.bus,
             self.name,
             task_id=task_id or delivery.task_id,
             lease_id=lease_id or delivery.lease_id,

@@ -95,7 +95,7 @@ class ApiServer:
         self.bus = Bus(nc, self.subjects)
         self.port = 0
         self.registry = SessionRegistry()
-        self.wakes = WakePublisher(nc, self.subjects)
+        self.wakes = WakePublisher(self.bus)
         self.acks = AckBatcher(broker)
         self.committer = EnqueueCommitter(
             broker,
@@ -138,8 +138,7 @@ class ApiServer:
             session_id,
             spec,
             broker=self.broker,
-            nc=self.nc,
-            subjects=self.subjects,
+            bus=self.bus,
             config=self.gateway_config,
             acks=self.acks,
             wakes=self.wakes,

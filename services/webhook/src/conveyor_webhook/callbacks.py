@@ -1,6 +1,6 @@
 """Answering webhook callbacks: the endpoint's Heartbeat and ReportResult calls, which the
-api's WebhookService verifies and routes here over NATS (``Subjects.webhook_callback``,
-queue group ``webhook``) as a ``WebhookCallback``.
+api's WebhookService verifies and routes here over NATS as a ``WebhookCallback``
+(:meth:`conveyor_runtime.bus.Bus.webhook_callback`, queue group ``webhook``).
 
 The leading manager answers for every stored registration: through its running
 :class:`~conveyor_webhook.gateway.WebhookGateway` when there is one, else through a
@@ -10,10 +10,11 @@ callback gets a reply, a broker failure included, so the api never waits for a t
 
 - ``STATUS_OK`` (a heartbeat: with the new lease expiry);
 - ``STATUS_LEASE_LOST``: the task is gone, not ACTIVE, or under another lease;
-- ``STATUS_INVALID`` with the reason: a malformed callback, an outcome that is not final,
-  a result over this service's ``max_result``, a task on a queue the registration does
-  not serve; and :data:`~conveyor_gateway.outcomes.BROKER_UNAVAILABLE` when the broker
-  failed (the api turns that one into UNAVAILABLE: retry).
+- ``STATUS_INVALID`` with the reason: a malformed callback (one that does not even decode
+  is answered by the bus, :data:`~conveyor_runtime.bus.MALFORMED_CALLBACK`), an outcome
+  that is not final, a result over this service's ``max_result``, a task on a queue the
+  registration does not serve; and :data:`~conveyor_gateway.outcomes.BROKER_UNAVAILABLE`
+  when the broker failed (the api turns that one into UNAVAILABLE: retry).
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from conveyor_broker import (
 from conveyor_gateway.outcomes import BROKER_UNAVAILABLE
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime import wire
-from google.protobuf.message import DecodeError
-from nats.aio.msg import Msg
 
 from conveyor_webhook.config import Wiring
 from conveyor_webhook.response import OUTCOMES
@@ -46,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CallbackResponder",
+    "Handler",
     "NotServed",
     "Resolve",
     "Status",
@@ -54,7 +54,6 @@ __all__ = [
     "live_task",
     "outcome_result",
     "reply",
-    "respond",
     "set_retry_after",
 ]
 
@@ -163,6 +162,7 @@ async def live_task(
     return task
 
 
+#: Answers one callback (a ``handle_callback``).
 Handler = Callable[[cluster_pb2.WebhookCallback], Awaitable[Status]]
 
 
@@ -192,22 +192,6 @@ async def answer(name: str, callback: cluster_pb2.WebhookCallback, handle: Handl
             callback.lease_id,
         )
         return reply(Status.STATUS_INVALID, BROKER_UNAVAILABLE)
-
-
-async def respond(name: str, msg: Msg, handle: Handler) -> None:
-    """Decode the callback in ``msg``, have ``handle`` (a ``handle_callback``, which
-    never raises) answer it, and reply."""
-    try:
-        callback = cluster_pb2.WebhookCallback.FromString(msg.data)
-    except DecodeError:
-        status = reply(Status.STATUS_INVALID, "malformed callback")
-    else:
-        status = await handle(callback)
-    if msg.reply:
-        try:
-            await msg.respond(status.SerializeToString())
-        except Exception as exc:
-            logger.warning("webhook.callback_reply_failed worker=%s error=%r", name, exc)
 
 
 class CallbackResponder:

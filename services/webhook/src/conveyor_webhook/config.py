@@ -17,8 +17,7 @@ from conveyor_gateway import (
     WorkerSpec,
 )
 from conveyor_gateway.leases import OnExtended
-from conveyor_runtime.subjects import Subjects
-from nats.aio.client import Client as NATS
+from conveyor_runtime.bus import Bus
 
 from conveyor_webhook.version import __version__
 
@@ -38,11 +37,10 @@ class WebhookConfig:
 @dataclass(frozen=True, slots=True)
 class Wiring:
     """The connections every webhook gateway and callback responder of a manager share:
-    the broker, NATS, the subjects, the config, and the ack and wake batchers."""
+    the broker, the NATS bus, the config, and the ack and wake batchers."""
 
     broker: Broker
-    nc: NATS
-    subjects: Subjects
+    bus: Bus
     config: WebhookConfig
     acks: AckBatcher
     wakes: WakePublisher
@@ -69,8 +67,7 @@ class Wiring:
             f"wh-{worker.name}-{new_id(now)}",
             spec,
             broker=self.broker,
-            nc=self.nc,
-            subjects=self.subjects,
+            bus=self.bus,
             config=self.config.gateway,
             acks=self.acks,
             wakes=self.wakes,

@@ -19,11 +19,11 @@ registration whose old gateway is still draining gets its new one from the recon
 that follows the drain. Losing leadership, or :meth:`WebhookManager.stop`, drains every
 gateway.
 
-Callbacks: the leader answers the callbacks (``Subjects.webhook_callback``, queue group
-``webhook``) of every stored registration, paused ones included: through the running
-gateway when there is one (a heartbeat for a delivery it does not hold adopts it), else
-through a :class:`~conveyor_webhook.callbacks.CallbackResponder` (lease-scoped broker
-calls). A deleted registration's callbacks get no answer (the api refuses its tokens
+Callbacks: the leader answers the callbacks of every stored registration, paused ones
+included (:meth:`~conveyor_runtime.bus.Bus.serve_webhook_callbacks`, queue group
+``webhook``): through the running gateway when there is one (a heartbeat for a delivery it
+does not hold adopts it), else through a
+:class:`~conveyor_webhook.callbacks.CallbackResponder` (lease-scoped broker calls). A deleted registration's callbacks get no answer (the api refuses its tokens
 anyway).
 
 An operator's cancel of a running task (the ``CancelBroadcast`` every gateway hears)
@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,15 +43,14 @@ from conveyor_broker import Broker, WebhookWorker
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_gateway import AckBatcher, GatewayConfig, WakePublisher
 from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime.bus import Bus
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
-from google.protobuf.message import DecodeError
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from conveyor_webhook.callbacks import CallbackResponder, Status, respond
+from conveyor_webhook.callbacks import CallbackResponder, Handler, Status
 from conveyor_webhook.config import WebhookConfig, Wiring
 from conveyor_webhook.gateway import WebhookGateway
 
@@ -59,8 +58,6 @@ logger = logging.getLogger(__name__)
 
 #: The manager's key in the leaders bucket.
 ROLE = "webhook-manager"
-#: The NATS queue group every callback subscription joins.
-CALLBACK_GROUP = "webhook"
 
 
 def is_active(worker: WebhookWorker) -> bool:
@@ -98,6 +95,7 @@ class WebhookManager:
         self.clock: Clock = clock or SystemClock()
         self._broker = broker
         self._nc = nc
+        self.bus = Bus(nc, self.subjects)
         self.config = WebhookConfig(
             gateway=GatewayConfig(
                 lease_ttl=settings.lease_ttl_delta,
@@ -164,18 +162,17 @@ class WebhookManager:
             return
         self._wiring = Wiring(
             broker=self._broker,
-            nc=self._nc,
-            subjects=self.subjects,
+            bus=self.bus,
             config=self.config,
             acks=AckBatcher(self._broker),
-            wakes=WakePublisher(self._nc, self.subjects),
+            wakes=WakePublisher(self.bus),
         )
         try:
             kv = await open_lease_bucket(
                 self._nc, self.subjects.leaders_bucket, self.settings.leader_ttl
             )
-            self._cancel_sub = await self._nc.subscribe(
-                self.subjects.cancel(), cb=self._on_cancel_broadcast
+            self._cancel_sub = await self.bus.subscribe(
+                cluster_pb2.CancelBroadcast, self._on_cancel_broadcast
             )
             keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
             await keeper.start()
@@ -217,12 +214,7 @@ class WebhookManager:
             await self._wiring.acks.aclose()
             await self._wiring.wakes.aclose()
 
-    async def _on_cancel_broadcast(self, msg: Msg) -> None:
-        try:
-            request = cluster_pb2.CancelBroadcast.FromString(msg.data)
-        except DecodeError:
-            logger.warning("webhook.bad_cancel_broadcast")
-            return
+    def _on_cancel_broadcast(self, request: cluster_pb2.CancelBroadcast) -> None:
         if request.task_id:
             reason = request.reason or "canceled by an operator"
             gateways = [*self.gateways.values(), *(g for g, _ in self._retiring.values())]
@@ -360,23 +352,20 @@ class WebhookManager:
                 route.responder.refresh(worker)
                 continue
             responder = CallbackResponder(worker, wiring)
-            sub = await self._nc.subscribe(
-                self.subjects.webhook_callback(name),
-                queue=CALLBACK_GROUP,
-                cb=self._callback_handler(name),
+            sub = await self.bus.serve_webhook_callbacks(
+                name, self._answerer(name), spawn=self._answering_task
             )
             self._callbacks[name] = _Callbacks(sub, responder)
 
-    def _callback_handler(self, name: str) -> Callable[[Msg], Awaitable[None]]:
-        async def on_callback(msg: Msg) -> None:
-            # One task per callback: a slow broker call must not hold up the others.
-            task = asyncio.get_running_loop().create_task(self._answer(name, msg))
-            self._answering.add(task)
-            task.add_done_callback(self._answering.discard)
+    def _answering_task(self, answer: Coroutine[Any, Any, None]) -> None:
+        # One task per callback: a slow broker call must not hold up the others.
+        task = asyncio.get_running_loop().create_task(answer)
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
 
-        return on_callback
+    def _answerer(self, name: str) -> Handler:
+        """What answers the callbacks of registration ``name`` (never raises)."""
 
-    async def _answer(self, name: str, msg: Msg) -> None:
         async def handle(callback: cluster_pb2.WebhookCallback) -> Status:
             gateway = self.gateways.get(name)
             if gateway is not None and gateway.serving:
@@ -386,7 +375,7 @@ class WebhookManager:
                 return Status(status=Status.STATUS_LEASE_LOST, message="lease lost")
             return await route.responder.handle_callback(callback)
 
-        await respond(name, msg, handle)
+        return handle
 
     async def _drop_callback(self, name: str) -> None:
         route = self._callbacks.pop(name, None)
