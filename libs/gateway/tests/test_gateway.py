@@ -52,6 +52,8 @@ class Parts:
     clock: FakeClock
     acks: AckBatcher
     wakes: WakePublisher
+    #: Every gateway made, closed after the test: their attempt timers must not outlive it.
+    made: list[Gateway] = field(default_factory=list)
 
     @property
     def config(self) -> GatewayConfig:
@@ -76,6 +78,7 @@ class Parts:
             connected_at=self.clock.now(),
             **options,
         )
+        self.made.append(gateway)
         return gateway, transport
 
     async def leased(self, n: int, queue: str = "q", **fields: Any) -> list[Task]:
@@ -94,6 +97,8 @@ async def parts(bus: Bus, clock: FakeClock) -> AsyncIterator[Parts]:
     broker = MemoryBroker(clock)
     p = Parts(broker, bus, clock, AckBatcher(broker), WakePublisher(bus))
     yield p
+    for gateway in p.made:
+        await gateway.close()
     await p.acks.aclose()
     await p.wakes.aclose()
     await broker.close()

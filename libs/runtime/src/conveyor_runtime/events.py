@@ -32,6 +32,7 @@ from conveyor_broker.types import TaskEvent
 from nats.aio.subscription import Subscription
 
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +99,7 @@ class EventPublisher:
         if self._task is None:
             return
         task, self._task = self._task, None
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait([task])
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._publish_all(), flush_within)
         self._loop = None

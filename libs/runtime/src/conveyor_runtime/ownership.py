@@ -14,7 +14,6 @@ which is what :class:`LeaseKeeper` is for.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +23,8 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import StorageType
 from nats.js.kv import KeyValue
+
+from conveyor_runtime.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -187,9 +188,7 @@ class LeaseKeeper:
     async def stop(self, *, release: bool = True) -> None:
         """Stop refreshing; with ``release``, give every held key up at once."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
             self._task = None
         if release:
             async with self._lock:

@@ -17,7 +17,6 @@ The first SIGTERM/SIGINT sets ``stop`` (graceful); a second one cancels the serv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -40,6 +39,7 @@ from conveyor_runtime.logging import configure_logging
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.settings import CommonSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.tasks import cancel_and_wait
 from conveyor_runtime.tracing import configure_tracing, shutdown_tracing
 
 logger = logging.getLogger(__name__)
@@ -104,9 +104,7 @@ async def open_runtime(
                 yield Runtime(settings, broker, nc, clock, subjects, bus, events, gate)
             finally:
                 if beat is not None:
-                    beat.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await beat
+                    await cancel_and_wait([beat])
         finally:
             if gate is not None:
                 await gate.stop()

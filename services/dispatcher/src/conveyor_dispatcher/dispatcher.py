@@ -29,6 +29,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.tasks import cancel_and_wait
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
@@ -149,13 +150,7 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs.clear()
-        for task in [self._housekeeper, *self._tasks]:
-            if task is not None:
-                task.cancel()
-        for task in [self._housekeeper, *self._tasks]:
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait([self._housekeeper, *self._tasks])
         self._housekeeper = None
         queues = list(self._queues.items())
         self._queues.clear()

@@ -40,6 +40,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.tasks import cancel_and_wait
 from conveyor_runtime.tracing import tracer
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
@@ -139,11 +140,7 @@ class Maintenance:
             with contextlib.suppress(Exception):
                 await self._hint_sub.unsubscribe()
             self._hint_sub = None
-        for task in self._loops:
-            task.cancel()
-        for task in self._loops:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._loops)
         self._loops = []
         if self._keeper is not None:
             await self._keeper.stop(release=True)

@@ -33,7 +33,6 @@ reaches the gateway holding it, which aborts that task's HTTP request if still i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.tasks import cancel_and_wait
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
@@ -188,9 +188,7 @@ class WebhookManager:
         another instance takes over."""
         self._stopping = True
         if self._loop is not None:
-            self._loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop
+            await cancel_and_wait([self._loop])
             self._loop = None
         await self._stop_all()
         await self.settled()
