@@ -175,8 +175,11 @@ class Cluster:
     async def start_api(self, env: Mapping[str, str] | None = None) -> Proc:
         """An api process on a free port; returns once it accepts connections."""
         port = free_port()
+        # On loopback only: plaintext needs no CONVEYOR_ALLOW_PLAINTEXT there.
         proc = self.spawn(
-            "api", ["-m", "conveyor_api"], {"CONVEYOR_PORT": str(port), **(env or {})}
+            "api",
+            ["-m", "conveyor_api"],
+            {"CONVEYOR_HOST": "127.0.0.1", "CONVEYOR_PORT": str(port), **(env or {})},
         )
         proc.port = port
         await wait_for(lambda: port_open(port) or not proc.alive(), timeout=30, message="api port")
