@@ -220,8 +220,11 @@ class Cluster:
         record: Path,
         mode: str = "noop",
         grace: float = 30.0,
+        tls: Mapping[str, str] | None = None,
     ) -> Proc:
-        """An SDK worker process (tests/e2e/worker_app.py) that records each run to ``record``."""
+        """An SDK worker process (tests/e2e/worker_app.py) that records each run to ``record``;
+        ``tls`` holds its ``--tls-ca``, ``--tls-cert`` and ``--tls-key`` by flag name
+        (``{"ca": path}``...)."""
         args = [
             str(ROOT / "tests" / "e2e" / "worker_app.py"),
             "--target",
@@ -237,6 +240,8 @@ class Cluster:
         ]
         for queue, weight in queues.items():
             args += ["--queue", f"{queue}={weight}"]
+        for name, path in (tls or {}).items():
+            args += [f"--tls-{name}", path]
         return self.spawn("worker", args)
 
     def stop_all(self) -> None:
