@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import pwd
 import shutil
@@ -428,6 +429,25 @@ async def test_postgres_over_tls_verify_full(files: Files) -> None:
             finally:
                 await broker.close()
         dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        # `conveyor migrate` with the same settings, as flags.
+        migrate = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "conveyor_cli",
+            "migrate",
+            "--json",
+            "--dsn",
+            dsn,
+            "--db-sslmode",
+            "verify-full",
+            "--db-sslrootcert",
+            files.ca,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(migrate.communicate(), 60)
+        assert migrate.returncode == 0, err.decode()
+        assert json.loads(out) == {"applied": []}  # open_broker above applied them
         untrusted = CommonSettings(
             dsn=dsn, db_sslmode="verify-full", db_sslrootcert=files.other_ca, auto_migrate=False
         )

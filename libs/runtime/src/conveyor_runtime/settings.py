@@ -272,7 +272,7 @@ class WebhookSettings(CommonSettings):
     callback_address: str = Field(
         "",
         description="The api's public gRPC address, sent to endpoints as the callback for "
-        "WebhookService (empty: none)",
+        "WebhookService: https://host:port when the api speaks TLS (empty: none)",
     )
     breaker_threshold: int = Field(
         5,
