@@ -1,21 +1,32 @@
 """compose.yaml cannot be run here (no Docker engine), so check what can go wrong in it:
 every Conveyor command is a real CLI command, every CONVEYOR_* variable is a real setting
-of the service it is given to, and the health checks and ports line up."""
+of the service it is given to, the health checks and ports line up, and the TLS wiring
+holds: every file it mounts is one scripts/dev-certs writes, the services agree on their
+TLS settings, the certificates name the hosts they are reached by, and deploy/nats.conf
+with those files is a real TLS server that admits each service's key and no one else."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 from click.testing import CliRunner
 from conveyor_broker.validation import MAX_HEADER_LEN, MAX_HEADERS
 from conveyor_cli.main import cli
-from conveyor_runtime.embedded_nats import find_nats_server
+from conveyor_runtime.embedded_nats import EmbeddedNats, find_nats_server
+from conveyor_runtime.nats_connect import NatsConnectError, NatsSecurity, close_nats, connect_nats
 from conveyor_runtime.settings import SERVICE_SETTINGS, ApiSettings, CommonSettings
+from conveyor_runtime.tls import client_context
 from conveyor_runtime.wire import DISPATCH_OVERHEAD
+from conveyor_testkit.certs import NATS_USERS
+from cryptography import x509
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -97,32 +108,241 @@ def test_services_reach_postgres_and_nats_by_their_compose_names() -> None:
         env = service["environment"]
         assert "@postgres:5432/" in env["CONVEYOR_DSN"], name
         if name != "migrate":
-            assert env["CONVEYOR_NATS_URL"] == "nats://nats:4222", name
+            assert env["CONVEYOR_NATS_URL"] == "tls://nats:4222", name
 
 
 def test_webhook_endpoints_call_back_the_api() -> None:
     env = SERVICES["webhook"]["environment"]
-    host, _, port = env["CONVEYOR_CALLBACK_ADDRESS"].rpartition(":")
+    address = env["CONVEYOR_CALLBACK_ADDRESS"]
+    assert address.startswith("https://"), "the api speaks TLS: endpoints must too"
+    host, _, port = address.removeprefix("https://").rpartition(":")
     assert host == "api", "endpoints reach WebhookService on the api"
     assert port == SERVICES["api"]["environment"]["CONVEYOR_PORT"]
 
 
+# ------------------------------------------------------------------------------ TLS
+
+DEV_CERTS = ROOT / "scripts" / "dev_certs.py"
+#: Where the containers see the folder scripts/dev-certs writes.
+TLS_MOUNTS = {"/tls", "/etc/nats/tls"}
+
+
+def _dev_certs_folder() -> str:
+    """scripts/dev_certs.py's default output folder, relative to the repository."""
+    spec = importlib.util.spec_from_file_location("dev_certs", DEV_CERTS)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(Path(module.DEFAULT_OUT).relative_to(ROOT))
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """A service's bind mounts: container path -> host path (relative, as written)."""
+    mounts: dict[str, str] = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            mounts[target] = source.removeprefix("./")
+    return mounts
+
+
+@pytest.fixture(scope="module")
+def dev_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What scripts/dev-certs writes, in a folder of this module's own."""
+    folder = tmp_path_factory.mktemp("tls")
+    assert (
+        subprocess.run(
+            [sys.executable, str(DEV_CERTS), "--out", str(folder)], capture_output=True
+        ).returncode
+        == 0
+    )
+    return folder
+
+
+def _tls_paths() -> list[tuple[str, str]]:
+    """(where, container path) of every file under a TLS mount that compose.yaml or
+    deploy/nats.conf names."""
+    paths: list[tuple[str, str]] = []
+    pattern = re.compile(r"(/(?:etc/nats/)?tls/[\w.-]+)")
+    for name, service in SERVICES.items():
+        texts = [str(v) for v in (service.get("environment") or {}).values()]
+        texts += [str(part) for key in ("command", "entrypoint") for part in service.get(key) or []]
+        paths += [(name, found) for text in texts for found in pattern.findall(text)]
+    nats_conf = (ROOT / "deploy" / "nats.conf").read_text()
+    paths += [("nats.conf", found) for found in pattern.findall(nats_conf)]
+    [include] = re.findall(r'include\s+"([^"]+)"', nats_conf)
+    paths.append(("nats.conf include", f"/etc/nats/{include}"))
+    return paths
+
+
+def test_compose_mounts_the_folder_dev_certs_writes() -> None:
+    folder = _dev_certs_folder()
+    for name in ("postgres", "nats", *CONVEYOR):
+        mounts = {t: s for t, s in _mounts(SERVICES[name]).items() if t in TLS_MOUNTS}
+        assert list(mounts.values()) == [folder], f"{name} mounts {mounts}, not {folder}"
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert f"{folder}/" in ignored, "generated keys must never be committed"
+
+
+def test_every_tls_file_compose_names_is_one_dev_certs_writes(dev_certs: Path) -> None:
+    written = {p.name for p in dev_certs.iterdir()}
+    paths = _tls_paths()
+    assert len(paths) > 10
+    for where, path in paths:
+        if path == "/var/lib/postgresql/server.key":
+            continue
+        assert Path(path).name in written, f"{where} names {path}, which dev-certs does not write"
+    named = {Path(path).name for _, path in paths}
+    unused = written - named - {"client.pem", "client.key"}  # for clients, not the stack
+    assert not unused, f"dev-certs writes files compose never uses: {sorted(unused)}"
+
+
+def test_tls_settings_agree_across_services() -> None:
+    services = {name: CONVEYOR[name]["environment"] for name in CONVEYOR if name != "migrate"}
+    for variable in (
+        "CONVEYOR_NATS_URL",
+        "CONVEYOR_NATS_TLS_CA",
+        "CONVEYOR_DB_SSLMODE",
+        "CONVEYOR_DB_SSLROOTCERT",
+    ):
+        values = {name: env.get(variable) for name, env in services.items()}
+        assert None not in values.values(), (variable, values)
+        assert len(set(values.values())) == 1, (variable, values)
+    migrate = CONVEYOR["migrate"]["environment"]
+    api = SERVICES["api"]["environment"]
+    for variable in ("CONVEYOR_DB_SSLMODE", "CONVEYOR_DB_SSLROOTCERT"):
+        assert migrate[variable] == api[variable], variable
+    assert api["CONVEYOR_DB_SSLMODE"] == "verify-full"
+    assert api["CONVEYOR_NATS_URL"].startswith("tls://")
+    # The api and the services trust one CA, the one that signed the servers' certificates.
+    assert api["CONVEYOR_NATS_TLS_CA"] == api["CONVEYOR_DB_SSLROOTCERT"] == "/tls/ca.pem"
+    assert api["CONVEYOR_TLS_CERT"]
+    assert api["CONVEYOR_TLS_KEY"]
+    # One NATS user per service, each with its own key, and exactly those in nats.conf.
+    seeds = {name: env["CONVEYOR_NATS_NKEY_SEED"] for name, env in services.items()}
+    assert len(set(seeds.values())) == len(seeds), seeds
+    assert {Path(seed).stem for seed in seeds.values()} == set(NATS_USERS) == set(services)
+    nats_conf = (ROOT / "deploy" / "nats.conf").read_text()
+    users = set(re.findall(r"\{\s*nkey:\s*\$(\w+)_NKEY\s*\}", nats_conf))
+    assert {user.lower() for user in users} == set(NATS_USERS)
+    # Postgres serves TLS with the same CA's certificate, and refuses anything else.
+    command = " ".join(SERVICES["postgres"]["command"])
+    assert "ssl=on" in command
+    assert "ssl_cert_file=/tls/postgres.pem" in command
+    hba = (ROOT / "deploy" / "postgres" / "pg_hba.conf").read_text()
+    assert re.search(r"^hostnossl\s+all\s+all\s+all\s+reject$", hba, re.MULTILINE)
+
+
+def _sans(path: Path) -> set[str]:
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {str(v) for v in san.get_values_for_type(x509.DNSName)} | {
+        str(v) for v in san.get_values_for_type(x509.IPAddress)
+    }
+
+
+def test_certificates_name_the_hosts_services_connect_to(dev_certs: Path) -> None:
+    env = SERVICES["api"]["environment"]
+    nats_host = urlsplit(env["CONVEYOR_NATS_URL"]).hostname
+    pg_host = urlsplit(env["CONVEYOR_DSN"]).hostname
+    callback = urlsplit(SERVICES["webhook"]["environment"]["CONVEYOR_CALLBACK_ADDRESS"])
+    assert nats_host in _sans(dev_certs / "nats.pem")
+    assert pg_host in _sans(dev_certs / "postgres.pem")
+    assert {callback.hostname, "localhost"} <= _sans(dev_certs / "api.pem")
+
+
+def _container_env(service: dict[str, Any], dev_certs: Path) -> dict[str, str]:
+    """A service's environment with its /tls paths pointing into ``dev_certs``."""
+    return {
+        var: str(value).replace("/tls/", f"{dev_certs}/")
+        for var, value in (service.get("environment") or {}).items()
+    }
+
+
+@pytest.mark.parametrize("name", sorted(CONVEYOR))
+def test_each_service_accepts_its_tls_settings(
+    name: str, dev_certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fail-closed checks (no plaintext beyond loopback) pass with compose's settings,
+    and every file they name exists once dev-certs ran."""
+    for var, value in _container_env(CONVEYOR[name], dev_certs).items():
+        monkeypatch.setenv(var, value)
+    settings = settings_for(CONVEYOR[name]["command"])()
+    assert not settings.allow_plaintext
+    if isinstance(settings, ApiSettings):
+        assert settings.tls_cert
+        assert settings.tls_key
+
+
+def _compose_nats_config(dev_certs: Path, tmp_path: Path) -> tuple[Path, str]:
+    """deploy/nats.conf with the dev-certs files where compose mounts them (moved under
+    ``tmp_path``): the folder the server runs in, and the configuration's text."""
+    etc = tmp_path / "etc-nats"
+    etc.mkdir()
+    (etc / "tls").symlink_to(dev_certs)
+    text = (ROOT / "deploy" / "nats.conf").read_text().replace("/etc/nats/", f"{etc}/")
+    return etc, text
+
+
+def test_nats_conf_is_valid_with_the_dev_certs(dev_certs: Path, tmp_path: Path) -> None:
+    etc, text = _compose_nats_config(dev_certs, tmp_path)
+    config = etc / "conveyor.conf"
+    config.write_text(text)
+    checked = subprocess.run(
+        [find_nats_server(), "-t", "-c", str(config)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stderr
+
+
 def test_nats_carries_the_biggest_task_the_api_accepts() -> None:
     """A dispatch carries a task's payload and headers in one NATS message: the nats
-    service reads deploy/nats.conf, which nats-server accepts and whose max_payload
-    leaves room for CONVEYOR_MAX_PAYLOAD's default plus every header allowed."""
+    service reads deploy/nats.conf, whose max_payload leaves room for
+    CONVEYOR_MAX_PAYLOAD's default plus every header allowed (the next test runs it)."""
     nats = SERVICES["nats"]
     command = nats["command"]
     path = command[command.index("-c") + 1]
     [mount] = [v for v in nats["volumes"] if v.endswith(f":{path}:ro")]
     source = ROOT / mount.split(":")[0]
-    checked = subprocess.run(
-        [find_nats_server(), "-t", "-c", str(source)], capture_output=True, text=True
-    )
-    assert checked.returncode == 0, checked.stderr
     [line] = [ln for ln in source.read_text().splitlines() if ln.startswith("max_payload")]
     value = line.split(":", 1)[1].strip()
     assert value.endswith("MB")
     headers = MAX_HEADERS * MAX_HEADER_LEN * 4  # characters, at most 4 bytes each in UTF-8
     needed = ApiSettings.model_fields["max_payload"].default + headers + DISPATCH_OVERHEAD
     assert int(value[:-2]) * 1024 * 1024 >= needed
+
+
+@pytest.mark.nats
+async def test_compose_nats_admits_each_service_over_tls_and_no_one_else(
+    dev_certs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    etc, text = _compose_nats_config(dev_certs, tmp_path)
+    # Run in ``etc``, so that the include resolves as it does in the container.
+    with EmbeddedNats(store_dir=str(etc), config=text) as server:
+        url = f"tls://127.0.0.1:{server.port}"  # the certificate names 127.0.0.1 as well as nats
+        for name in ("api", "dispatcher", "maintenance", "webhook"):
+            env = _container_env(SERVICES[name], dev_certs)
+            for var, value in env.items():
+                monkeypatch.setenv(var, value)
+            monkeypatch.setenv("CONVEYOR_NATS_URL", url)
+            settings = settings_for(SERVICES[name]["command"])()
+            nc = await connect_nats(url, name=name, security=NatsSecurity.from_settings(settings))
+            try:
+                await nc.publish("conveyor.test", b"hello")
+                await nc.flush()
+                assert nc.max_payload >= ApiSettings.model_fields["max_payload"].default
+            finally:
+                await close_nats(nc)
+        ca = str(dev_certs / "ca.pem")
+        with pytest.raises(NatsConnectError, match="Authorization Violation"):
+            await connect_nats(
+                url, name="intruder", security=NatsSecurity(tls=client_context(ca=ca))
+            )
+        with pytest.raises(NatsConnectError, match="not trusted"):
+            await connect_nats(
+                url,
+                name="no-ca",
+                security=NatsSecurity(
+                    tls=client_context(ca=None), nkey_seed=str(dev_certs / "api.nk")
+                ),
+            )

@@ -175,8 +175,11 @@ class Cluster:
     async def start_api(self, env: Mapping[str, str] | None = None) -> Proc:
         """An api process on a free port; returns once it accepts connections."""
         port = free_port()
+        # On loopback only: plaintext needs no CONVEYOR_ALLOW_PLAINTEXT there.
         proc = self.spawn(
-            "api", ["-m", "conveyor_api"], {"CONVEYOR_PORT": str(port), **(env or {})}
+            "api",
+            ["-m", "conveyor_api"],
+            {"CONVEYOR_HOST": "127.0.0.1", "CONVEYOR_PORT": str(port), **(env or {})},
         )
         proc.port = port
         await wait_for(lambda: port_open(port) or not proc.alive(), timeout=30, message="api port")
@@ -217,8 +220,11 @@ class Cluster:
         record: Path,
         mode: str = "noop",
         grace: float = 30.0,
+        tls: Mapping[str, str] | None = None,
     ) -> Proc:
-        """An SDK worker process (tests/e2e/worker_app.py) that records each run to ``record``."""
+        """An SDK worker process (tests/e2e/worker_app.py) that records each run to ``record``;
+        ``tls`` holds its ``--tls-ca``, ``--tls-cert`` and ``--tls-key`` by flag name
+        (``{"ca": path}``...)."""
         args = [
             str(ROOT / "tests" / "e2e" / "worker_app.py"),
             "--target",
@@ -234,6 +240,8 @@ class Cluster:
         ]
         for queue, weight in queues.items():
             args += ["--queue", f"{queue}={weight}"]
+        for name, path in (tls or {}).items():
+            args += [f"--tls-{name}", path]
         return self.spawn("worker", args)
 
     def stop_all(self) -> None:

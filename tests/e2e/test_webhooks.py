@@ -81,7 +81,9 @@ async def start_stack(
     cluster.settings_env.update({**FAST, **(env or {})})
     port = free_port()
     target = f"127.0.0.1:{port}"
-    api = cluster.spawn("api", ["-m", "conveyor_api"], {"CONVEYOR_PORT": str(port)})
+    api = cluster.spawn(
+        "api", ["-m", "conveyor_api"], {"CONVEYOR_HOST": "127.0.0.1", "CONVEYOR_PORT": str(port)}
+    )
     api.port = port
     cluster.start_dispatcher()
     cluster.start_maintenance()

@@ -48,6 +48,9 @@ def main() -> None:
     parser.add_argument("--record", required=True)
     parser.add_argument("--mode", choices=["noop", "work", "block"], default="noop")
     parser.add_argument("--grace", type=float, default=30.0)
+    parser.add_argument("--tls-ca", default=None, help="CA bundle that verifies the api")
+    parser.add_argument("--tls-cert", default=None, help="client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", default=None, help="key of --tls-cert")
     args = parser.parse_args()
 
     queues = {q.split("=")[0]: int(q.split("=")[1]) for q in args.queue} or {"default": 1}
@@ -62,6 +65,9 @@ def main() -> None:
         queues=queues,
         concurrency=args.concurrency,
         grace_period=args.grace,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
 
     async def handle(payload: Any, ctx: TaskContext) -> Any:

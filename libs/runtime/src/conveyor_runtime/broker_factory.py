@@ -3,19 +3,68 @@
 from __future__ import annotations
 
 import logging
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
+import asyncpg
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.interface import Broker
 
 from conveyor_runtime.settings import CommonSettings
+from conveyor_runtime.tls import describe_hosts, dsn_hosts, effective_sslmode, postgres_ssl
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["PostgresConnectError", "open_broker", "postgres_connection"]
+
+
+class PostgresConnectError(ConnectionError):
+    """Postgres could not be reached as the settings ask (TLS refused or failed...)."""
+
+
+def _connect_error(settings: CommonSettings, exc: BaseException) -> PostgresConnectError:
+    """A one-line error naming the host and sslmode (never the DSN: it may hold a
+    password), with a hint for the TLS failures."""
+    where = describe_hosts(dsn_hosts(settings.dsn))
+    mode = effective_sslmode(settings)
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    hint = ""
+    if "rejected SSL upgrade" in text:
+        hint = (
+            f": the server does not accept TLS, but sslmode={mode} requires it (enable ssl "
+            "on the server, or lower CONVEYOR_DB_SSLMODE)"
+        )
+    elif isinstance(exc, ssl.SSLCertVerificationError):
+        hint = (
+            f": TLS handshake failed, the server's certificate is not trusted "
+            f"({exc.verify_message}): check CONVEYOR_DB_SSLROOTCERT"
+        )
+    elif isinstance(exc, ssl.SSLError):
+        hint = f": TLS handshake failed ({exc.reason})"
+    return PostgresConnectError(
+        f"cannot connect to Postgres at {where} (sslmode={mode}): {text}{hint}"
+    )
+
+
+@asynccontextmanager
+async def postgres_connection(settings: CommonSettings) -> AsyncIterator[asyncpg.Connection]:
+    """One connection to ``settings.dsn`` with the settings' TLS (for migrations)."""
+    try:
+        conn = await asyncpg.connect(settings.dsn, ssl=postgres_ssl(settings))
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise _connect_error(settings, exc) from exc
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 async def open_broker(
     settings: CommonSettings, clock: Clock | None = None, *, migrate: bool | None = None
 ) -> Broker:
-    """A connected broker: ``memory`` or ``postgres`` (on ``settings.dsn``).
+    """A connected broker: ``memory`` or ``postgres`` (on ``settings.dsn``, over TLS as the
+    ``db_ssl*`` settings say).
 
     For postgres, pending migrations are applied first when ``migrate`` (default:
     ``settings.auto_migrate``) is true; that is safe with several processes starting at
@@ -31,8 +80,18 @@ async def open_broker(
     from conveyor_broker.postgres import migrate as apply_migrations
 
     if settings.auto_migrate if migrate is None else migrate:
-        applied = await apply_migrations(settings.dsn)
+        async with postgres_connection(settings) as conn:
+            applied = await apply_migrations(conn)
         logger.info("broker.migrated applied=%s", applied)
-    broker = await PostgresBroker.connect(settings.dsn, clock, max_size=settings.db_pool_size)
-    logger.info("broker.opened driver=postgres pool=%d", settings.db_pool_size)
+    try:
+        broker = await PostgresBroker.connect(
+            settings.dsn, clock, max_size=settings.db_pool_size, ssl=postgres_ssl(settings)
+        )
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise _connect_error(settings, exc) from exc
+    logger.info(
+        "broker.opened driver=postgres pool=%d sslmode=%s",
+        settings.db_pool_size,
+        effective_sslmode(settings),
+    )
     return broker

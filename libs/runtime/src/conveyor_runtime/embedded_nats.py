@@ -51,9 +51,12 @@ class EmbeddedNats:
         store_dir: str | None = None,
         *,
         max_payload: int = MAX_PAYLOAD,
+        config: str = "",
     ) -> None:
         self.port = port or free_port()
         self.max_payload = max_payload
+        #: More nats-server configuration (TLS, users...), appended to the file it reads.
+        self.config = config
         self._own_store = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="conveyor-nats-")
         self._proc: subprocess.Popen[bytes] | None = None
@@ -69,11 +72,12 @@ class EmbeddedNats:
         return self._proc.pid if self._proc else None
 
     def start(self, timeout: float = 10.0) -> None:
-        """Start the server and wait until it accepts connections."""
+        """Start the server and wait until it accepts connections (``conveyor dev``'s
+        is plaintext on loopback: nothing it carries leaves the machine)."""
         if self._proc is not None and self._proc.poll() is None:
             return
         config = Path(self.store_dir) / "conveyor-nats.conf"
-        config.write_text(f"max_payload: {self.max_payload}\n")
+        config.write_text(f"max_payload: {self.max_payload}\n{self.config}\n")
         self._proc = subprocess.Popen(
             [
                 find_nats_server(),

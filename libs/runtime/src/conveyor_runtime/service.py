@@ -32,11 +32,16 @@ from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
 from conveyor_runtime import health
-from conveyor_runtime.broker_factory import open_broker
+from conveyor_runtime.broker_factory import PostgresConnectError, open_broker
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.events import EventGate, EventPublisher
 from conveyor_runtime.logging import configure_logging
-from conveyor_runtime.nats_connect import close_nats, connect_nats
+from conveyor_runtime.nats_connect import (
+    NatsConnectError,
+    NatsSecurity,
+    close_nats,
+    connect_nats,
+)
 from conveyor_runtime.settings import CommonSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tasks import cancel_and_wait
@@ -72,7 +77,8 @@ async def open_runtime(
     clock: Clock | None = None,
     publish_events: bool = True,
 ) -> AsyncIterator[Runtime]:
-    """Open the broker and the NATS connection; close both on the way out.
+    """Open the broker and the NATS connection (over TLS and with the credentials the
+    settings name); close both on the way out.
 
     With ``publish_events`` the broker's lifecycle events are published to
     ``<prefix>.events.<queue>.<state>`` (see :mod:`conveyor_runtime.events`): always, or
@@ -83,7 +89,11 @@ async def open_runtime(
     configure_tracing(name, settings.instance_id, settings.otlp_endpoint)
     broker = await open_broker(settings, clock)
     try:
-        nc = await connect_nats(settings.nats_url, name=f"{name}-{settings.instance_id}")
+        nc = await connect_nats(
+            settings.nats_url,
+            name=f"{name}-{settings.instance_id}",
+            security=NatsSecurity.from_settings(settings),
+        )
         bus = Bus(nc, subjects)
         events = EventPublisher(bus) if publish_events else None
         gate: EventGate | None = None
@@ -155,6 +165,10 @@ def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:
     try:
         uvloop.run(wrapper())
     except asyncio.CancelledError:
+        return 1
+    except (NatsConnectError, PostgresConnectError) as exc:
+        # A refused link (credentials, TLS): one clear line, no traceback.
+        logger.error("service.failed name=%s error=%s", name, exc)
         return 1
     except Exception:
         logger.exception("service.crashed name=%s", name)

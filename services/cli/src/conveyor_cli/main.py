@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import click
 from conveyor_runtime.settings import CommonSettings
@@ -72,13 +73,56 @@ def serve_webhook(args: tuple[str, ...]) -> None:
     show_default=True,
     help="PostgreSQL DSN (env CONVEYOR_DSN)",
 )
+@click.option(
+    "--db-sslmode",
+    type=click.Choice(["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]),
+    default=None,
+    help="Postgres TLS mode (env CONVEYOR_DB_SSLMODE; unset: the DSN's)",
+)
+@click.option(
+    "--db-sslrootcert",
+    default=None,
+    help="CA bundle that verifies Postgres (env CONVEYOR_DB_SSLROOTCERT)",
+)
+@click.option(
+    "--db-sslcert", default=None, help="Client certificate for Postgres (env CONVEYOR_DB_SSLCERT)"
+)
+@click.option("--db-sslkey", default=None, help="Key of --db-sslcert (env CONVEYOR_DB_SSLKEY)")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text")
-def migrate(dsn: str, as_json: bool) -> None:
-    """Apply pending database migrations (safe to run from several places at once)."""
+def migrate(
+    dsn: str,
+    db_sslmode: str | None,
+    db_sslrootcert: str | None,
+    db_sslcert: str | None,
+    db_sslkey: str | None,
+    as_json: bool,
+) -> None:
+    """Apply pending database migrations (safe to run from several places at once).
+
+    Postgres TLS comes from the CONVEYOR_DB_SSL* variables (or these flags), as for
+    every service; a plaintext link beyond this machine is refused unless
+    CONVEYOR_ALLOW_PLAINTEXT=true."""
+    from pydantic import ValidationError
+
     from conveyor_cli.migrate import run_migrations
 
+    flags: dict[str, Any] = {
+        "db_sslmode": db_sslmode,
+        "db_sslrootcert": db_sslrootcert,
+        "db_sslcert": db_sslcert,
+        "db_sslkey": db_sslkey,
+    }
     try:
-        applied = asyncio.run(run_migrations(dsn, show_progress=not as_json))
+        settings = CommonSettings(
+            broker="postgres", dsn=dsn, **{k: v for k, v in flags.items() if v is not None}
+        )
+    except ValidationError as exc:
+        problems = "; ".join(
+            str(error["msg"]).removeprefix("Value error, ") for error in exc.errors()
+        )
+        raise click.ClickException(f"invalid settings: {problems}") from None
+    try:
+        applied = asyncio.run(run_migrations(settings, show_progress=not as_json))
     except Exception as exc:  # one clear line, not a traceback
         raise click.ClickException(f"migration failed: {exc}") from None
     if as_json:
@@ -105,7 +149,7 @@ def migrate(dsn: str, as_json: bool) -> None:
     help="Seconds a task stays leased without a heartbeat",
 )
 def dev(host: str, port: int, dsn: str | None, nats_url: str | None, lease_ttl: float) -> None:
-    """Every service in one process: memory broker, embedded NATS, auth off."""
+    """Every service in one process: memory broker, embedded NATS, auth and TLS off."""
     from conveyor_runtime.service import run_service
 
     from conveyor_cli.dev import DevOptions, run_dev
@@ -115,7 +159,7 @@ def dev(host: str, port: int, dsn: str | None, nats_url: str | None, lease_ttl: 
     async def main(_settings: CommonSettings, stop: asyncio.Event) -> None:
         await run_dev(options, stop)
 
-    sys.exit(run_service(main, CommonSettings(broker="memory"), name="dev"))
+    sys.exit(run_service(main, CommonSettings(broker="memory", allow_plaintext=True), name="dev"))
 
 
 @cli.command()

@@ -20,11 +20,80 @@ F = TypeVar("F", bound=Callable[..., Any])
 BULK_BATCH = 500
 
 
+#: The TLS options of a command, as the SDK's keyword arguments (see connection_options).
+_TLS_META = "conveyor.tls"
+
+
+def _remember_tls(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None and param.name is not None:
+        ctx.meta.setdefault(_TLS_META, {})[param.name] = value
+
+
+def tls_options() -> dict[str, str]:
+    """The ``--tls-ca``, ``--tls-cert`` and ``--tls-key`` of the current command (or their
+    variables) by the SDK's argument names, the ones given only."""
+    ctx = click.get_current_context(silent=True)
+    return dict(ctx.meta.get(_TLS_META, {})) if ctx is not None else {}
+
+
+def producer_client(target: str, token: str | None) -> Client:
+    """A producer client for the command's connection options."""
+    tls = tls_options()
+    return Client(
+        target,
+        token=token,
+        tls_ca=tls.get("tls_ca"),
+        tls_cert=tls.get("tls_cert"),
+        tls_key=tls.get("tls_key"),
+    )
+
+
+def admin_client(target: str, token: str | None) -> AdminClient:
+    """An admin client for the command's connection options."""
+    tls = tls_options()
+    return AdminClient(
+        target,
+        token=token,
+        tls_ca=tls.get("tls_ca"),
+        tls_cert=tls.get("tls_cert"),
+        tls_key=tls.get("tls_key"),
+    )
+
+
 def connection_options(func: F) -> F:
-    """--target, --token and --json on a command."""
+    """--target, --token, --tls-ca, --tls-cert, --tls-key and --json on a command.
+
+    The TLS options reach the clients through :func:`producer_client` and
+    :func:`admin_client` (they are not the command's parameters). Their variables are
+    CONVEYOR_TLS_CA, CONVEYOR_TLS_CLIENT_CERT and CONVEYOR_TLS_CLIENT_KEY: the api's own
+    CONVEYOR_TLS_CERT and CONVEYOR_TLS_KEY are its server certificate, which a command
+    run beside it must not present as a client certificate.
+    """
     func = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table")(
         func
     )
+    for flag, variable, argument, what in reversed(
+        (
+            ("--tls-ca", "CONVEYOR_TLS_CA", "tls_ca", "CA bundle (PEM) that verifies the api"),
+            (
+                "--tls-cert",
+                "CONVEYOR_TLS_CLIENT_CERT",
+                "tls_cert",
+                "Client certificate (PEM) for an api with mutual TLS",
+            ),
+            ("--tls-key", "CONVEYOR_TLS_CLIENT_KEY", "tls_key", "Private key (PEM) of --tls-cert"),
+        )
+    ):
+        func = click.option(
+            flag,
+            argument,
+            envvar=variable,
+            default=None,
+            expose_value=False,
+            callback=_remember_tls,
+            type=click.Path(exists=True, dir_okay=False),
+            help=f"{what}; selects TLS (env {variable})",
+        )(func)
     func = click.option(
         "--token", envvar="CONVEYOR_TOKEN", default=None, help="Bearer token (env CONVEYOR_TOKEN)"
     )(func)
@@ -33,7 +102,7 @@ def connection_options(func: F) -> F:
         envvar="CONVEYOR_TARGET",
         default="127.0.0.1:50051",
         show_default=True,
-        help="Conveyor api address (env CONVEYOR_TARGET)",
+        help="Conveyor api address: host:port, or https://host:port for TLS (env CONVEYOR_TARGET)",
     )(func)
     return func
 
@@ -100,7 +169,7 @@ def enqueue(
     as_json: bool,
 ) -> None:
     """Enqueue one task (TYPE and a JSON PAYLOAD), or many from --file."""
-    with clear_errors(), Client(target, token=token) as client:
+    with clear_errors(), producer_client(target, token) as client:
         if file is not None:
             _enqueue_file(client, file, as_json)
             return
@@ -157,7 +226,7 @@ def task() -> None:
 @connection_options
 def task_get(task_id: str, target: str, token: str | None, as_json: bool) -> None:
     """Show one task."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         info = admin.get_task(task_id)
     emit_json(info) if as_json else task_detail(info)
 
@@ -180,7 +249,7 @@ def task_list(
     as_json: bool,
 ) -> None:
     """List tasks, oldest first."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         page = admin.list_tasks(queue=queue, state=state, limit=limit, cursor=cursor)
     if as_json:
         emit_json(page)
@@ -195,7 +264,7 @@ def task_list(
 @connection_options
 def task_cancel(task_id: str, target: str, token: str | None, as_json: bool) -> None:
     """Cancel a waiting task, or abort a running one."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         info = admin.cancel_task(task_id)
     emit_json(info) if as_json else click.echo(f"{info.id} is now {info.state.value}")
 
@@ -209,7 +278,7 @@ def queue() -> None:
 @connection_options
 def queue_list(target: str, token: str | None, as_json: bool) -> None:
     """Every queue with its task counts."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         queues = admin.list_queues()
     emit_json(queues) if as_json else queue_table(queues)
 
@@ -219,7 +288,7 @@ def queue_list(target: str, token: str | None, as_json: bool) -> None:
 @connection_options
 def queue_stats(name: str, target: str, token: str | None, as_json: bool) -> None:
     """Task counts of one queue."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         info = admin.queue_stats(name)
     emit_json(info) if as_json else queue_table([info])
 
@@ -229,7 +298,7 @@ def queue_stats(name: str, target: str, token: str | None, as_json: bool) -> Non
 @connection_options
 def queue_pause(name: str, target: str, token: str | None, as_json: bool) -> None:
     """Stop dispatching a queue's tasks (enqueue still works)."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         admin.pause_queue(name)
     emit_json({"queue": name, "paused": True}) if as_json else click.echo(f"queue {name} paused")
 
@@ -239,6 +308,6 @@ def queue_pause(name: str, target: str, token: str | None, as_json: bool) -> Non
 @connection_options
 def queue_resume(name: str, target: str, token: str | None, as_json: bool) -> None:
     """Resume dispatching a paused queue."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         admin.resume_queue(name)
     emit_json({"queue": name, "paused": False}) if as_json else click.echo(f"queue {name} resumed")

@@ -6,10 +6,10 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 import click
-from conveyor import AdminClient, WebhookWorker
+from conveyor import WebhookWorker
 from rich.table import Table
 
-from conveyor_cli.ops import clear_errors, connection_options
+from conveyor_cli.ops import admin_client, clear_errors, connection_options
 from conveyor_cli.output import console, emit_json
 
 
@@ -85,7 +85,7 @@ def webhook() -> None:
 @connection_options
 def webhook_list(target: str, token: str | None, as_json: bool) -> None:
     """Every webhook worker registration."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         workers = admin.list_webhook_workers()
     emit_json(workers) if as_json else webhook_table(workers)
 
@@ -95,7 +95,7 @@ def webhook_list(target: str, token: str | None, as_json: bool) -> None:
 @connection_options
 def webhook_get(name: str, target: str, token: str | None, as_json: bool) -> None:
     """Show one webhook worker (its secrets are never shown)."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         worker = admin.get_webhook_worker(name)
     emit_json(worker) if as_json else webhook_detail(worker)
 
@@ -147,7 +147,7 @@ def webhook_set(
     once deliveries signed with it are done.
     """
     weights = _parse_queues(queues)
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         worker = admin.upsert_webhook_worker(
             name,
             url,
@@ -169,7 +169,7 @@ def webhook_set(
 @connection_options
 def webhook_pause(name: str, target: str, token: str | None, as_json: bool) -> None:
     """Stop new deliveries to a webhook worker (deliveries in flight finish)."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         admin.pause_webhook_worker(name)
     if as_json:
         emit_json({"webhook": name, "paused": True})
@@ -182,7 +182,7 @@ def webhook_pause(name: str, target: str, token: str | None, as_json: bool) -> N
 @connection_options
 def webhook_resume(name: str, target: str, token: str | None, as_json: bool) -> None:
     """Deliver to a paused webhook worker again."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         admin.resume_webhook_worker(name)
     if as_json:
         emit_json({"webhook": name, "paused": False})
@@ -195,7 +195,7 @@ def webhook_resume(name: str, target: str, token: str | None, as_json: bool) -> 
 @connection_options
 def webhook_delete(name: str, target: str, token: str | None, as_json: bool) -> None:
     """Remove a webhook worker registration."""
-    with clear_errors(), AdminClient(target, token=token) as admin:
+    with clear_errors(), admin_client(target, token) as admin:
         admin.delete_webhook_worker(name)
     if as_json:
         emit_json({"webhook": name, "deleted": True})

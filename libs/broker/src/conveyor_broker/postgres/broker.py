@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from ssl import SSLContext
+from typing import TYPE_CHECKING, Any, Literal
 
 import asyncpg
 
@@ -143,10 +144,17 @@ class PostgresBroker(Broker):
         max_size: int = 10,
         max_payload: int = MAX_PAYLOAD,
         default_max_retry: int = DEFAULT_MAX_RETRY,
+        ssl: SSLContext
+        | Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
+        | None = None,
     ) -> PostgresBroker:
-        """Open a pool on ``dsn`` and return a broker that closes it on :meth:`close`."""
+        """Open a pool on ``dsn`` and return a broker that closes it on :meth:`close`.
+
+        ``ssl`` is asyncpg's: an ``ssl.SSLContext`` (TLS is then mandatory and the context
+        verifies the server) or an sslmode name; None follows the DSN's ``sslmode``.
+        """
         pool = await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, reset=_keep_session
+            dsn, min_size=min_size, max_size=max_size, reset=_keep_session, ssl=ssl
         )
         broker = cls(pool, clock, max_payload=max_payload, default_max_retry=default_max_retry)
         broker._owns_pool = True

@@ -10,7 +10,7 @@ from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
 
-from conveyor._channel import DEFAULT_TARGET
+from conveyor._channel import DEFAULT_TARGET, TlsFile
 from conveyor._clients.admin_types import BatchActionResult, QueueInfo, TaskPage, WebhookWorker
 from conveyor._clients.admin_wire import (
     ARCHIVE,
@@ -43,7 +43,8 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
     """Inspect and operate Conveyor from asyncio code: tasks, queues, lifecycle events.
 
     Takes the same arguments as :class:`AsyncClient` (``target``, ``token``, ``codec``
-    for decoding payloads, progress and results, and the per-call ``timeout``)::
+    for decoding payloads, progress and results, the per-call ``timeout``, and ``tls``,
+    ``tls_ca``, ``tls_cert`` and ``tls_key`` for TLS)::
 
         async with AsyncAdminClient("127.0.0.1:50051") as admin:
             await admin.pause_queue("emails")
@@ -70,8 +71,21 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
         token: str | None = None,
         codec: Codec | None = None,
         timeout: DurationLike | None = 30.0,
+        tls: bool | None = None,
+        tls_ca: TlsFile | None = None,
+        tls_cert: TlsFile | None = None,
+        tls_key: TlsFile | None = None,
     ) -> None:
-        super().__init__(target, token=token, codec=codec or JsonCodec(), timeout=timeout)
+        super().__init__(
+            target,
+            token=token,
+            codec=codec or JsonCodec(),
+            timeout=timeout,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
 
     # ---------------------------------------------------------------- tasks
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
 
-from conveyor._channel import DEFAULT_TARGET
+from conveyor._channel import DEFAULT_TARGET, TlsFile
 from conveyor._clients.admin_types import BatchActionResult, QueueInfo, TaskPage, WebhookWorker
 from conveyor._clients.admin_wire import (
     ARCHIVE,
@@ -51,8 +51,21 @@ class AdminClient(AdminBase, SyncRpcClient):
         token: str | None = None,
         codec: Codec | None = None,
         timeout: DurationLike | None = 30.0,
+        tls: bool | None = None,
+        tls_ca: TlsFile | None = None,
+        tls_cert: TlsFile | None = None,
+        tls_key: TlsFile | None = None,
     ) -> None:
-        super().__init__(target, token=token, codec=codec or JsonCodec(), timeout=timeout)
+        super().__init__(
+            target,
+            token=token,
+            codec=codec or JsonCodec(),
+            timeout=timeout,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
 
     # ---------------------------------------------------------------- tasks
 

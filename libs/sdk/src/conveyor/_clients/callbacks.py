@@ -9,6 +9,7 @@ from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
 
+from conveyor._channel import TlsFile
 from conveyor._clients.callbacks_wire import (
     WEBHOOK_SERVICE,
     Outcome,
@@ -25,8 +26,11 @@ class AsyncCallbacks(AsyncRpcClient):
     """The server's WebhookService, from asyncio code: callbacks for deliveries a webhook
     endpoint answered ``accepted``.
 
-    ``address`` is the delivery's ``params.callback`` (the api's gRPC address). No bearer
-    token: each call is authenticated by the delivery's ``lease_token``. ``codec`` encodes
+    ``address`` is the delivery's ``params.callback`` (the api's gRPC address;
+    ``https://host:port`` when the api speaks TLS). ``tls``, ``tls_ca``, ``tls_cert``
+    and ``tls_key`` are those of :class:`~conveyor.AsyncClient`: the CA bundle that
+    verifies the api and, for an api with mutual TLS, the endpoint's client certificate.
+    No bearer token: each call is authenticated by the delivery's ``lease_token``. ``codec`` encodes
     progress and results (JSON by default, like the rest of the SDK). Errors are the SDK's
     exceptions: :class:`~conveyor.Unauthenticated` for a bad token,
     :class:`~conveyor.FailedPrecondition` when the lease is lost (the task was reaped,
@@ -43,8 +47,21 @@ class AsyncCallbacks(AsyncRpcClient):
         *,
         codec: Codec | None = None,
         timeout: DurationLike | None = 30.0,
+        tls: bool | None = None,
+        tls_ca: TlsFile | None = None,
+        tls_cert: TlsFile | None = None,
+        tls_key: TlsFile | None = None,
     ) -> None:
-        super().__init__(address, token=None, codec=codec or JsonCodec(), timeout=timeout)
+        super().__init__(
+            address,
+            token=None,
+            codec=codec or JsonCodec(),
+            timeout=timeout,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
 
     async def heartbeat(self, lease_token: str, progress: Any = None) -> datetime | None:
         """Extend the delivery's lease (by the server's lease TTL) and store ``progress``

@@ -9,6 +9,7 @@ from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
 
+from conveyor._channel import TlsFile
 from conveyor._clients.callbacks_wire import (
     WEBHOOK_SERVICE,
     Outcome,
@@ -32,8 +33,21 @@ class Callbacks(SyncRpcClient):
         *,
         codec: Codec | None = None,
         timeout: DurationLike | None = 30.0,
+        tls: bool | None = None,
+        tls_ca: TlsFile | None = None,
+        tls_cert: TlsFile | None = None,
+        tls_key: TlsFile | None = None,
     ) -> None:
-        super().__init__(address, token=None, codec=codec or JsonCodec(), timeout=timeout)
+        super().__init__(
+            address,
+            token=None,
+            codec=codec or JsonCodec(),
+            timeout=timeout,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
 
     def heartbeat(self, lease_token: str, progress: Any = None) -> datetime | None:
         """Extend the delivery's lease (by the server's lease TTL) and store ``progress``

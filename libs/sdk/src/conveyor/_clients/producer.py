@@ -9,7 +9,7 @@ from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
 
-from conveyor._channel import DEFAULT_TARGET
+from conveyor._channel import DEFAULT_TARGET, TlsFile
 from conveyor._clients.producer_wire import ProducerBase
 from conveyor._clients.transport import AsyncRpcClient, with_task_id
 from conveyor._errors import ConveyorError
@@ -21,9 +21,16 @@ class AsyncClient(ProducerBase, AsyncRpcClient):
     """Enqueue tasks and read them back, from asyncio code.
 
     ``target`` is the api server's ``host:port`` (any gRPC target string works, e.g.
-    ``ipv4:10.0.0.1:50051,10.0.0.2:50051``). ``token`` is sent as a bearer token. ``codec``
-    encodes payloads and decodes payloads, progress and results (JSON by default).
-    ``timeout`` bounds every call (a timedelta or seconds; ``None`` for no bound).
+    ``ipv4:10.0.0.1:50051,10.0.0.2:50051``), or ``https://host:port`` for TLS.
+    ``token`` is sent as a bearer token. ``codec`` encodes payloads and decodes payloads,
+    progress and results (JSON by default). ``timeout`` bounds every call (a timedelta or
+    seconds; ``None`` for no bound).
+
+    TLS: an ``https://`` target, ``tls=True`` or any TLS file selects it (a plain
+    ``host:port`` stays plaintext). ``tls_ca`` is the CA bundle that verifies the server
+    (default: the system's CAs); ``tls_cert`` and ``tls_key`` are the client certificate
+    a server with mutual TLS asks for. Each is a PEM file's path, or its contents as
+    ``bytes``.
 
     Use it as an async context manager, or call :meth:`close` when done::
 
@@ -40,8 +47,21 @@ class AsyncClient(ProducerBase, AsyncRpcClient):
         token: str | None = None,
         codec: Codec | None = None,
         timeout: DurationLike | None = 30.0,
+        tls: bool | None = None,
+        tls_ca: TlsFile | None = None,
+        tls_cert: TlsFile | None = None,
+        tls_key: TlsFile | None = None,
     ) -> None:
-        super().__init__(target, token=token, codec=codec or JsonCodec(), timeout=timeout)
+        super().__init__(
+            target,
+            token=token,
+            codec=codec or JsonCodec(),
+            timeout=timeout,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
 
     async def enqueue(
         self,

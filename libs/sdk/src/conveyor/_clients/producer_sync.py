@@ -10,7 +10,7 @@ from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
 
-from conveyor._channel import DEFAULT_TARGET
+from conveyor._channel import DEFAULT_TARGET, TlsFile
 from conveyor._clients.producer_wire import ProducerBase
 from conveyor._clients.transport import SyncRpcClient, with_task_id
 from conveyor._errors import ConveyorError
@@ -33,8 +33,21 @@ class Client(ProducerBase, SyncRpcClient):
         token: str | None = None,
         codec: Codec | None = None,
         timeout: DurationLike | None = 30.0,
+        tls: bool | None = None,
+        tls_ca: TlsFile | None = None,
+        tls_cert: TlsFile | None = None,
+        tls_key: TlsFile | None = None,
     ) -> None:
-        super().__init__(target, token=token, codec=codec or JsonCodec(), timeout=timeout)
+        super().__init__(
+            target,
+            token=token,
+            codec=codec or JsonCodec(),
+            timeout=timeout,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
 
     def enqueue(
         self,

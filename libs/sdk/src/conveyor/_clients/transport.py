@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Self
 import grpc
 import grpc.aio
 
-from conveyor._channel import CHANNEL_OPTIONS, auth_metadata
+from conveyor._channel import Endpoint, TlsFile, auth_metadata, endpoint
 from conveyor._errors import ConveyorError, InvalidArgument, TaskNotFound, error_from_rpc
 from conveyor._payload import Codec
 from conveyor._types import DurationLike, to_timedelta
@@ -29,16 +29,27 @@ def with_task_id(exc: ConveyorError, task_id: str) -> ConveyorError:
 
 
 class _Settings:
-    """What every client is configured with: target, bearer token, codec, call timeout."""
+    """What every client is configured with: target and its transport security, bearer
+    token, codec, call timeout."""
 
     #: The gRPC method prefix of the service, e.g. ``/conveyor.v1.TaskService/``.
     _service: ClassVar[str]
 
     def __init__(
-        self, target: str, *, token: str | None, codec: Codec, timeout: DurationLike | None
+        self,
+        target: str,
+        *,
+        token: str | None,
+        codec: Codec,
+        timeout: DurationLike | None,
+        tls: bool | None = None,
+        tls_ca: TlsFile | None = None,
+        tls_cert: TlsFile | None = None,
+        tls_key: TlsFile | None = None,
     ) -> None:
-        if not isinstance(target, str) or not target:
-            raise InvalidArgument("target must be a non-empty 'host:port' string")
+        self._endpoint: Endpoint = endpoint(
+            target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        )
         delta = to_timedelta("timeout", timeout)
         if delta is not None and delta <= timedelta(0):
             raise InvalidArgument("timeout must be > 0")
@@ -53,6 +64,11 @@ class _Settings:
         return self._target
 
     @property
+    def tls(self) -> bool:
+        """Whether this client's channel uses TLS."""
+        return self._endpoint.tls
+
+    @property
     def codec(self) -> Codec:
         """The codec that encodes payloads and decodes payloads, progress and results."""
         return self._codec
@@ -62,10 +78,8 @@ class AsyncRpcClient(_Settings):
     """An asyncio client of one service; the channel opens on first use, inside the
     running event loop."""
 
-    def __init__(
-        self, target: str, *, token: str | None, codec: Codec, timeout: DurationLike | None
-    ) -> None:
-        super().__init__(target, token=token, codec=codec, timeout=timeout)
+    def __init__(self, target: str, **settings: Any) -> None:
+        super().__init__(target, **settings)
         self._channel: grpc.aio.Channel | None = None
         self._closed = False
 
@@ -73,7 +87,7 @@ class AsyncRpcClient(_Settings):
         if self._closed:
             raise ConveyorError("the client is closed")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self._target, options=CHANNEL_OPTIONS)
+            self._channel = self._endpoint.aio_channel()
         return self._channel
 
     async def _call(self, method: str, request: Any, response_type: Any) -> Any:
@@ -85,7 +99,7 @@ class AsyncRpcClient(_Settings):
         try:
             return await rpc(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc, tls=self._endpoint.tls) from None
 
     def _stream(self, method: str, request: Any, response_type: Any) -> Any:
         """A server-streaming call (no timeout: it lasts until cancelled)."""
@@ -118,11 +132,9 @@ class AsyncRpcClient(_Settings):
 class SyncRpcClient(_Settings):
     """A blocking client of one service over gRPC's synchronous channel."""
 
-    def __init__(
-        self, target: str, *, token: str | None, codec: Codec, timeout: DurationLike | None
-    ) -> None:
-        super().__init__(target, token=token, codec=codec, timeout=timeout)
-        self._channel: grpc.Channel | None = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, target: str, **settings: Any) -> None:
+        super().__init__(target, **settings)
+        self._channel: grpc.Channel | None = self._endpoint.sync_channel()
 
     def _live_channel(self) -> grpc.Channel:
         if self._channel is None:
@@ -138,7 +150,7 @@ class SyncRpcClient(_Settings):
         try:
             return rpc(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc, tls=self._endpoint.tls) from None
 
     def _stream(self, method: str, request: Any, response_type: Any) -> Any:
         """A server-streaming call (no timeout: it lasts until cancelled)."""

@@ -22,7 +22,7 @@ import grpc.aio
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 
-from conveyor._channel import CHANNEL_OPTIONS, auth_metadata
+from conveyor._channel import Endpoint, auth_metadata
 from conveyor._version import __version__
 from conveyor._wire_time import duration_from_wire
 from conveyor._worker.execution import DEFAULT_MAX_RESULT, Registration, make_result
@@ -53,7 +53,7 @@ class SessionSettings:
     """What a session needs to know about its worker: where to connect, how to
     authenticate, and what to say in Hello."""
 
-    target: str
+    endpoint: Endpoint
     token: str | None
     queues: Mapping[str, int]
     concurrency: int
@@ -143,7 +143,7 @@ class SessionRunner:
     async def run(self) -> None:
         """Open the stream and serve it. Returns after a graceful close; raises
         :class:`SessionEnded` when the stream ended for any other reason."""
-        channel = grpc.aio.insecure_channel(self.settings.target, options=CHANNEL_OPTIONS)
+        channel = self.settings.endpoint.aio_channel()
         try:
             session: grpc.aio.StreamStreamMultiCallable[svc.WorkerFrame, svc.ServerFrame]
             session = channel.stream_stream(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from conveyor._channel import DEFAULT_TARGET
+from conveyor._channel import DEFAULT_TARGET, TlsFile, endpoint
 from conveyor._errors import InvalidArgument, error_from_status
 from conveyor._payload import Codec, JsonCodec
 from conveyor._types import DurationLike, to_timedelta
@@ -58,7 +58,10 @@ class Worker:
     ``concurrency`` (the most handlers it runs at once, across all queues) is shared by
     the server in proportion to the weights. ``token`` is sent as a bearer token;
     ``codec`` decodes payloads and encodes results and progress (JSON by default);
-    ``labels`` and ``worker_id`` describe the worker in the cluster view.
+    ``labels`` and ``worker_id`` describe the worker in the cluster view. ``target`` is
+    ``host:port``, or ``https://host:port`` for TLS; ``tls``, ``tls_ca``, ``tls_cert`` and
+    ``tls_key`` are those of :class:`AsyncClient` (the CA bundle that verifies the server,
+    the client certificate for mutual TLS).
     ``grace_period`` (timedelta or seconds) is how long a stopping worker lets running
     handlers finish before it cancels them and gives their tasks back. ``reconnect``
     paces reconnects after the stream breaks. ``min_server_version`` refuses servers
@@ -98,9 +101,14 @@ class Worker:
         reconnect: ReconnectBackoff | None = None,
         min_server_version: str = "",
         max_result_size: int | None = None,
+        tls: bool | None = None,
+        tls_ca: TlsFile | None = None,
+        tls_cert: TlsFile | None = None,
+        tls_key: TlsFile | None = None,
     ) -> None:
-        if not isinstance(target, str) or not target:
-            raise InvalidArgument("target must be a non-empty 'host:port' string")
+        self._endpoint = endpoint(
+            target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        )
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidArgument(f"concurrency must be an int >= 1, got {concurrency!r}")
         if max_result_size is not None and (
@@ -299,10 +307,13 @@ class Worker:
                     attempt = 0
                 delay = self.reconnect.delay(attempt)
                 attempt += 1
+                details = ended.details
+                if ended.code == "UNAVAILABLE":
+                    details = self._endpoint.explain(details)
                 logger.warning(
                     "worker.disconnected code=%s details=%s retry_in=%.2fs",
                     ended.code,
-                    ended.details,
+                    details,
                     delay,
                 )
                 with contextlib.suppress(TimeoutError):
@@ -314,7 +325,7 @@ class Worker:
 
     def _session_settings(self) -> SessionSettings:
         return SessionSettings(
-            target=self.target,
+            endpoint=self._endpoint,
             token=self._token,
             queues=self.queues,
             concurrency=self.concurrency,
