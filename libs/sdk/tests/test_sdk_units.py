@@ -65,6 +65,7 @@ EXPORTED = {
     "BatchActionResult",
     "EventStream",
     "QueueInfo",
+    "QueuePage",
     "TaskEvent",
     "TaskPage",
     "Client",
