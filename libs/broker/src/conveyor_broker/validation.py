@@ -55,6 +55,10 @@ def check_name_cursor(name: str) -> None:
 def check_text(name: str, value: str) -> None:
     """Raise InvalidTask when the text field ``name`` holds a control character (or a lone
     surrogate): see :data:`CONTROL_RE`."""
+    # isprintable() is the fast path (a C loop): every control character is unprintable,
+    # but so are a few allowed ones (U+00A0, U+200B, ...), which the regex then clears.
+    if value.isprintable():
+        return
     found = CONTROL_RE.search(value)
     if found is not None:
         raise InvalidTask(
