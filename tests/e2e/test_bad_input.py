@@ -4,6 +4,7 @@ up, and nothing already stored is lost or changed."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from conveyor import (
     ResourceExhausted,
     TaskState,
     Unimplemented,
+    spec,
 )
 from conveyor_broker import Task, TaskListParams
+from conveyor_broker import TaskState as BrokerState
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
 
@@ -236,3 +239,149 @@ async def test_undecodable_requests_get_invalid_argument_and_change_nothing(
     after = await all_tasks(store)
     assert after.pop(running.id).retried == 0
     assert after == before, "an undecodable request changed stored tasks"
+
+
+def _new(queue: str = "hardened", type: str = "e2e.noop", **fields: Any) -> task_pb2.NewTask:
+    return task_pb2.NewTask(queue=queue, type=type, payload=b"{}", **fields)
+
+
+#: The issue's bad inputs, each beside good items: refused on its own, with a reason.
+BAD_ITEMS: dict[str, tuple[task_pb2.NewTask, str]] = {
+    "queue 0\\n": (_new(queue="0\n"), "invalid queue name '0\\n'"),
+    "look-alike queue": (_new(queue="h\u0430rdened"), "invalid queue name"),
+    "NUL in type": (_new(type="e2e.noop\x00"), "task type contains the control character"),
+    "NUL in unique key": (
+        _new(options=task_pb2.TaskOptions(unique_key="key\x00")),
+        "unique_key contains the control character",
+    ),
+    "NUL in header value": (
+        _new(headers={"h": "v\x00"}),
+        "header 'h' contains the control character",
+    ),
+    "NUL in header key": (_new(headers={"h\x00": "v"}), "a header key contains"),
+    "newline in type": (_new(type="e2e.noop\n"), "task type contains the control character"),
+}
+
+
+async def test_bad_inputs_fail_alone_and_other_producers_are_stored(
+    cluster: Cluster, store: PostgresBroker, tmp_path: Path
+) -> None:
+    stack = await start_stack(cluster, tmp_path, queues={"hardened": 1}, concurrency=16)
+    [api] = [p for p in cluster.procs if p.name.startswith("api")]
+    async with (
+        grpc.aio.insecure_channel(stack.target) as channel,
+        AsyncClient(stack.target) as client,
+    ):
+        task_stub: Any = service_pb2_grpc.TaskServiceStub
+        tasks = task_stub(channel)
+        # Producer A: one EnqueueBatch mixing every bad item with good ones. Producer B,
+        # at the same time: single enqueues and a batch, through the SDK, sharing the
+        # api's group commits with A.
+        mixed = [_new(headers={"n": "a0"})]
+        mixed += [item for item, _ in BAD_ITEMS.values()]
+        mixed += [_new(headers={"n": "a1"})]
+        singles = [
+            client.enqueue("e2e.noop", {}, queue="hardened", headers={"n": f"b{n}"})
+            for n in range(50)
+        ]
+        batch = [spec("e2e.noop", {}, queue="hardened", headers={"n": f"c{n}"}) for n in range(100)]
+        answer, *others = await asyncio.gather(
+            tasks.EnqueueBatch(service_pb2.EnqueueBatchRequest(tasks=mixed)),
+            client.enqueue_batch(batch),
+            *singles,
+        )
+        results = list(answer.results)
+        assert results[0].created
+        assert results[-1].created
+        for (case, (_, reason)), result in zip(BAD_ITEMS.items(), results[1:-1], strict=True):
+            assert result.error_code == "INVALID_ARGUMENT", case
+            assert reason in result.error, (case, result.error)
+            assert not result.HasField("task"), case
+        [from_batch, *from_singles] = others
+        assert all(r.ok and r.created for r in from_batch)
+        good = {results[0].task.id, results[-1].task.id}
+        good |= {r.task.id for r in from_batch if r.task is not None}
+        good |= {t.id for t in from_singles}
+        assert len(good) == 152
+
+        # One at a time, the same: a clear INVALID_ARGUMENT, nothing stored.
+        for case, (item, reason) in BAD_ITEMS.items():
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await tasks.Enqueue(service_pb2.EnqueueRequest(task=item))
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, case
+            assert reason in (info.value.details() or ""), case
+
+    # Every good task is stored and runs: the wake path is healthy after the bad ones.
+    async def all_ran() -> bool:
+        page = await store.list_tasks(
+            TaskListParams(queue="hardened", state=BrokerState.COMPLETED, limit=1000)
+        )
+        return good <= {t.id for t in page.tasks}
+
+    await wait_for(all_ran, timeout=60, message="every good task completed")
+    stored = await all_tasks(store)
+    assert {t.queue for t in stored.values()} == {"hardened"}
+    assert all(t.type == "e2e.noop" and not t.unique_key for t in stored.values())
+
+    # A Hello with too much in it ends the stream, naming the field and the limit.
+    labels = {f"label-{n}": "v" * 10 for n in range(17)}
+    big = service_pb2.Hello(queues={"hardened": 1}, concurrency=1, sdk_version="0.1.0")
+    big.labels.update(labels)
+    refused = await session_error(stack.target, [service_pb2.WorkerFrame(hello=big)])
+    assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details() == "Hello has 17 labels; at most 16 are allowed"
+    long_label = service_pb2.Hello(
+        queues={"hardened": 1}, concurrency=1, sdk_version="0.1.0", labels={"zone": "x" * 5000}
+    )
+    refused = await session_error(stack.target, [service_pb2.WorkerFrame(hello=long_label)])
+    assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "label 'zone' is 5000 characters; at most 256" in (refused.details() or "")
+    greedy = service_pb2.Hello(queues={"hardened": 1}, concurrency=10**9, sdk_version="0.1.0")
+    refused = await session_error(stack.target, [service_pb2.WorkerFrame(hello=greedy)])
+    assert "concurrency must be 1..10000" in (refused.details() or "")
+
+    # A lease token nested past the JSON parser's depth: UNAUTHENTICATED, not INTERNAL.
+    async with grpc.aio.insecure_channel(stack.target) as channel:
+        hook_stub: Any = service_pb2_grpc.WebhookServiceStub
+        hooks = hook_stub(channel)
+        nested = "v1." + base64.urlsafe_b64encode(b"[" * 3000).rstrip(b"=").decode() + ".AAAA"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await hooks.Heartbeat(service_pb2.WebhookHeartbeatRequest(lease_token=nested))
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+    # Nothing above was an internal error in the api.
+    assert "rpc.failed" not in api.log()
+
+
+async def test_listings_are_bounded_in_bytes_and_pages(
+    cluster: Cluster, store: PostgresBroker
+) -> None:
+    target = await cluster.start_services()
+    async with AsyncClient(target) as client, AsyncAdminClient(target) as admin:
+        # Six tasks of 900 kB: one page of them would be 5.4 MB; the api stops at 4 MiB.
+        big = [
+            await client.enqueue("e2e.noop", "x" * 900_000, queue="big", process_in=3600)
+            for _ in range(6)
+        ]
+        first = await admin.list_tasks(queue="big")
+        assert [t.id for t in first.tasks] == [t.id for t in big[:4]]
+        assert first.tasks[0].payload == "x" * 900_000
+        assert first.next_cursor is not None
+        rest = await admin.list_tasks(queue="big", cursor=first.next_cursor)
+        assert [t.id for t in rest.tasks] == [t.id for t in big[4:]]
+        assert rest.next_cursor is None
+        bare = await admin.list_tasks(queue="big", with_payloads=False)
+        assert [t.id for t in bare.tasks] == [t.id for t in big]
+        assert all(t.payload is None for t in bare.tasks)
+        assert [t.id async for t in admin.iter_tasks(queue="big", page_size=1000)] == [
+            t.id for t in big
+        ]
+
+        # Queues page by name.
+        names = [f"paged-{n:02d}" for n in range(25)]
+        await client.enqueue_batch([spec("e2e.noop", {}, queue=q, process_in=3600) for q in names])
+        page = await admin.list_queues(limit=10)
+        assert len(page.queues) == 10
+        assert page.next_cursor is not None
+        listed = [q.name async for q in admin.iter_queues(page_size=10)]
+        assert listed == sorted(["big", *names])

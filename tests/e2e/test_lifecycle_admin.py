@@ -47,7 +47,7 @@ async def check_listing_and_single_actions(client: AsyncClient, admin: AsyncAdmi
     ] == parked
     stats = await admin.queue_stats("parked")
     assert (stats.name, stats.paused, stats.count(P), stats.total) == ("parked", False, 5, 5)
-    assert {"parked", "live"} <= {q.name for q in await admin.list_queues()}
+    assert {"parked", "live"} <= {q.name async for q in admin.iter_queues()}
 
     canceled = await admin.cancel_task(parked[0])
     assert (canceled.state, canceled.completed_at is not None) == (K, True)

@@ -112,7 +112,7 @@ async def test_a_session_over_tls_end_to_end(
         done = await wait_state(admin, task.id, TaskState.COMPLETED, within=30)
         assert done.result == {"n": 1}
         assert any(line[:2] == ["done", task.id] for line in read_record(record))
-        assert {q.name for q in await admin.list_queues()} >= {"tls"}
+        assert {q.name for q in (await admin.list_queues()).queues} >= {"tls"}
 
         # A webhook delivery answered "accepted", finished through the callbacks.
         await admin.upsert_webhook_worker("tls-hook", endpoint.url, {"hooks": 1}, secrets=["s"])
@@ -171,7 +171,7 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate_of_its_ca(
     async with AsyncAdminClient(
         target, tls_ca=certs.ca, tls_cert=certs.client_cert, tls_key=certs.client_key
     ) as admin:
-        assert await admin.list_queues() == []
+        assert list((await admin.list_queues()).queues) == []
 
 
 async def test_a_tls_client_of_a_plaintext_server_is_told_so(

@@ -8,9 +8,11 @@ leaves the pool open), so per-test isolation costs one TRUNCATE.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import pytest
+from conveyor_broker import InvalidTask, NewTask
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing import BrokerConformance, FakeClock
 from conveyor_broker.testing.schemas import DATA_TABLES, migrated_schema
@@ -43,3 +45,25 @@ class TestPostgresBroker(BrokerConformance):
         broker = PostgresBroker(conformance_pool, clock)
         yield broker
         await broker.close()
+
+    @pytest.mark.parametrize(
+        "options",
+        [
+            {"type": "t\x00"},
+            {"unique_key": "k\x00"},
+            {"headers": {"k": "v\x00"}},
+            {"headers": {"k\x00": "v"}},
+            {"type": "t\ud800"},
+        ],
+        ids=["type", "unique-key", "header-value", "header-key", "surrogate"],
+    )
+    async def test_a_value_the_database_refuses_is_invalid_task(
+        self, broker: PostgresBroker, options: dict[str, Any]
+    ) -> None:
+        # Validation refuses these first; past it (the protected hook), what Postgres
+        # refuses is still the item's fault: InvalidTask, nothing stored.
+        good = NewTask("q", "t")
+        with pytest.raises(InvalidTask, match="the database refused a value"):
+            await broker._enqueue_batch([good, NewTask("q", **{"type": "t", **options})])
+        assert (await broker.list_tasks()).tasks == []
+        assert (await broker._enqueue_batch([good]))[0].created

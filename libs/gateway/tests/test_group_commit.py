@@ -14,6 +14,7 @@ from conveyor_broker import (
     DuplicateTask,
     EnqueueResult,
     FakeClock,
+    InvalidTask,
     NewTask,
     TaskState,
 )
@@ -61,6 +62,46 @@ async def test_an_item_refused_alone_does_not_spoil_the_others() -> None:
     assert all(isinstance(o, EnqueueResult) and o.created for o in outcomes[3:])
     [stats] = await broker.queue_stats("q")
     assert stats.count(TaskState.PENDING) == 6
+
+
+class PickyBroker(CountingBroker):
+    """Refuses, past validation (as a database would), any batch holding a task of type
+    ``poison``: the whole commit fails with InvalidTask, as the Postgres broker's does
+    when the database refuses a value."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeClock())
+
+    async def _enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
+        if any(task.type == "poison" for task in tasks):
+            raise InvalidTask("the database refused a value: poison")
+        return await super()._enqueue_batch(tasks)
+
+
+async def test_an_item_the_broker_refuses_fails_alone_among_concurrent_callers() -> None:
+    broker = PickyBroker()
+    committer = EnqueueCommitter(broker, window=60, max_items=500)
+    # A commit in flight: everything below gathers behind it into one shared batch.
+    first = asyncio.ensure_future(committer.enqueue(NewTask("q", "first")))
+    await asyncio.sleep(0)
+    singles = [committer.enqueue(NewTask("q", f"single-{n}")) for n in range(100)]
+    poisoned = committer.enqueue(NewTask("q", "poison"))
+    many = committer.enqueue_many([NewTask("q", f"many-{n}") for n in range(50)])
+    *results, refused, outcomes = await asyncio.gather(
+        *singles, poisoned, many, return_exceptions=True
+    )
+    await first
+    assert isinstance(refused, InvalidTask)
+    assert "poison" in str(refused)
+    assert all(isinstance(r, EnqueueResult) and r.created for r in results)
+    assert isinstance(outcomes, list)
+    assert all(isinstance(o, EnqueueResult) and o.created for o in outcomes)
+    [stats] = await broker.queue_stats("q")
+    assert stats.count(TaskState.PENDING) == 1 + 100 + 50
+    # One shared batch of 151, then halves down to the poisoned item: about 2 log2(151)
+    # commits, not one per caller.
+    assert broker.enqueue_batch_sizes[:2] == [1, 151]
+    assert len(broker.enqueue_batch_sizes) <= 2 + 2 * 8, broker.enqueue_batch_sizes
 
 
 async def test_a_failed_commit_is_each_callers_error() -> None:

@@ -19,6 +19,7 @@ from conveyor import (
     FailedPrecondition,
     InvalidArgument,
     QueueInfo,
+    QueuePage,
     TaskEvent,
     TaskNotFound,
     TaskState,
@@ -191,6 +192,27 @@ async def test_list_tasks_pages_and_filters(double: tuple[AdminDouble, str]) -> 
         1,
         "",
     )
+    assert not first.omit_payloads
+
+
+async def test_list_tasks_can_leave_payloads_out(double: tuple[AdminDouble, str]) -> None:
+    service, target = double
+    bare = pb.Task(id=ULID_A, queue="q", type="t", state=pb.TASK_STATE_COMPLETED)
+    service.replies["ListTasks"] = lambda _: svc.ListTasksResponse(tasks=[bare])
+    async with AsyncAdminClient(target) as admin:
+        page = await admin.list_tasks(with_payloads=False)
+        [task] = page.tasks
+        assert (task.payload, task.result, task.progress) == (None, None, None)
+        assert [t.id async for t in admin.iter_tasks(with_payloads=False)] == [ULID_A]
+
+    def blocking() -> None:
+        with AdminClient(target) as admin:
+            assert [t.id for t in admin.iter_tasks(with_payloads=False)] == [ULID_A]
+            assert admin.list_tasks().tasks[0].id == ULID_A
+
+    await asyncio.to_thread(blocking)
+    sent = [request.omit_payloads for name, request in service.requests if name == "ListTasks"]
+    assert sent == [True, True, True, False]
 
 
 async def test_batch_actions_select_by_ids_or_by_queue_and_state(
@@ -237,7 +259,9 @@ async def test_queues(double: tuple[AdminDouble, str]) -> None:
     service.replies["PauseQueue"] = lambda _: svc.PauseQueueResponse()
     service.replies["ResumeQueue"] = lambda _: svc.ResumeQueueResponse()
     async with AsyncAdminClient(target) as admin:
-        [queue] = await admin.list_queues()
+        page = await admin.list_queues()
+        assert page.next_cursor is None
+        [queue] = page.queues
         assert isinstance(queue, QueueInfo)
         assert (queue.name, queue.paused, queue.total) == ("q", True, 7)
         assert queue.count(TaskState.PENDING) == 2
@@ -250,6 +274,37 @@ async def test_queues(double: tuple[AdminDouble, str]) -> None:
         ("PauseQueue", "q"),
         ("ResumeQueue", "q"),
     ]
+
+
+async def test_list_queues_pages(double: tuple[AdminDouble, str]) -> None:
+    service, target = double
+    pages = {
+        "": svc.ListQueuesResponse(
+            queues=[svc.QueueStats(queue="a"), svc.QueueStats(queue="b")], next_cursor="b"
+        ),
+        "b": svc.ListQueuesResponse(queues=[svc.QueueStats(queue="c")]),
+    }
+    service.replies["ListQueues"] = lambda request: pages[request.cursor]
+    async with AsyncAdminClient(target) as admin:
+        first = await admin.list_queues(limit=2)
+        assert isinstance(first, QueuePage)
+        assert [q.name for q in first.queues] == ["a", "b"]
+        assert first.next_cursor == "b"
+        last = await admin.list_queues(limit=2, cursor=first.next_cursor)
+        assert [q.name for q in last.queues] == ["c"]
+        assert last.next_cursor is None
+        assert [q.name async for q in admin.iter_queues(page_size=2)] == ["a", "b", "c"]
+        for limit in (0, 1001, True):
+            with pytest.raises(InvalidArgument, match="limit"):
+                await admin.list_queues(limit=limit)
+
+    def blocking() -> list[str]:
+        with AdminClient(target) as admin:
+            return [q.name for q in admin.iter_queues()]
+
+    assert await asyncio.to_thread(blocking) == ["a", "b", "c"]
+    sent = [(r.limit, r.cursor) for name, r in service.requests if name == "ListQueues"]
+    assert sent == [(2, ""), (2, "b"), (2, ""), (2, "b"), (100, ""), (100, "b")]
 
 
 async def test_watch_events_async(double: tuple[AdminDouble, str]) -> None:

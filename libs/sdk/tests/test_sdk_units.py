@@ -30,6 +30,7 @@ from conveyor import (
     TaskOptions,
     TaskState,
     Unavailable,
+    Worker,
     spec,
     webhooks,
 )
@@ -64,6 +65,7 @@ EXPORTED = {
     "BatchActionResult",
     "EventStream",
     "QueueInfo",
+    "QueuePage",
     "TaskEvent",
     "TaskPage",
     "Client",
@@ -226,6 +228,14 @@ def test_spec_normalizes_durations_and_on_failure() -> None:
         ({"depends_on": "01H"}, "depends_on"),
         ({"on_failure": "explode"}, "on_failure"),
         ({"headers": {"k": 1}}, "headers"),
+        # Names are matched whole; text fields hold no control characters.
+        ({"queue": "0\n"}, "queue"),
+        ({"queue": "\u0430bc"}, "queue"),
+        ({"queue": "\uff31"}, "queue"),
+        ({"headers": {"k": "v\x00"}}, "header 'k' contains the control character"),
+        ({"headers": {"k\x00": "v"}}, "header key contains the control character"),
+        ({"unique_key": "k\x00"}, "unique_key contains the control character"),
+        ({"concurrency_key": "c\n"}, "concurrency_key contains"),
     ],
 )
 def test_spec_rejects_bad_options(kwargs: dict[str, Any], message: str) -> None:
@@ -238,6 +248,31 @@ def test_spec_rejects_a_bad_type() -> None:
         spec("")
     with pytest.raises(InvalidArgument, match="type"):
         spec("x" * 257)
+    with pytest.raises(InvalidArgument, match="task type contains the control character"):
+        spec("t\x00")
+    assert spec("envoyé ✉").type == "envoyé ✉"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"queues": ["0\n"]}, "invalid queue name"),
+        ({"queues": {"q": 1001}}, "1..1000"),
+        ({"queues": [f"q{n}" for n in range(1001)]}, "at most 1000 queues"),
+        ({"concurrency": 10_001}, "concurrency must be an int in 1..10000"),
+        ({"labels": {f"k{n}": "v" for n in range(17)}}, "at most 16 labels"),
+        ({"labels": {"k" * 65: "v"}}, "label key"),
+        ({"labels": {"k": "v" * 257}}, "longer than 256"),
+        ({"labels": {"k": "v\x00"}}, "label 'k' contains the control character"),
+        ({"labels": {"k": 1}}, "strings to strings"),
+        ({"worker_id": "w" * 257}, "worker_id"),
+        ({"worker_id": "w\n"}, "worker_id contains the control character"),
+        ({"min_server_version": "1" * 65}, "min_server_version"),
+    ],
+)
+def test_worker_checks_its_hello_before_connecting(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        Worker(**kwargs)
 
 
 # --------------------------------------------------------------------- conversions

@@ -351,6 +351,48 @@ def test_verify_signature_agrees_with_the_server(
     )
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        f"t={NOW},v1=é" + "0" * 63,  # non-ASCII where the hex goes: was a TypeError
+        f"t={NOW},v1=" + "é" * 64,
+        "t=١٩٠٠٠٠٠٠٠٠,v1=" + "0" * 64,  # other scripts' digits
+        "t=" + "9" * 5000,  # past int()'s digit limit
+        "t=1" + "0" * 400,  # past a float, were it parsed
+        "t=+1900000000",
+        "t=1_900_000_000",
+        "t= 1900000000",
+        "\x00" * 10_000,
+        b"t=1900000000,v1=\xff",
+        bytearray(b"\xff\xfe"),
+        12345,
+    ],
+)
+def test_a_malformed_header_is_false_not_an_exception(header: Any) -> None:
+    assert verify_signature(header, BODY, ["new"], now=NOW) is False
+
+
+def test_the_header_may_be_bytes() -> None:
+    header = sign_delivery("new", BODY, NOW)
+    assert verify_signature(header.encode(), BODY, ["new"], now=NOW)
+
+
+@given(
+    header=st.one_of(
+        st.text(max_size=200),
+        st.binary(max_size=200),
+        st.builds(
+            lambda t, v: f"t={t},v1={v}",
+            st.one_of(st.integers(NOW - 400, NOW + 400), st.text(max_size=20)),
+            st.text(max_size=80),
+        ),
+    ),
+    body=st.binary(max_size=64),
+)
+def test_verify_signature_never_raises_on_a_header(header: str | bytes, body: bytes) -> None:
+    assert verify_signature(header, body, ["new", "old"], now=NOW) in (True, False)
+
+
 # ------------------------------------------------------------------ callbacks
 
 

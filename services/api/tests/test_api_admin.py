@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
+from conveyor_api.admin_service import LIST_PAGE_BYTES
 from conveyor_broker import FakeClock, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
@@ -81,6 +82,53 @@ async def test_list_queues_stats_and_tasks(admin: Any, broker: CountingBroker) -
 
     got = await admin.GetTask(service_pb2.GetTaskRequest(id=ids[0]))
     assert got.task.queue == "a"
+
+
+async def test_list_tasks_pages_end_at_the_byte_budget(admin: Any, broker: CountingBroker) -> None:
+    # Six tasks of 900 kB: a page of 100 would be 5.4 MB; the 4 MiB budget cuts it at 4.
+    ids = [(await put(broker, "big", payload=b"x" * 900_000)).id for _ in range(6)]
+    first = await admin.ListTasks(service_pb2.ListTasksRequest(queue="big"))
+    assert [t.id for t in first.tasks] == ids[:4]
+    assert first.ByteSize() <= LIST_PAGE_BYTES
+    assert all(t.payload == b"x" * 900_000 for t in first.tasks)
+    assert first.next_cursor == ids[3]
+    rest = await admin.ListTasks(
+        service_pb2.ListTasksRequest(queue="big", cursor=first.next_cursor)
+    )
+    assert [t.id for t in rest.tasks] == ids[4:]
+    assert not rest.next_cursor
+    # Without payloads the whole listing is one small page.
+    bare = await admin.ListTasks(service_pb2.ListTasksRequest(queue="big", omit_payloads=True))
+    assert [t.id for t in bare.tasks] == ids
+    assert not bare.next_cursor
+    assert all(t.payload == b"" and t.state == task_pb2.TASK_STATE_PENDING for t in bare.tasks)
+    assert bare.ByteSize() < 2000
+
+
+async def test_list_queues_pages(admin: Any, broker: CountingBroker) -> None:
+    names = [f"page-{n}" for n in range(5)]
+    for name in names:
+        await put(broker, name)
+    seen: list[str] = []
+    cursor = ""
+    while True:
+        page = await admin.ListQueues(service_pb2.ListQueuesRequest(limit=2, cursor=cursor))
+        assert len(page.queues) <= 2
+        seen += [q.queue for q in page.queues]
+        if not page.next_cursor:
+            break
+        cursor = page.next_cursor
+    assert seen == names
+    # No limit: a page of up to 1000, what a client that knows no paging reads.
+    everything = await admin.ListQueues(service_pb2.ListQueuesRequest())
+    assert [q.queue for q in everything.queues] == names
+    assert not everything.next_cursor
+    for bad in (
+        service_pb2.ListQueuesRequest(limit=1001),
+        service_pb2.ListQueuesRequest(limit=-1),
+        service_pb2.ListQueuesRequest(cursor="a\x00"),
+    ):
+        await expect_code(admin.ListQueues, bad, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 async def test_errors_map_to_status_codes(

@@ -12,12 +12,13 @@ from typing import Any
 import asyncpg
 import grpc
 import pytest
-from conveyor_broker import EnqueueResult, FakeClock, NewTask, TaskState
+from conveyor_broker import EnqueueResult, FakeClock, NewTask, TaskListParams, TaskState
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing.schemas import DATA_TABLES, migrated_schema
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.wire import requests
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
 
@@ -87,6 +88,48 @@ async def test_group_commit_and_uniqueness_on_postgres(
     sizes = broker.enqueue_batch_sizes
     assert max(sizes) > 1, sizes
     assert len(sizes) < 103, sizes
+
+
+async def test_an_item_postgres_refuses_fails_alone_in_its_group_commit(
+    make_api: MakeApi, broker: CountingPostgresBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Validation now refuses a NUL before any commit. Should anything it misses reach the
+    # database anyway, only its own caller may fail, not everyone sharing its commit: so
+    # here both the api's and the broker's validation are skipped, and Postgres refuses.
+    monkeypatch.setattr(requests, "check_new_task", lambda task, **_: None)
+
+    async def unchecked(tasks: Sequence[NewTask]) -> list[EnqueueResult]:
+        broker.enqueue_batch_sizes.append(len(tasks))
+        return await broker._enqueue_batch(tasks)
+
+    monkeypatch.setattr(broker, "enqueue_batch", unchecked)
+    api = await make_api(enqueue_batch_window=0.05)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
+        stub: Any = service_pb2_grpc.TaskServiceStub
+        tasks = stub(ch)
+
+        def request(task_type: str) -> service_pb2.EnqueueRequest:
+            return service_pb2.EnqueueRequest(task=task_pb2.NewTask(queue="pg", type=task_type))
+
+        # A commit in flight, so the next producers gather behind it into one batch.
+        first = asyncio.ensure_future(tasks.Enqueue(request("first")))
+        outcomes = await asyncio.gather(
+            *(tasks.Enqueue(request(f"good-{n}")) for n in range(40)),
+            tasks.Enqueue(request("bad\x00")),
+            *(tasks.Enqueue(request(f"good-{n}")) for n in range(40, 80)),
+            return_exceptions=True,
+        )
+        await first
+    refused = outcomes.pop(40)
+    assert isinstance(refused, grpc.aio.AioRpcError)
+    assert refused.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "the database refused a value" in (refused.details() or "")
+    assert all(isinstance(o, service_pb2.EnqueueResponse) and o.created for o in outcomes)
+    stored = {t.type for t in (await broker.list_tasks(TaskListParams(limit=1000))).tasks}
+    assert stored == {"first"} | {f"good-{n}" for n in range(80)}
+    sizes = broker.enqueue_batch_sizes
+    assert max(sizes) > 1, sizes  # the bad item shared a commit with others...
+    assert len(sizes) < 40, sizes  # ...which was split in halves, not item by item
 
 
 async def test_worker_session_on_postgres(

@@ -128,6 +128,74 @@ async def test_no_hello_in_time_ends_the_stream(make_api: MakeApi) -> None:
             "0.1.0",
         ),
         ({"q": 1}, 1, {"sdk_version": "latest"}, grpc.StatusCode.FAILED_PRECONDITION, "latest"),
+        # Names are matched whole, and every field of a Hello is bounded.
+        ({"0\n": 1}, 1, {}, grpc.StatusCode.INVALID_ARGUMENT, "invalid queue name '0\\n'"),
+        ({"\u0430": 1}, 1, {}, grpc.StatusCode.INVALID_ARGUMENT, "invalid queue name"),
+        ({"q": 1001}, 1, {}, grpc.StatusCode.INVALID_ARGUMENT, "must be 1..1000, got 1001"),
+        ({"q": 1}, 10_001, {}, grpc.StatusCode.INVALID_ARGUMENT, "concurrency must be 1..10000"),
+        (
+            {f"q{n}": 1 for n in range(1001)},
+            1,
+            {},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "1001 queues; at most 1000",
+        ),
+        (
+            {"q": 1},
+            1,
+            {"labels": {f"k{n}": "v" for n in range(17)}},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "17 labels; at most 16",
+        ),
+        (
+            {"q": 1},
+            1,
+            {"labels": {"k" * 65: "v"}},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "label key 'kkkk",
+        ),
+        (
+            {"q": 1},
+            1,
+            {"labels": {"zone": "v" * 257}},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "label 'zone' is 257 characters; at most 256",
+        ),
+        (
+            {"q": 1},
+            1,
+            {"labels": {"zone": "eu\x00"}},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "label 'zone' contains the control character",
+        ),
+        (
+            {"q": 1},
+            1,
+            {"worker_id": "w" * 257},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "worker_id is 257 characters; at most 256",
+        ),
+        (
+            {"q": 1},
+            1,
+            {"worker_id": "w\nforged log line"},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "worker_id contains the control character",
+        ),
+        (
+            {"q": 1},
+            1,
+            {"sdk_version": "1." * 40},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sdk_version is 80 characters; at most 64",
+        ),
+        (
+            {"q": 1},
+            1,
+            {"sdk_version": "\u0661.\u0660.\u0660"},
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "not a semantic version",
+        ),
     ],
 )
 async def test_bad_hello_is_refused(
@@ -518,3 +586,16 @@ async def test_register_is_repeated_every_tick(make_api: MakeApi, bus: Bus) -> N
         assert not any(m.closing for m in ticks)
         worker.cancel()
     await registers.stop()
+
+
+async def test_a_hello_with_too_many_batch_types_is_refused(channel: grpc.aio.Channel) -> None:
+    worker = WorkerStream(channel)
+    hello = service_pb2.Hello(
+        queues={"q": 1},
+        concurrency=1,
+        sdk_version="0.1.0",
+        batch_types=[f"t{n}" for n in range(101)],
+    )
+    await worker.send(service_pb2.WorkerFrame(hello=hello))
+    assert await worker.status() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "101 batch_types; at most 100" in await worker.details()

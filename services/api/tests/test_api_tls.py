@@ -78,7 +78,7 @@ async def test_every_client_works_over_tls(make_api: MakeApi, pki: Pki) -> None:
         with Client(f"127.0.0.1:{api.port}", tls=True, tls_ca=Path(pki.ca_file)) as sync:
             assert sync.get_task(task.id).id == task.id
         with AdminClient(target, tls_ca=pki.ca_file) as admin:
-            assert [q.name for q in admin.list_queues()] == ["q"]
+            assert [q.name for q in admin.list_queues().queues] == ["q"]
 
     await asyncio.to_thread(blocking)
     async with AsyncCallbacks(target, tls_ca=pki.ca_file) as callbacks:

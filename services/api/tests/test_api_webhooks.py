@@ -5,6 +5,7 @@ the memory broker and over Postgres (registrations and their secrets are stored 
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -374,7 +375,16 @@ FORGED: dict[str, Callable[[], str]] = {
     "bad-worker-name": lambda: lease_token(worker="no way"),
     "tampered-claims": _tampered,
     "truncated-mac": lambda: lease_token()[:-4],
+    # Claims nested past the JSON parser's depth: was a RecursionError, INTERNAL.
+    "deeply-nested": lambda: "v1." + _b64(b"[" * 3000) + ".AAAA",
+    "claims-not-an-object": lambda: "v1." + _b64(b'["w", "t"]') + ".AAAA",
+    "non-ascii": lambda: "v1.\u00e9\u00e9.AAAA",
+    "nul-in-claims": lambda: "v1." + _b64(b'{"w": "a\\u0000"}') + ".AAAA",
 }
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
 @pytest.mark.parametrize("case", sorted(FORGED))

@@ -67,6 +67,11 @@ def test_enqueue_get_list_and_cancel(target: str) -> None:
 
     listed = json.loads(run("task", "list", "--queue", "cli-a", "--json", target=target).output)
     assert [t["id"] for t in listed["tasks"]] == [task["id"]]
+    # Payloads are left out of listings unless asked for.
+    assert listed["tasks"][0]["payload"] is None
+    argv = ("task", "list", "--queue", "cli-a", "--payloads", "--json")
+    full = json.loads(run(*argv, target=target).output)
+    assert full["tasks"][0]["payload"] == {"pages": 3}
 
     canceled = run("task", "cancel", task["id"], target=target)
     assert canceled.exit_code == 0

@@ -192,6 +192,27 @@ async def test_the_pending_sweep_pages_through_due_queues_without_counting_tasks
     assert wakes.count("expiring") == wakes.count("scheduled") == 0
 
 
+async def test_a_stored_invalid_queue_name_does_not_stop_the_sweep(
+    broker: Broker,
+    clock: FakeClock,
+    make_settings: Callable[..., MaintenanceSettings],
+    nc: NatsClient,
+    wakes: WakeLog,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A name stored before names were matched whole (the protected hook skips the
+    # validation that now refuses it); the queues after it must still be woken.
+    await broker._enqueue_batch([NewTask(queue="0\n", type="t")])
+    await broker.enqueue_batch([NewTask(queue=q, type="t") for q in ("1", "2")])
+    m = Maintenance(make_settings(sweep_limit=1), broker, nc, clock)
+    with caplog.at_level(logging.WARNING):
+        report = await m.reaper_pass()
+    assert report.failed_steps == ()
+    assert report.woken == frozenset({"0\n", "1", "2"})
+    await wait_until(lambda: wakes.count("1") == 1 and wakes.count("2") == 1)
+    assert "invalid_queue_name_skipped queue='0\\n'" in caplog.text
+
+
 async def test_reaper_pass_archives_expired_and_purges_old_rows(
     broker: Broker,
     clock: FakeClock,

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from ulid import ULID
 
-_ULID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
+_ULID_RE = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 # Maps a random byte to a character by its low five bits (uniform: 32 divides 256).
 _BYTE_TO_CROCKFORD = bytes(ord(_CROCKFORD[b & 31]) for b in range(256))
@@ -22,7 +22,7 @@ def new_id(now: datetime) -> str:
 
 def is_ulid(value: str) -> bool:
     """True when ``value`` is a canonical 26-character ULID string."""
-    return bool(_ULID_RE.match(value))
+    return bool(_ULID_RE.fullmatch(value))
 
 
 def new_ids(now: datetime, count: int) -> list[str]:

@@ -51,7 +51,7 @@ from datetime import datetime, timedelta
 from importlib import metadata
 
 from conveyor_broker.clock import Clock, SystemClock
-from conveyor_broker.errors import BrokerClosed
+from conveyor_broker.errors import BrokerClosed, InvalidTask
 from conveyor_broker.types import (
     AckItem,
     BrokerInfo,
@@ -59,6 +59,7 @@ from conveyor_broker.types import (
     LeaseReapParams,
     LeaseRef,
     NewTask,
+    QueuePage,
     QueueStats,
     ReapedTask,
     StorageUpkeep,
@@ -80,11 +81,13 @@ from conveyor_broker.validation import (
     check_lease_ttl,
     check_lease_wants,
     check_limit,
+    check_name_cursor,
     check_not_negative,
     check_queue,
     check_task_id,
     check_webhook_name,
     check_webhook_worker,
+    clean_error,
 )
 
 logger = logging.getLogger(__name__)
@@ -284,7 +287,9 @@ class Broker(abc.ABC):
         *,
         skip_retry: bool = False,
     ) -> Task:
-        """A failed attempt. ``retried`` goes up by one and ``last_error = error``.
+        """A failed attempt. ``retried`` goes up by one and ``last_error = error`` (as
+        :func:`~conveyor_broker.validation.clean_error` mends it: cut to MAX_ERROR_LEN
+        characters, NUL replaced; this holds for ``archive`` too).
 
         When ``skip_retry`` or ``retried`` (before the increment) ``>= max_retry``: ARCHIVED
         with ``completed_at = now``. Otherwise RETRY with ``available_at = now +
@@ -294,7 +299,7 @@ class Broker(abc.ABC):
         self._check_open()
         check_not_negative("retry_delay", retry_delay)
         check_task_id(task_id)
-        return await self._fail(task_id, lease_id, error, retry_delay, skip_retry)
+        return await self._fail(task_id, lease_id, clean_error(error), retry_delay, skip_retry)
 
     async def release(self, task_id: str, lease_id: str) -> Task:
         """Give a task back untouched: ACTIVE -> PENDING, due now (``available_at = now``),
@@ -308,7 +313,7 @@ class Broker(abc.ABC):
         ``completed_at = now``, ``retried`` unchanged. Raises LeaseLost."""
         self._check_open()
         check_task_id(task_id)
-        return await self._archive(task_id, lease_id, error)
+        return await self._archive(task_id, lease_id, clean_error(error))
 
     # -------------------------------------------------------- maintenance sweeps
 
@@ -371,15 +376,16 @@ class Broker(abc.ABC):
     async def due_queues(self, *, after: str | None = None, limit: int = 1000) -> list[str]:
         """Queues that have a due task (what ``lease`` would pick now): the keys of
         ``pending_count()``, without counting. Sorted by name; only names after ``after``
-        (a queue name, e.g. the last one of the previous page), at most ``limit``
-        (1..MAX_BATCH). InvalidTask for a bad ``after`` or ``limit``.
+        (a queue name, e.g. the last one of the previous page; any stored name works,
+        even one the current rules refuse), at most ``limit`` (1..MAX_BATCH).
+        InvalidTask for a bad ``after`` or ``limit``.
 
         For sweeps that only need to know where there is work, so its cost follows the
         number of queues rather than the number of due tasks.
         """
         self._check_open()
         if after is not None:
-            check_queue(after)
+            check_name_cursor(after)
         check_limit(limit, upper=MAX_BATCH)
         return await self._due_queues(after, limit)
 
@@ -392,6 +398,18 @@ class Broker(abc.ABC):
             check_queue(queue)
         return await self._queue_stats(queue)
 
+    async def list_queues(self, *, after: str | None = None, limit: int = 100) -> QueuePage:
+        """:meth:`queue_stats` a page at a time: the queues (as ``queue_stats()`` lists
+        them) whose names come after ``after`` (the ``next_cursor`` of the previous page;
+        None: from the start), at most ``limit`` (1..MAX_BATCH), by name. ``next_cursor``
+        is None exactly when no queue follows the page. InvalidTask for a bad ``after``
+        or ``limit``."""
+        self._check_open()
+        if after is not None:
+            check_name_cursor(after)
+        check_limit(limit, upper=MAX_BATCH)
+        return await self._list_queues(after, limit)
+
     async def get_task(self, task_id: str) -> Task:
         """The stored task. Raises TaskNotFound."""
         self._check_open()
@@ -403,12 +421,16 @@ class Broker(abc.ABC):
         ``params.cursor`` is the ``next_cursor`` of the previous page (an opaque string);
         ``next_cursor`` is None exactly when no matching task follows the page.
         ``params.limit`` in 1..1000 (InvalidTask otherwise); a malformed cursor raises
-        InvalidTask."""
+        InvalidTask. ``params.max_bytes`` (>= 1) ends a page early, by
+        :func:`~conveyor_broker.types.listed_size`; ``params.omit_payloads`` leaves out
+        payloads, progress and results (see :class:`TaskListParams`)."""
         self._check_open()
         if params.queue is not None:
             check_queue(params.queue)
         check_limit(params.limit, upper=MAX_BATCH)
         check_cursor(params.cursor)
+        if params.max_bytes is not None and params.max_bytes < 1:
+            raise InvalidTask(f"max_bytes must be >= 1, got {params.max_bytes}")
         return await self._list_tasks(params)
 
     async def cancel_task(self, task_id: str) -> Task:
@@ -608,6 +630,9 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _list_tasks(self, params: TaskListParams) -> TaskPage: ...
+
+    @abc.abstractmethod
+    async def _list_queues(self, after: str | None, limit: int) -> QueuePage: ...
 
     @abc.abstractmethod
     async def _cancel_task(self, task_id: str) -> Task: ...

@@ -42,6 +42,7 @@ from conveyor_broker.types import (
     LeaseReapParams,
     LeaseRef,
     NewTask,
+    QueuePage,
     QueueStats,
     ReapedTask,
     StorageUpkeep,
@@ -52,6 +53,8 @@ from conveyor_broker.types import (
     TerminalPurgeParams,
     WebhookWorker,
     WebhookWorkerSpec,
+    listed_size,
+    without_payloads,
 )
 from conveyor_broker.validation import MAX_PAYLOAD
 
@@ -366,14 +369,25 @@ class MemoryBroker(Broker):
                 names = [queue]
             else:
                 names = sorted(self._table.queues() | set(self._paused))
-            return [
-                QueueStats(
-                    queue=name,
-                    paused=self._paused.get(name, False),
-                    counts=MappingProxyType(self._table.counts(name)),
-                )
-                for name in names
-            ]
+            return [self._stats(name) for name in names]
+
+    async def _list_queues(self, after: str | None, limit: int) -> QueuePage:
+        async with self._locked():
+            names = sorted(
+                name
+                for name in self._table.queues() | set(self._paused)
+                if after is None or name > after
+            )
+            page = [self._stats(name) for name in names[:limit]]
+            more = len(names) > limit
+            return QueuePage(page, page[-1].queue if more else None)
+
+    def _stats(self, name: str) -> QueueStats:
+        return QueueStats(
+            queue=name,
+            paused=self._paused.get(name, False),
+            counts=MappingProxyType(self._table.counts(name)),
+        )
 
     async def _get_task(self, task_id: str) -> Task:
         async with self._locked():
@@ -390,8 +404,16 @@ class MemoryBroker(Broker):
                 and (queue is None or self._table[task_id].queue == queue)
             ]
             page = heapq.nsmallest(limit + 1, ids)
-            more = len(page) > limit
-            tasks = [self._table[task_id] for task_id in page[:limit]]
+            tasks: list[Task] = []
+            budget = params.max_bytes
+            for task_id in page[:limit]:
+                task = self._table[task_id]
+                if budget is not None:
+                    budget -= listed_size(task, omit_payloads=params.omit_payloads)
+                    if budget < 0 and tasks:
+                        break
+                tasks.append(without_payloads(task) if params.omit_payloads else task)
+            more = len(page) > len(tasks)
             return TaskPage(tasks=tasks, next_cursor=tasks[-1].id if more else None)
 
     async def _cancel_task(self, task_id: str) -> Task:

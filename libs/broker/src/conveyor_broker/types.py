@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -165,12 +165,48 @@ class ReapedTask:
 class TaskListParams:
     """Which tasks :meth:`~conveyor_broker.interface.Broker.list_tasks` returns: those of
     ``queue`` in ``state`` (None: any), a page of at most ``limit`` (1..MAX_BATCH) after
-    ``cursor`` (the ``next_cursor`` of the previous page; None: from the start)."""
+    ``cursor`` (the ``next_cursor`` of the previous page; None: from the start).
+
+    ``max_bytes`` (None: no bound) also ends the page before the task that would take
+    the page's :func:`listed_size` past it (the first task always comes, whatever its
+    size). ``omit_payloads`` leaves every task's ``payload`` empty and its ``progress``
+    and ``result`` None, and they count for nothing in the size.
+    """
 
     queue: str | None = None
     state: TaskState | None = None
     limit: int = 100
     cursor: str | None = None
+    max_bytes: int | None = None
+    omit_payloads: bool = False
+
+
+#: What :func:`listed_size` counts for a task's fields besides the variable ones (ids,
+#: times, counters, its queue and type and keys: bounded and small).
+LISTED_OVERHEAD = 512
+
+
+def listed_size(task: Task, *, omit_payloads: bool = False) -> int:
+    """About how many bytes ``task`` takes in a listing: its payload, progress and result
+    (unless omitted), its headers and last error (UTF-8), plus :data:`LISTED_OVERHEAD`.
+
+    The sum a ListTasks byte budget (``TaskListParams.max_bytes``) is measured in; every
+    broker computes exactly this.
+    """
+    size = LISTED_OVERHEAD + sum(
+        len(key.encode()) + len(value.encode()) for key, value in task.headers.items()
+    )
+    if task.last_error is not None:
+        size += len(task.last_error.encode())
+    if not omit_payloads:
+        size += len(task.payload) + len(task.progress or b"") + len(task.result or b"")
+    return size
+
+
+def without_payloads(task: Task) -> Task:
+    """``task`` as a listing with ``omit_payloads`` shows it: no payload, progress or
+    result."""
+    return replace(task, payload=b"", progress=None, result=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +238,15 @@ class TaskPage:
     """One page of ListTasks; ``next_cursor`` is None on the last page."""
 
     tasks: list[Task]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePage:
+    """One page of :meth:`~conveyor_broker.interface.Broker.list_queues`, by name;
+    ``next_cursor`` is None on the last page."""
+
+    queues: list[QueueStats]
     next_cursor: str | None
 
 

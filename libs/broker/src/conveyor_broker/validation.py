@@ -7,18 +7,27 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.ids import is_ulid
 from conveyor_broker.types import NewTask, WebhookWorkerSpec
 
-#: Queue names are single NATS subject tokens: letters, digits, '_' and '-'.
-QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+#: Queue (and webhook worker) names are single NATS subject tokens: 1-128 ASCII letters,
+#: digits, '_' and '-', starting with a letter or digit. Always matched with
+#: ``fullmatch``: ``match`` with a ``$`` anchor also takes a trailing newline ("q\n").
+QUEUE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+MAX_QUEUE_LEN = 128
 MAX_TYPE_LEN = 256
 MAX_KEY_LEN = 256
 MAX_HEADERS = 64
 MAX_HEADER_LEN = 4096
+#: What no text field may hold: the C0 and C1 control characters (NUL included: Postgres
+#: cannot store it in text), DEL, and lone surrogates (not encodable as UTF-8).
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+_SURROGATE_RE = re.compile(r"[\ud800-\udfff]")
+#: The longest error text a task keeps (``last_error``): longer ones are cut.
+MAX_ERROR_LEN = 4096
 #: Default cap on one task's payload.
 MAX_PAYLOAD = 1024 * 1024
 MAX_RETRY_CAP = 1000
@@ -27,12 +36,51 @@ _BYTES = (bytes, bytearray, memoryview)
 
 
 def check_queue(queue: str) -> None:
-    """Raise InvalidTask unless ``queue`` is a valid queue name."""
-    if not isinstance(queue, str) or not QUEUE_RE.match(queue):
+    """Raise InvalidTask unless ``queue`` is a valid queue name (:data:`QUEUE_RE`)."""
+    if not isinstance(queue, str) or not QUEUE_RE.fullmatch(queue):
         raise InvalidTask(
-            f"invalid queue name {queue!r}: 1-128 letters, digits, '_' or '-', "
+            f"invalid queue name {queue!r}: 1-128 ASCII letters, digits, '_' or '-', "
             "starting with a letter or digit"
         )
+
+
+def check_name_cursor(name: str) -> None:
+    """Raise InvalidTask unless ``name`` can be a paging cursor over stored names (the last
+    queue of a page). Looser than :func:`check_queue` on purpose: a name stored before the
+    rules were strict must not stop paging past it."""
+    if not isinstance(name, str) or not 0 < len(name) <= 4 * MAX_QUEUE_LEN or "\x00" in name:
+        raise InvalidTask(f"malformed cursor {name!r}")
+
+
+def check_text(name: str, value: str) -> None:
+    """Raise InvalidTask when the text field ``name`` holds a control character (or a lone
+    surrogate): see :data:`CONTROL_RE`."""
+    # isprintable() is the fast path (a C loop): every control character is unprintable,
+    # but so are a few allowed ones (U+00A0, U+200B, ...), which the regex then clears.
+    if value.isprintable():
+        return
+    found = CONTROL_RE.search(value)
+    if found is not None:
+        raise InvalidTask(
+            f"{name} contains the control character {found.group()!r} at index "
+            f"{found.start()}: text fields may not hold U+0000-U+001F or U+007F-U+009F"
+        )
+
+
+def clean_error(text: str) -> str:
+    """``text`` as a task's ``last_error`` keeps it: at most :data:`MAX_ERROR_LEN`
+    characters, NUL and lone surrogates replaced by U+FFFD.
+
+    Error texts come from workers and endpoints (an exception's message may well hold a
+    NUL); the outcome must be stored whatever they say, so they are mended, not refused.
+    """
+    if len(text) > MAX_ERROR_LEN:
+        text = text[: MAX_ERROR_LEN - 3] + "..."
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    if not text.isascii():
+        text = _SURROGATE_RE.sub("\ufffd", text)
+    return text
 
 
 def check_task_id(task_id: str) -> None:
@@ -84,8 +132,9 @@ def _check_positive(name: str, value: timedelta | None, *, allow_zero: bool = Fa
 def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
     """Raise InvalidTask describing the first problem with ``task``."""
     check_queue(task.queue)
-    if not task.type or len(task.type) > MAX_TYPE_LEN:
+    if not isinstance(task.type, str) or not task.type or len(task.type) > MAX_TYPE_LEN:
         raise InvalidTask(f"task type must be 1-{MAX_TYPE_LEN} characters")
+    check_text("task type", task.type)
     if task.id is not None:
         check_task_id(task.id)
     if not isinstance(task.payload, _BYTES):
@@ -99,6 +148,8 @@ def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
             raise InvalidTask("headers must map non-empty strings to strings")
         if len(key) + len(value) > MAX_HEADER_LEN:
             raise InvalidTask(f"header {key!r} is longer than {MAX_HEADER_LEN} characters")
+        check_text("a header key", key)
+        check_text(f"header {key!r}", value)
     if task.max_retry is not None and not 0 <= task.max_retry <= MAX_RETRY_CAP:
         raise InvalidTask(f"max_retry must be in 0..{MAX_RETRY_CAP}, got {task.max_retry}")
     _check_positive("timeout", task.timeout)
@@ -114,8 +165,11 @@ def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
         ("group", task.group),
         ("concurrency_key", task.concurrency_key),
     ):
-        if key_value is not None and not 0 < len(key_value) <= MAX_KEY_LEN:
+        if key_value is None:
+            continue
+        if not isinstance(key_value, str) or not 0 < len(key_value) <= MAX_KEY_LEN:
             raise InvalidTask(f"{name} must be 1-{MAX_KEY_LEN} characters")
+        check_text(name, key_value)
     if len(task.depends_on) > MAX_DEPENDENCIES:
         raise InvalidTask(f"at most {MAX_DEPENDENCIES} dependencies")
     for dep in task.depends_on:
@@ -170,9 +224,9 @@ MAX_QUEUE_WEIGHT = 1000
 
 def check_webhook_name(name: str) -> None:
     """Raise InvalidTask unless ``name`` is a valid webhook worker name (queue-name rules)."""
-    if not isinstance(name, str) or not QUEUE_RE.match(name):
+    if not isinstance(name, str) or not QUEUE_RE.fullmatch(name):
         raise InvalidTask(
-            f"invalid webhook worker name {name!r}: 1-128 letters, digits, '_' or '-', "
+            f"invalid webhook worker name {name!r}: 1-128 ASCII letters, digits, '_' or '-', "
             "starting with a letter or digit"
         )
 
@@ -180,7 +234,7 @@ def check_webhook_name(name: str) -> None:
 def check_webhook_worker(spec: WebhookWorkerSpec) -> None:
     """Raise InvalidTask unless ``spec`` is a registration a broker may store."""
     check_webhook_name(spec.name)
-    parsed = urlsplit(spec.url) if isinstance(spec.url, str) else None
+    parsed = _split_url(spec.url)
     if (
         parsed is None
         or parsed.scheme not in ("http", "https")
@@ -206,3 +260,16 @@ def check_webhook_worker(spec: WebhookWorkerSpec) -> None:
     for secret in spec.secrets:
         if not isinstance(secret, str) or not 1 <= len(secret) <= MAX_WEBHOOK_SECRET_LEN:
             raise InvalidTask(f"a webhook secret is 1..{MAX_WEBHOOK_SECRET_LEN} characters")
+        if CONTROL_RE.search(secret):
+            # Not check_text: its message would quote part of the secret.
+            raise InvalidTask("a webhook secret may not hold control characters")
+
+
+def _split_url(url: object) -> SplitResult | None:
+    """``url`` split, or None when it is not a URL text field may hold."""
+    if not isinstance(url, str) or CONTROL_RE.search(url):
+        return None
+    try:
+        return urlsplit(url)
+    except ValueError:  # e.g. a malformed IPv6 host, or an out-of-range port
+        return None

@@ -19,14 +19,22 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from conveyor_broker.ids import is_ulid
+from conveyor_broker.validation import QUEUE_RE
 
 SIGNATURE_HEADER = "Conveyor-Signature"
 #: Seconds a delivery signature's timestamp may differ from the verifier's clock.
 DEFAULT_TOLERANCE = 300
 _TOKEN_VERSION = "v1"
 MAX_TOKEN_LEN = 4096
+#: Unpadded base64url, what both parts of a token after the version are.
+_B64URL_RE = re.compile(r"[A-Za-z0-9_-]*")
+#: A lease id as brokers make them (ULIDs), loosely.
+_LEASE_ID_RE = re.compile(r"[0-9A-Za-z]{1,64}")
 
 
 class InvalidToken(ValueError):
@@ -72,23 +80,44 @@ def verify_delivery(
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> bool:
     """True when ``header`` signs ``body`` with one of ``secrets`` within ``tolerance``
-    seconds of ``now``. What an endpoint runs on every delivery."""
+    seconds of ``now``. What an endpoint runs on every delivery; False (never an
+    exception) for a header of any other shape."""
+    parsed = _parse_signature(header)
+    if parsed is None:
+        return False
+    timestamp, given = parsed
+    if abs(now - timestamp) > tolerance:
+        return False
+    for secret in secrets:
+        expected = _mac(secret, f"{timestamp}.".encode() + body).hex()
+        if any(hmac.compare_digest(expected, candidate) for candidate in given):
+            return True
+    return False
+
+
+#: The longest signature header worth parsing (a real one is about 80 characters).
+_MAX_HEADER_LEN = 4096
+#: Unix seconds, in ASCII digits (int() would also take other scripts' digits, signs,
+#: underscores and spaces).
+_TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
+#: A v1 signature: a lower-case hex SHA-256.
+_MAC_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def _parse_signature(header: object) -> tuple[int, list[str]] | None:
+    """The timestamp and the well-formed v1 signatures of a header, or None when it has
+    no valid timestamp (or is no header at all)."""
+    if not isinstance(header, str) or len(header) > _MAX_HEADER_LEN or not header.isascii():
+        return None
     fields: dict[str, list[str]] = {}
     for part in header.split(","):
         key, sep, value = part.strip().partition("=")
         if sep:
             fields.setdefault(key, []).append(value)
-    try:
-        timestamp = int(fields["t"][0])
-    except (KeyError, ValueError):
-        return False
-    if abs(now - timestamp) > tolerance:
-        return False
-    for secret in secrets:
-        expected = _mac(secret, f"{timestamp}.".encode() + body).hex()
-        if any(hmac.compare_digest(expected, given) for given in fields.get("v1", [])):
-            return True
-    return False
+    stamps = fields.get("t", [])
+    if not stamps or not _TIMESTAMP_RE.fullmatch(stamps[0]):
+        return None
+    return int(stamps[0]), [mac for mac in fields.get("v1", []) if _MAC_RE.fullmatch(mac)]
 
 
 # ---------------------------------------------------------------- lease tokens
@@ -106,23 +135,37 @@ def mint_lease_token(secret: str, claims: LeaseClaims) -> str:
 
 def read_lease_token(token: str) -> LeaseClaims:
     """The claims of ``token`` WITHOUT checking its signature (to find whose secrets
-    verify it). Raises InvalidToken when it is malformed."""
+    verify it). Raises InvalidToken when it is malformed, whatever its shape: nothing
+    else (a token comes from the network)."""
     if not isinstance(token, str) or not token or len(token) > MAX_TOKEN_LEN:
         raise InvalidToken("lease token is missing or too long")
     parts = token.split(".")
-    if len(parts) != 3 or parts[0] != _TOKEN_VERSION:
+    if (
+        len(parts) != 3
+        or parts[0] != _TOKEN_VERSION
+        or not all(_B64URL_RE.fullmatch(part) for part in parts[1:])
+    ):
         raise InvalidToken("lease token is malformed")
     try:
         raw = json.loads(_unb64(parts[1]))
-        claims = LeaseClaims(worker=raw["w"], task_id=raw["t"], lease_id=raw["l"], queue=raw["q"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, RecursionError) as exc:
+        # RecursionError: JSON nested deeper than the parser goes ("[[[[...").
         raise InvalidToken("lease token is malformed") from exc
-    if not all(
-        isinstance(v, str) and v
-        for v in (claims.worker, claims.task_id, claims.lease_id, claims.queue)
+    if not isinstance(raw, dict):
+        raise InvalidToken("lease token is malformed")
+    worker, task_id, lease_id, queue = (raw.get(key) for key in ("w", "t", "l", "q"))
+    if not (
+        isinstance(worker, str)
+        and isinstance(queue, str)
+        and isinstance(task_id, str)
+        and isinstance(lease_id, str)
+        and QUEUE_RE.fullmatch(worker)
+        and QUEUE_RE.fullmatch(queue)
+        and is_ulid(task_id)
+        and _LEASE_ID_RE.fullmatch(lease_id)
     ):
         raise InvalidToken("lease token is malformed")
-    return claims
+    return LeaseClaims(worker=worker, task_id=task_id, lease_id=lease_id, queue=queue)
 
 
 def verify_lease_token(token: str, secrets: Sequence[str]) -> LeaseClaims:

@@ -26,6 +26,7 @@ from conveyor._clients.admin_sync import AdminClient
 from conveyor._clients.admin_types import (
     BatchActionResult,
     QueueInfo,
+    QueuePage,
     TaskEvent,
     TaskPage,
     WebhookWorker,
@@ -85,6 +86,7 @@ __all__ = [
     "OnFailure",
     "PermissionDenied",
     "QueueInfo",
+    "QueuePage",
     "RawCodec",
     "ReconnectBackoff",
     "ResourceExhausted",

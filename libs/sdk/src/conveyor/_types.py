@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -11,14 +10,11 @@ from types import MappingProxyType
 from typing import Any, TypeAlias
 
 from conveyor._errors import ConveyorError, InvalidArgument
+from conveyor._limits import MAX_KEY_LEN, MAX_TYPE_LEN, check_text, is_queue_name
 
 #: A duration given as a ``timedelta`` or as seconds.
 DurationLike: TypeAlias = timedelta | float | int
 
-#: Queue names are single NATS subject tokens (the server's rule, checked early here).
-_QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
-_MAX_TYPE_LEN = 256
-_MAX_KEY_LEN = 256
 #: EnqueueBatch and EnqueueTx accept at most this many tasks.
 MAX_BATCH = 1000
 
@@ -84,8 +80,11 @@ def _check_instant(name: str, value: datetime | None) -> None:
 
 
 def _check_key(name: str, value: str | None) -> None:
-    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= _MAX_KEY_LEN):
-        raise InvalidArgument(f"{name} must be a string of 1-{_MAX_KEY_LEN} characters")
+    if value is None:
+        return
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_KEY_LEN:
+        raise InvalidArgument(f"{name} must be a string of 1-{MAX_KEY_LEN} characters")
+    check_text(name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +159,12 @@ class TaskSpec:
     options: TaskOptions = field(default_factory=TaskOptions)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.type, str) or not 0 < len(self.type) <= _MAX_TYPE_LEN:
-            raise InvalidArgument(f"task type must be a string of 1-{_MAX_TYPE_LEN} characters")
-        if not isinstance(self.queue, str) or not _QUEUE_RE.match(self.queue):
+        if not isinstance(self.type, str) or not 0 < len(self.type) <= MAX_TYPE_LEN:
+            raise InvalidArgument(f"task type must be a string of 1-{MAX_TYPE_LEN} characters")
+        check_text("task type", self.type)
+        if not is_queue_name(self.queue):
             raise InvalidArgument(
-                f"invalid queue name {self.queue!r}: 1-128 letters, digits, '_' or '-', "
+                f"invalid queue name {self.queue!r}: 1-128 ASCII letters, digits, '_' or '-', "
                 "starting with a letter or digit"
             )
         if self.id is not None and (not isinstance(self.id, str) or not self.id):
@@ -173,6 +173,9 @@ class TaskSpec:
             isinstance(k, str) and k and isinstance(v, str) for k, v in self.headers.items()
         ):
             raise InvalidArgument("headers must map non-empty strings to strings")
+        for key, value in self.headers.items():
+            check_text("a header key", key)
+            check_text(f"header {key!r}", value)
         if not isinstance(self.options, TaskOptions):
             raise InvalidArgument("options must be a TaskOptions")
 

@@ -274,16 +274,18 @@ class Ping(_message.Message):
     def __init__(self, sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ListTasksRequest(_message.Message):
-    __slots__ = ("queue", "state", "limit", "cursor")
+    __slots__ = ("queue", "state", "limit", "cursor", "omit_payloads")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
+    OMIT_PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     queue: str
     state: _task_pb2.TaskState
     limit: int
     cursor: str
-    def __init__(self, queue: _Optional[str] = ..., state: _Optional[_Union[_task_pb2.TaskState, str]] = ..., limit: _Optional[int] = ..., cursor: _Optional[str] = ...) -> None: ...
+    omit_payloads: bool
+    def __init__(self, queue: _Optional[str] = ..., state: _Optional[_Union[_task_pb2.TaskState, str]] = ..., limit: _Optional[int] = ..., cursor: _Optional[str] = ..., omit_payloads: _Optional[bool] = ...) -> None: ...
 
 class ListTasksResponse(_message.Message):
     __slots__ = ("tasks", "next_cursor")
@@ -294,14 +296,20 @@ class ListTasksResponse(_message.Message):
     def __init__(self, tasks: _Optional[_Iterable[_Union[_task_pb2.Task, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
 
 class ListQueuesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("limit", "cursor")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    cursor: str
+    def __init__(self, limit: _Optional[int] = ..., cursor: _Optional[str] = ...) -> None: ...
 
 class ListQueuesResponse(_message.Message):
-    __slots__ = ("queues",)
+    __slots__ = ("queues", "next_cursor")
     QUEUES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
     queues: _containers.RepeatedCompositeFieldContainer[QueueStats]
-    def __init__(self, queues: _Optional[_Iterable[_Union[QueueStats, _Mapping]]] = ...) -> None: ...
+    next_cursor: str
+    def __init__(self, queues: _Optional[_Iterable[_Union[QueueStats, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
 
 class GetQueueStatsRequest(_message.Message):
     __slots__ = ("queue",)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from conveyor_broker import (
+    MAX_BATCH,
     Broker,
     BrokerError,
     InvalidTask,
@@ -43,6 +44,14 @@ if TYPE_CHECKING:
 
 #: Most tasks one BatchTaskAction touches.
 MAX_BATCH_ACTION = 1000
+#: ListTasks: a page ends before the task that would take it past this many bytes
+#: (conveyor_broker.types.listed_size), so a page of big tasks stays a few MiB.
+LIST_PAGE_BYTES = 4 * 1024 * 1024
+#: ListTasks page size when the request sets none.
+DEFAULT_TASK_PAGE = 100
+#: ListQueues page size when the request sets none (and the most it may ask for): what a
+#: caller that knows no paging (an older SDK) gets.
+DEFAULT_QUEUE_PAGE = MAX_BATCH
 #: Broker calls a BatchTaskAction runs at once.
 _BATCH_CONCURRENCY = 16
 #: Event messages (each a run of events) a slow WatchEvents caller may fall behind by
@@ -117,7 +126,8 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
     async def ListTasks(
         self, request: service_pb2.ListTasksRequest, context: _Context
     ) -> service_pb2.ListTasksResponse:
-        """A page of tasks, filtered by queue and state."""
+        """A page of tasks, filtered by queue and state: at most ``limit`` tasks and about
+        LIST_PAGE_BYTES, with or without their payloads."""
         try:
             if request.queue:
                 check_queue(request.queue)
@@ -125,8 +135,10 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
                 TaskListParams(
                     queue=request.queue or None,
                     state=wire.state_filter(request.state),
-                    limit=request.limit or 100,
+                    limit=request.limit or DEFAULT_TASK_PAGE,
                     cursor=request.cursor or None,
+                    max_bytes=LIST_PAGE_BYTES,
+                    omit_payloads=request.omit_payloads,
                 )
             )
         except Exception as exc:
@@ -138,12 +150,17 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
     async def ListQueues(
         self, request: service_pb2.ListQueuesRequest, context: _Context
     ) -> service_pb2.ListQueuesResponse:
-        """Every known queue with its per-state counts."""
+        """A page of the known queues, by name, with their per-state counts."""
         try:
-            stats = await self._broker.queue_stats()
+            page = await self._broker.list_queues(
+                after=request.cursor or None, limit=request.limit or DEFAULT_QUEUE_PAGE
+            )
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.ListQueuesResponse(queues=[wire.stats_to_proto(s) for s in stats])
+        return service_pb2.ListQueuesResponse(
+            queues=[wire.stats_to_proto(s) for s in page.queues],
+            next_cursor=page.next_cursor or "",
+        )
 
     async def GetQueueStats(
         self, request: service_pb2.GetQueueStatsRequest, context: _Context
@@ -484,6 +501,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
                 queue=selector.queue,
                 state=wire.state_filter(selector.state),
                 limit=MAX_BATCH_ACTION,
+                omit_payloads=True,  # only the ids are wanted
             )
         )
         return [t.id for t in page.tasks], process_at

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-_SEMVER_RE = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)(?:[-+][0-9A-Za-z.+-]*)?$")
+# ASCII digits only (``\d`` also takes other scripts' digits), matched with fullmatch.
+_SEMVER_RE = re.compile(r"v?([0-9]{1,9})\.([0-9]{1,9})\.([0-9]{1,9})(?:[-+][0-9A-Za-z.+-]*)?")
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -12,7 +13,7 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
     Raises ValueError when ``text`` is not a semantic version.
     """
-    match = _SEMVER_RE.match(text.strip())
+    match = _SEMVER_RE.fullmatch(text.strip())
     if match is None:
         raise ValueError(f"not a semantic version: {text!r}")
     major, minor, patch = match.groups()

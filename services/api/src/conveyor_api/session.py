@@ -29,10 +29,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from conveyor_broker import InvalidTask
+from conveyor_broker import InvalidTask, validation
 from conveyor_broker.clock import Clock
 from conveyor_broker.ids import new_id
-from conveyor_broker.validation import check_queue
+from conveyor_broker.validation import check_queue, check_text
 from conveyor_gateway import Gateway, GatewayConfig, WorkerSpec
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime.wire import duration
@@ -49,6 +49,20 @@ if TYPE_CHECKING:
 HELLO_TIMEOUT = 10.0
 #: Most queues one session may serve (each costs the gateway NATS subscriptions).
 MAX_QUEUES = 1000
+#: The largest weight of one queue (as for webhook workers).
+MAX_QUEUE_WEIGHT = validation.MAX_QUEUE_WEIGHT
+#: The most tasks one worker runs at once (as for webhook workers).
+MAX_CONCURRENCY = validation.MAX_WEBHOOK_CONCURRENCY
+#: Labels go into every Register message, for every queue, every register tick: few and
+#: short.
+MAX_LABELS = 16
+MAX_LABEL_KEY_LEN = 64
+MAX_LABEL_VALUE_LEN = 256
+MAX_WORKER_ID_LEN = 256
+#: sdk_version and min_server_version.
+MAX_VERSION_LEN = 64
+#: Task types a worker takes as aggregation batches.
+MAX_BATCH_TYPES = 100
 FIRST_FRAME_MUST_BE_HELLO = "first frame must be Hello"
 #: The INVALID_ARGUMENT message for a frame that does not parse.
 MALFORMED_FRAME = malformed_message(service_pb2.WorkerFrame.DESCRIPTOR.full_name)
@@ -66,23 +80,11 @@ class HelloRejected(Exception):
 
 
 def check_hello(hello: service_pb2.Hello, server_version: str, min_sdk_version: str) -> WorkerSpec:
-    """The worker's declaration, or HelloRejected saying what is wrong with it."""
-    invalid = grpc.StatusCode.INVALID_ARGUMENT
-    if not hello.queues:
-        raise HelloRejected(invalid, "Hello must name at least one queue")
-    if len(hello.queues) > MAX_QUEUES:
-        raise HelloRejected(
-            invalid, f"Hello names {len(hello.queues)} queues; at most {MAX_QUEUES} are allowed"
-        )
-    for queue, weight in hello.queues.items():
-        try:
-            check_queue(queue)
-        except InvalidTask as exc:
-            raise HelloRejected(invalid, str(exc)) from None
-        if weight < 1:
-            raise HelloRejected(invalid, f"weight of queue {queue!r} must be >= 1, got {weight}")
-    if hello.concurrency < 1:
-        raise HelloRejected(invalid, f"concurrency must be >= 1, got {hello.concurrency}")
+    """The worker's declaration, or HelloRejected saying what is wrong with it: which field,
+    and the limit it broke."""
+    problem = hello_problem(hello)
+    if problem is not None:
+        raise HelloRejected(grpc.StatusCode.INVALID_ARGUMENT, problem)
     versions = (
         f"server version {server_version} (worker needs >= {hello.min_server_version or 'any'}), "
         f"sdk version {hello.sdk_version!r} (server needs >= {min_sdk_version})"
@@ -105,6 +107,58 @@ def check_hello(hello: service_pb2.Hello, server_version: str, min_sdk_version: 
         sdk_version=hello.sdk_version,
         batch_types=tuple(hello.batch_types),
     )
+
+
+def hello_problem(hello: service_pb2.Hello) -> str | None:
+    """What is wrong with the fields of ``hello`` (its versions aside), or None."""
+    if not hello.queues:
+        return "Hello must name at least one queue"
+    if len(hello.queues) > MAX_QUEUES:
+        return f"Hello names {len(hello.queues)} queues; at most {MAX_QUEUES} are allowed"
+    for queue, weight in hello.queues.items():
+        try:
+            check_queue(queue)
+        except InvalidTask as exc:
+            return str(exc)
+        if not 1 <= weight <= MAX_QUEUE_WEIGHT:
+            return f"weight of queue {queue!r} must be 1..{MAX_QUEUE_WEIGHT}, got {weight}"
+    if not 1 <= hello.concurrency <= MAX_CONCURRENCY:
+        return f"concurrency must be 1..{MAX_CONCURRENCY}, got {hello.concurrency}"
+    if len(hello.labels) > MAX_LABELS:
+        return f"Hello has {len(hello.labels)} labels; at most {MAX_LABELS} are allowed"
+    for key, value in hello.labels.items():
+        if not 0 < len(key) <= MAX_LABEL_KEY_LEN:
+            return f"label key {key[:80]!r} must be 1-{MAX_LABEL_KEY_LEN} characters"
+        if len(value) > MAX_LABEL_VALUE_LEN:
+            return (
+                f"label {key!r} is {len(value)} characters; at most "
+                f"{MAX_LABEL_VALUE_LEN} are allowed"
+            )
+    fields = [("worker_id", hello.worker_id, MAX_WORKER_ID_LEN)]
+    fields += [
+        ("sdk_version", hello.sdk_version, MAX_VERSION_LEN),
+        ("min_server_version", hello.min_server_version, MAX_VERSION_LEN),
+    ]
+    for name, text, limit in fields:
+        if len(text) > limit:
+            return f"{name} is {len(text)} characters; at most {limit} are allowed"
+    if len(hello.batch_types) > MAX_BATCH_TYPES:
+        return (
+            f"Hello has {len(hello.batch_types)} batch_types; at most {MAX_BATCH_TYPES} are allowed"
+        )
+    texts = [(f"label key {k!r}", k) for k in hello.labels]
+    texts += [(f"label {k!r}", v) for k, v in hello.labels.items()]
+    texts += [(name, text) for name, text, _ in fields]
+    texts += [("a batch type", t) for t in hello.batch_types]
+    for name, text in texts:
+        try:
+            check_text(name, text)
+        except InvalidTask as exc:
+            return str(exc)
+    for batch_type in hello.batch_types:
+        if not 0 < len(batch_type) <= validation.MAX_TYPE_LEN:
+            return f"a batch type must be 1-{validation.MAX_TYPE_LEN} characters"
+    return None
 
 
 class FrameWriter:

@@ -238,19 +238,29 @@ def task_get(task_id: str, target: str, token: str | None, as_json: bool) -> Non
 )
 @click.option("--limit", default=50, show_default=True)
 @click.option("--cursor", default=None, help="next_cursor of the previous page")
+@click.option(
+    "--payloads/--no-payloads",
+    default=False,
+    show_default=True,
+    help="include each task's payload, progress and result (with --json)",
+)
 @connection_options
 def task_list(
     queue: str | None,
     state: str | None,
     limit: int,
     cursor: str | None,
+    payloads: bool,
     target: str,
     token: str | None,
     as_json: bool,
 ) -> None:
-    """List tasks, oldest first."""
+    """List tasks, oldest first (a page may end early at the server's byte budget: follow
+    the cursor it prints)."""
     with clear_errors(), admin_client(target, token) as admin:
-        page = admin.list_tasks(queue=queue, state=state, limit=limit, cursor=cursor)
+        page = admin.list_tasks(
+            queue=queue, state=state, limit=limit, cursor=cursor, with_payloads=payloads
+        )
     if as_json:
         emit_json(page)
         return
@@ -277,9 +287,9 @@ def queue() -> None:
 @queue.command("list")
 @connection_options
 def queue_list(target: str, token: str | None, as_json: bool) -> None:
-    """Every queue with its task counts."""
+    """Every queue with its task counts (page after page)."""
     with clear_errors(), admin_client(target, token) as admin:
-        queues = admin.list_queues()
+        queues = list(admin.iter_queues(page_size=1000))
     emit_json(queues) if as_json else queue_table(queues)
 
 

@@ -35,6 +35,7 @@ from conveyor_broker.types import (
     TaskState,
     TerminalPurgeParams,
 )
+from conveyor_broker.validation import QUEUE_RE
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
@@ -190,8 +191,14 @@ class Maintenance:
     # ---------------------------------------------------------------- passes
 
     async def wake(self, queues: Iterable[str]) -> None:
-        """Publish a Wake for each queue."""
+        """Publish a Wake for each queue. A stored name that is not a valid queue name (one
+        stored before names were matched whole, like "0\\n") is skipped and logged: it is
+        no subject token, and publishing it would spoil the wakes of every queue after
+        it."""
         for queue in queues:
+            if not QUEUE_RE.fullmatch(queue):
+                logger.warning("maintenance.invalid_queue_name_skipped queue=%r", queue)
+                continue
             await self.bus.publish(cluster_pb2.Wake(queue=queue))
 
     async def scheduler_pass(self) -> dict[str, int]:

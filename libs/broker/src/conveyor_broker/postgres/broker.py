@@ -27,6 +27,7 @@ from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
     DuplicateTask,
     InvalidState,
+    InvalidTask,
     LeaseLost,
     TaskNotFound,
     WebhookWorkerNotFound,
@@ -40,6 +41,7 @@ from conveyor_broker.postgres.queries.admin import (
     CANCEL_TASK,
     DELETE_TASK,
     GET_TASK,
+    LIST_QUEUES,
     LIST_TASKS,
     LIST_TASKS_BY_QUEUE,
     LIST_TASKS_BY_QUEUE_AND_STATE,
@@ -92,6 +94,7 @@ from conveyor_broker.types import (
     LeaseReapParams,
     LeaseRef,
     NewTask,
+    QueuePage,
     QueueStats,
     ReapedTask,
     StorageUpkeep,
@@ -112,6 +115,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DRIVER = "postgres"
+#: The byte budget of a ListTasks page that has none (a bigint bound).
+_NO_BUDGET = 2**62
 _UNIQUE_INDEX = "conveyor_tasks_unique_idx"
 
 
@@ -171,15 +176,22 @@ class PostgresBroker(Broker):
     async def _enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
         now = self._clock.now()
         plan = enqueue.plan_ids(tasks, now)
-        async with self._pool.acquire() as conn:
-            if enqueue.needs_transaction(tasks):
-                results = await enqueue.enqueue_checked(
-                    conn, tasks, plan, now, self._default_max_retry
-                )
-            else:
-                results = await enqueue.enqueue_plain(
-                    conn, tasks, plan, now, self._default_max_retry
-                )
+        try:
+            async with self._pool.acquire() as conn:
+                if enqueue.needs_transaction(tasks):
+                    results = await enqueue.enqueue_checked(
+                        conn, tasks, plan, now, self._default_max_retry
+                    )
+                else:
+                    results = await enqueue.enqueue_plain(
+                        conn, tasks, plan, now, self._default_max_retry
+                    )
+        except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
+            # The database refused a value of the batch (data exception, class 22, or a
+            # constraint, class 23) that validation let through: it is an item's fault,
+            # so it is InvalidTask, and nothing was stored. A group commit splits the
+            # batch on it to find the item (conveyor_gateway.group_commit).
+            raise InvalidTask(f"the database refused a value: {exc}") from exc
         self._emit(
             self._event(r.task, None, now)
             for i, r in enumerate(results)
@@ -411,7 +423,8 @@ class PostgresBroker(Broker):
 
     async def _list_tasks(self, params: TaskListParams) -> TaskPage:
         queue, state, limit = params.queue, params.state, params.limit
-        page = (params.cursor or "", limit + 1)
+        budget = params.max_bytes if params.max_bytes is not None else _NO_BUDGET
+        page = (params.cursor or "", limit + 1, budget, params.omit_payloads)
         if queue is None and state is None:
             rows = await self._pool.fetch(LIST_TASKS, *page)
         elif state is None:
@@ -423,8 +436,23 @@ class PostgresBroker(Broker):
                 LIST_TASKS_BY_QUEUE_AND_STATE, *page, queue, TaskState(state).value
             )
         tasks = [task_from_row(row) for row in rows[:limit]]
-        next_cursor = tasks[-1].id if len(rows) > limit else None
+        fetched = rows[0]["fetched"] if rows else 0
+        next_cursor = tasks[-1].id if fetched > len(tasks) else None
         return TaskPage(tasks, next_cursor)
+
+    async def _list_queues(self, after: str | None, limit: int) -> QueuePage:
+        rows = await self._pool.fetch(LIST_QUEUES, after or "", limit + 1)
+        counts: dict[str, dict[TaskState, int]] = {}
+        paused: dict[str, bool] = {}
+        for row in rows:
+            name = row["queue"]
+            counts.setdefault(name, dict.fromkeys(TaskState, 0))
+            paused[name] = bool(row["paused"])
+            if row["state"] is not None:
+                counts[name][TaskState(row["state"])] = row["n"]
+        names = sorted(counts)
+        stats = [QueueStats(name, paused[name], counts[name]) for name in names[:limit]]
+        return QueuePage(stats, stats[-1].queue if len(names) > limit else None)
 
     async def _admin(self, query: str, task_id: str, operation: str, *args: Any) -> Task:
         now = self._clock.now()

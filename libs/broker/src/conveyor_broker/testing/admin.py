@@ -30,9 +30,12 @@ from conveyor_broker.testing.builders import (
 from conveyor_broker.types import (
     ARCHIVED_BY_ADMIN_ERROR,
     CANCELED_WHILE_RUNNING_ERROR,
+    LISTED_OVERHEAD,
     Task,
     TaskListParams,
     TaskState,
+    listed_size,
+    without_payloads,
 )
 
 
@@ -133,6 +136,116 @@ class AdminTests:
         flagged = by_name["flagged"]
         assert flagged.paused
         assert sum(flagged.counts.values()) == 0
+
+    async def test_list_queues_pages_by_name(self, broker: Broker) -> None:
+        names = [f"q{n:02d}" for n in range(7)]
+        await broker.enqueue_batch([new_task(name) for name in names[1:]])
+        await broker.enqueue(new_task(names[3]))
+        # A queue known only by its flag is listed too, in its place.
+        await broker.set_queue_paused(names[0], True)
+        seen: list[str] = []
+        cursor: str | None = None
+        pages = 0
+        while True:
+            page = await broker.list_queues(after=cursor, limit=3)
+            pages += 1
+            assert len(page.queues) <= 3
+            seen += [stats.queue for stats in page.queues]
+            if page.next_cursor is None:
+                break
+            cursor = page.next_cursor
+        assert seen == names
+        assert pages == 3
+        assert await broker.list_queues(limit=1000) == await broker.list_queues(limit=7)
+        everything = (await broker.list_queues(limit=1000)).queues
+        assert everything == await broker.queue_stats()
+        assert everything[0].paused
+        assert everything[3].count(TaskState.PENDING) == 2
+
+    async def test_list_queues_exact_last_page_has_no_cursor(self, broker: Broker) -> None:
+        await broker.enqueue_batch([new_task(QUEUE), new_task(OTHER_QUEUE)])
+        page = await broker.list_queues(limit=2)
+        assert len(page.queues) == 2
+        assert page.next_cursor is None
+        assert (await broker.list_queues(after=page.queues[-1].queue)).queues == []
+        first = await broker.list_queues(limit=1)
+        assert first.next_cursor == first.queues[0].queue
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [{"limit": 0}, {"limit": MAX_BATCH + 1}, {"after": ""}, {"after": "a\x00"}],
+        ids=["zero-limit", "limit-over-max", "empty-cursor", "nul-cursor"],
+    )
+    async def test_list_queues_rejects_bad_input(
+        self, broker: Broker, kwargs: dict[str, object]
+    ) -> None:
+        with pytest.raises(InvalidTask):
+            await broker.list_queues(**kwargs)  # type: ignore[arg-type]
+
+    async def test_list_queues_pages_past_any_stored_name(self, broker: Broker) -> None:
+        # A name stored before names were matched whole ("0\n") must not stop paging.
+        await broker.enqueue(new_task("1"))
+        page = await broker.list_queues(after="0\n")
+        assert [stats.queue for stats in page.queues] == ["1"]
+        assert await broker.due_queues(after="0\n") == ["1"]
+
+    async def test_list_tasks_ends_a_page_at_its_byte_budget(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        ids = sorted_ids(clock, 5)
+        sizes = [100, 3000, 200, 5000, 50]
+        await broker.enqueue_batch(
+            [
+                new_task(id=i, payload=b"x" * size, headers={"k": "v" * n})
+                for n, (i, size) in enumerate(zip(ids, sizes, strict=True))
+            ]
+        )
+        listed = [listed_size(await broker.get_task(i)) for i in ids]
+        assert listed == [LISTED_OVERHEAD + size + 1 + n for n, size in enumerate(sizes)]
+        budget = listed[0] + listed[1] + listed[2]
+        first = await broker.list_tasks(TaskListParams(max_bytes=budget))
+        assert [t.id for t in first.tasks] == ids[:3]
+        assert first.next_cursor == ids[2]
+        # The task that would pass the budget starts the next page, alone if it must be.
+        second = await broker.list_tasks(TaskListParams(max_bytes=budget, cursor=ids[2]))
+        assert [t.id for t in second.tasks] == [ids[3]]
+        assert second.tasks[0].payload == b"x" * 5000
+        assert second.next_cursor == ids[3]
+        last = await broker.list_tasks(TaskListParams(max_bytes=budget, cursor=ids[3]))
+        assert [t.id for t in last.tasks] == [ids[4]]
+        assert last.next_cursor is None
+        tiny = await broker.list_tasks(TaskListParams(max_bytes=1))
+        assert [t.id for t in tiny.tasks] == [ids[0]]
+        assert tiny.next_cursor == ids[0]
+        # The limit still cuts first.
+        assert len((await broker.list_tasks(TaskListParams(max_bytes=10**9, limit=2))).tasks) == 2
+        with pytest.raises(InvalidTask):
+            await broker.list_tasks(TaskListParams(max_bytes=0))
+
+    async def test_list_tasks_can_leave_payloads_out(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        task = await enqueue_and_lease(broker, payload=b"p" * 4000)
+        await broker.set_progress(task.id, task.lease_id or "", b"progress")
+        done = await broker.ack(task.id, task.lease_id or "", b"r" * 4000)
+        other = (await broker.enqueue(new_task(OTHER_QUEUE, payload=b"q" * 4000))).task
+        stored = sorted([done, other], key=lambda t: t.id)
+        page = await broker.list_tasks(TaskListParams(omit_payloads=True))
+        assert page.tasks == [without_payloads(t) for t in stored]
+        listed_done = next(t for t in page.tasks if t.id == done.id)
+        assert listed_done.payload == b""
+        assert listed_done.result is None
+        assert listed_done.progress is None
+        assert listed_done.state == TaskState.COMPLETED
+        # Left out, they do not count against the budget either.
+        small = listed_size(done, omit_payloads=True)
+        assert small == LISTED_OVERHEAD
+        both = await broker.list_tasks(TaskListParams(omit_payloads=True, max_bytes=2 * small))
+        assert len(both.tasks) == 2
+        assert both.next_cursor is None
+        full = await broker.list_tasks(TaskListParams(max_bytes=2 * small))
+        assert full.tasks == stored[:1]
+        assert full.next_cursor == stored[0].id
 
     async def test_queue_stats_for_one_queue(self, broker: Broker) -> None:
         await enqueue(broker)

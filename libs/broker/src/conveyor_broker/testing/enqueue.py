@@ -46,6 +46,25 @@ _BAD_TASKS: list[tuple[str, dict[str, Any]]] = [
     ("naive expires_at", {"expires_at": _NAIVE}),
     ("empty header key", {"headers": {"": "v"}}),
     ("malformed dependency", {"depends_on": ("nope",)}),
+    # Names are matched whole: a trailing newline is not an end of line.
+    ("queue with a trailing newline", {"queue": "0\n"}),
+    ("queue with a NUL", {"queue": "a\x00"}),
+    ("queue with a Cyrillic a", {"queue": "\u0430bc"}),
+    ("queue with a fullwidth letter", {"queue": "\uff31"}),
+    ("queue with a superscript digit", {"queue": "q\u00b2"}),
+    ("queue with a zero-width space", {"queue": "q\u200b"}),
+    # No control characters in any text field (Postgres cannot store a NUL in text).
+    ("NUL in type", {"type": "t\x00"}),
+    ("newline in type", {"type": "t\n"}),
+    ("C1 control in type", {"type": "t\x85"}),
+    ("lone surrogate in type", {"type": "t\ud800"}),
+    ("NUL in unique_key", {"unique_key": "k\x00"}),
+    ("NUL in header key", {"headers": {"k\x00": "v"}}),
+    ("NUL in header value", {"headers": {"k": "v\x00"}}),
+    ("DEL in header value", {"headers": {"k": "\x7f"}}),
+    ("NUL in concurrency_key", {"concurrency_key": "c\x00"}),
+    ("NUL in group", {"group": "g\x00"}),
+    ("trailing newline in id", {"id": "01J9Z3K6N8Q2R4T6V8X0Z2B4D6\n"}),
 ]
 
 
@@ -304,6 +323,24 @@ class EnqueueTests:
         with pytest.raises(InvalidTask):
             await broker.enqueue(new_task(queue, **options))
         assert (await broker.list_tasks()).tasks == []
+
+    async def test_a_bad_item_refuses_its_whole_batch(self, broker: Broker) -> None:
+        with pytest.raises(InvalidTask, match=r"task 1: .*control character"):
+            await broker.enqueue_batch([new_task(), new_task(type="t\x00"), new_task()])
+        assert (await broker.list_tasks()).tasks == []
+
+    async def test_printable_unicode_is_stored_as_given(self, broker: Broker) -> None:
+        task = (
+            await broker.enqueue(
+                new_task(
+                    type="e-mail.envoyé ✉",
+                    unique_key="clé 🔑",
+                    headers={"naïve": "zero\u200bwidth, tab-free, émoji 🎉"},
+                )
+            )
+        ).task
+        assert await broker.get_task(task.id) == task
+        assert task.headers == {"naïve": "zero\u200bwidth, tab-free, émoji 🎉"}
 
     async def test_self_dependency_is_invalid(self, broker: Broker, clock: FakeClock) -> None:
         [task_id] = sorted_ids(clock, 1)

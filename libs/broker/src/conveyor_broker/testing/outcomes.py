@@ -20,6 +20,7 @@ from conveyor_broker.testing.builders import (
     unused_id,
 )
 from conveyor_broker.types import AckItem, LeaseRef, Task, TaskState
+from conveyor_broker.validation import MAX_ERROR_LEN
 
 #: Puts a leased task somewhere its lease no longer works; returns the lease id to try.
 LoseLease = Callable[[Broker, FakeClock, Task], Awaitable[str]]
@@ -189,6 +190,18 @@ class OutcomeTests:
         await broker.set_progress(task.id, task.lease_id or "", b"half")
         failed = await broker.fail(task.id, task.lease_id or "", "boom", timedelta(0))
         assert failed.progress == b"half"
+
+    async def test_any_error_text_is_stored_mended(self, broker: Broker) -> None:
+        # Error texts come from workers and endpoints: whatever they hold, the outcome is
+        # stored; a NUL (which Postgres cannot store) or a lone surrogate becomes U+FFFD.
+        task = await enqueue_and_lease(broker, max_retry=1)
+        failed = await broker.fail(task.id, task.lease_id or "", "a\x00b\ud800c\n", timedelta(0))
+        assert failed.last_error == "a\ufffdb\ufffdc\n"
+        assert (await broker.get_task(task.id)).last_error == failed.last_error
+        leased = await lease_one(broker)
+        archived = await broker.archive(leased.id, leased.lease_id or "", "x" * 10_000 + "\x00")
+        assert archived.last_error == "x" * (MAX_ERROR_LEN - 3) + "..."
+        assert (await broker.get_task(task.id)).last_error == archived.last_error
 
     async def test_fail_rejects_a_negative_delay(self, broker: Broker) -> None:
         task = await enqueue_and_lease(broker)

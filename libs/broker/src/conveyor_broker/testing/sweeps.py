@@ -371,8 +371,12 @@ class SweepTests:
         for limit in (0, MAX_BATCH + 1):
             with pytest.raises(InvalidTask):
                 await broker.due_queues(limit=limit)
-        with pytest.raises(InvalidTask):
-            await broker.due_queues(after="not a queue")
+        # ``after`` is a cursor over stored names: any name a broker could hold pages on,
+        # but not one no broker could.
+        for after in ("", "a\x00", "q" * 1000):
+            with pytest.raises(InvalidTask):
+                await broker.due_queues(after=after)
+        assert await broker.due_queues(after="a queue") == [QUEUE]
         await broker.close()
         with pytest.raises(BrokerClosed):
             await broker.due_queues()

@@ -11,7 +11,13 @@ from typing import Any
 from conveyor_protos.v1 import service_pb2 as svc
 
 from conveyor._channel import DEFAULT_TARGET, TlsFile
-from conveyor._clients.admin_types import BatchActionResult, QueueInfo, TaskPage, WebhookWorker
+from conveyor._clients.admin_types import (
+    BatchActionResult,
+    QueueInfo,
+    QueuePage,
+    TaskPage,
+    WebhookWorker,
+)
 from conveyor._clients.admin_wire import (
     ARCHIVE,
     CANCEL,
@@ -25,6 +31,7 @@ from conveyor._clients.admin_wire import (
     batch_result,
     list_request,
     queue_info,
+    queues_request,
     reschedule_request,
     response_type,
     watch_request,
@@ -100,21 +107,38 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
         state: StateLike | None = None,
         limit: int = 100,
         cursor: str | None = None,
+        with_payloads: bool = True,
     ) -> TaskPage:
         """One page of tasks (ordered by id), optionally of one ``queue`` and ``state``.
 
         ``limit`` is 1..1000; pass the page's ``next_cursor`` as ``cursor`` for the next.
+        The server also ends a page early, after about 4 MiB of payloads, progress and
+        results, so a page may hold fewer than ``limit`` tasks and still not be the last:
+        the last has no ``next_cursor``. ``with_payloads=False`` leaves every task's
+        ``payload``, ``progress`` and ``result`` out (None), for listings that only need
+        states, errors and times: pages are then small and fast.
         """
-        request = list_request(queue, state, limit, cursor)
+        request = list_request(queue, state, limit, cursor, with_payloads=with_payloads)
         return self._page(await self._call("ListTasks", request, svc.ListTasksResponse))
 
     async def iter_tasks(
-        self, *, queue: str | None = None, state: StateLike | None = None, page_size: int = 100
+        self,
+        *,
+        queue: str | None = None,
+        state: StateLike | None = None,
+        page_size: int = 100,
+        with_payloads: bool = True,
     ) -> AsyncIterator[TaskInfo]:
         """Every matching task, page after page (see :meth:`list_tasks`)."""
         cursor: str | None = None
         while True:
-            page = await self.list_tasks(queue=queue, state=state, limit=page_size, cursor=cursor)
+            page = await self.list_tasks(
+                queue=queue,
+                state=state,
+                limit=page_size,
+                cursor=cursor,
+                with_payloads=with_payloads,
+            )
             for task in page.tasks:
                 yield task
             if page.next_cursor is None:
@@ -223,10 +247,27 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
 
     # ---------------------------------------------------------------- queues
 
-    async def list_queues(self) -> list[QueueInfo]:
-        """Every queue that has tasks or a pause flag, by name, with its counts."""
-        response = await self._call("ListQueues", svc.ListQueuesRequest(), svc.ListQueuesResponse)
-        return [queue_info(stats) for stats in response.queues]
+    async def list_queues(self, *, limit: int = 100, cursor: str | None = None) -> QueuePage:
+        """One page of the queues that have tasks or a pause flag, by name, with their
+        counts. ``limit`` is 1..1000; pass the page's ``next_cursor`` as ``cursor`` for
+        the next (the last page has none). :meth:`iter_queues` goes through them all."""
+        request = queues_request(limit, cursor)
+        response = await self._call("ListQueues", request, svc.ListQueuesResponse)
+        return QueuePage(
+            queues=[queue_info(stats) for stats in response.queues],
+            next_cursor=response.next_cursor or None,
+        )
+
+    async def iter_queues(self, *, page_size: int = 100) -> AsyncIterator[QueueInfo]:
+        """Every queue, page after page (see :meth:`list_queues`)."""
+        cursor: str | None = None
+        while True:
+            page = await self.list_queues(limit=page_size, cursor=cursor)
+            for queue in page.queues:
+                yield queue
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
 
     async def queue_stats(self, queue: str) -> QueueInfo:
         """One queue's counts and pause flag (all zero for a queue never used)."""

@@ -40,6 +40,17 @@ class QueueInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class QueuePage:
+    """One page of :meth:`AsyncAdminClient.list_queues`, queues by name.
+
+    Pass ``next_cursor`` back as ``cursor`` for the next page; it is None on the last.
+    """
+
+    queues: Sequence[QueueInfo]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class BatchActionResult:
     """The outcome of a batch action: how many tasks it changed, and why the others
     (task id -> reason) could not be acted on."""

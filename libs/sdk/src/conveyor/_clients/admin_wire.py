@@ -72,18 +72,34 @@ def _selector(
     return svc.TaskSelector(queue=queue, state=state_filter(state))
 
 
-def list_request(
-    queue: str | None, state: StateLike | None, limit: int, cursor: str | None
-) -> svc.ListTasksRequest:
-    """A ListTasks request, checked."""
+def _check_limit(limit: int) -> None:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
         raise InvalidArgument(f"limit must be an int in 1..1000, got {limit!r}")
+
+
+def list_request(
+    queue: str | None,
+    state: StateLike | None,
+    limit: int,
+    cursor: str | None,
+    *,
+    with_payloads: bool = True,
+) -> svc.ListTasksRequest:
+    """A ListTasks request, checked."""
+    _check_limit(limit)
     return svc.ListTasksRequest(
         queue=queue or "",
         state=state_filter(state),
         limit=limit,
         cursor=cursor or "",
+        omit_payloads=not with_payloads,
     )
+
+
+def queues_request(limit: int, cursor: str | None) -> svc.ListQueuesRequest:
+    """A ListQueues request, checked."""
+    _check_limit(limit)
+    return svc.ListQueuesRequest(limit=limit, cursor=cursor or "")
 
 
 def watch_request(queues: Iterable[str], states: Iterable[StateLike]) -> svc.WatchEventsRequest:

@@ -12,7 +12,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import re
 import signal
 import socket
 from collections.abc import Callable, Coroutine, Iterable, Mapping
@@ -21,6 +20,16 @@ from typing import Any, TypeVar
 
 from conveyor._channel import DEFAULT_TARGET, TlsFile, endpoint
 from conveyor._errors import InvalidArgument, error_from_status
+from conveyor._limits import (
+    MAX_CONCURRENCY,
+    MAX_HELLO_QUEUES,
+    MAX_QUEUE_WEIGHT,
+    MAX_VERSION_LEN,
+    MAX_WORKER_ID_LEN,
+    check_labels,
+    check_text,
+    is_queue_name,
+)
 from conveyor._payload import Codec, JsonCodec
 from conveyor._types import DurationLike, to_timedelta
 from conveyor._worker.execution import Handler, Registration
@@ -30,7 +39,6 @@ from conveyor._worker.slots import Slots
 
 logger = logging.getLogger("conveyor.worker")
 
-_QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 #: How long cancelled handlers get to unwind before run() returns without them.
 _UNWIND_TIMEOUT = 5.0
 
@@ -43,11 +51,21 @@ def _queue_weights(queues: Mapping[str, int] | Iterable[str]) -> dict[str, int]:
     weights = dict(queues) if isinstance(queues, Mapping) else dict.fromkeys(queues, 1)
     if not weights:
         raise InvalidArgument("a worker needs at least one queue")
+    if len(weights) > MAX_HELLO_QUEUES:
+        raise InvalidArgument(
+            f"a worker serves at most {MAX_HELLO_QUEUES} queues, got {len(weights)}"
+        )
     for name, weight in weights.items():
-        if not isinstance(name, str) or not _QUEUE_RE.match(name):
+        if not is_queue_name(name):
             raise InvalidArgument(f"invalid queue name {name!r}")
-        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
-            raise InvalidArgument(f"weight of queue {name!r} must be an int >= 1, got {weight!r}")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int)
+            or not 1 <= weight <= MAX_QUEUE_WEIGHT
+        ):
+            raise InvalidArgument(
+                f"weight of queue {name!r} must be an int in 1..{MAX_QUEUE_WEIGHT}, got {weight!r}"
+            )
     return weights
 
 
@@ -109,8 +127,14 @@ class Worker:
         self._endpoint = endpoint(
             target, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
         )
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise InvalidArgument(f"concurrency must be an int >= 1, got {concurrency!r}")
+        if (
+            isinstance(concurrency, bool)
+            or not isinstance(concurrency, int)
+            or not 1 <= concurrency <= MAX_CONCURRENCY
+        ):
+            raise InvalidArgument(
+                f"concurrency must be an int in 1..{MAX_CONCURRENCY}, got {concurrency!r}"
+            )
         if max_result_size is not None and (
             isinstance(max_result_size, bool) or not isinstance(max_result_size, int)
         ):
@@ -125,10 +149,18 @@ class Worker:
         self.concurrency = concurrency
         self.codec: Codec = codec or JsonCodec()
         self.labels = dict(labels or {})
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.labels.items()):
-            raise InvalidArgument("labels must map strings to strings")
+        check_labels(self.labels)
         self.grace_period = grace
-        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        # The default, cut from the left so the pid stays (a hostname is short anyway).
+        default_id = f"{socket.gethostname()}:{os.getpid()}"[-MAX_WORKER_ID_LEN:]
+        self.worker_id = worker_id or default_id
+        if not isinstance(self.worker_id, str) or len(self.worker_id) > MAX_WORKER_ID_LEN:
+            raise InvalidArgument(f"worker_id must be a string of at most {MAX_WORKER_ID_LEN}")
+        check_text("worker_id", self.worker_id)
+        if not isinstance(min_server_version, str) or len(min_server_version) > MAX_VERSION_LEN:
+            raise InvalidArgument(
+                f"min_server_version must be a string of at most {MAX_VERSION_LEN} characters"
+            )
         self.reconnect = reconnect or ReconnectBackoff()
         self.min_server_version = min_server_version
         self.max_result_size = max_result_size

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 #: Key of the session advisory lock held while migrating ("conveyor" in ASCII).
 MIGRATION_LOCK_KEY = 0x636F6E7665796F72
 
-_FILE_RE = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
+_FILE_RE = re.compile(r"([0-9]{3})_([a-z0-9_]+)\.sql")
 
 CREATE_MIGRATIONS_TABLE = """
 CREATE TABLE IF NOT EXISTS conveyor_migrations (
@@ -72,7 +72,7 @@ def load_migrations() -> list[Migration]:
     """Every migration shipped with this package, in version order."""
     found: list[Migration] = []
     for entry in resources.files(__name__).iterdir():
-        match = _FILE_RE.match(entry.name)
+        match = _FILE_RE.fullmatch(entry.name)
         if match is None:
             continue
         found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))

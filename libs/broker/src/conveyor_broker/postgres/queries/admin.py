@@ -8,8 +8,12 @@ when the state did not allow the change), then ``previous_state``. No row: no su
 
 from __future__ import annotations
 
-from conveyor_broker.postgres.queries import TASK_COLUMNS
-from conveyor_broker.types import ARCHIVED_BY_ADMIN_ERROR, CANCELED_WHILE_RUNNING_ERROR
+from conveyor_broker.postgres.queries import TASK_COLUMNS, TASK_FIELDS
+from conveyor_broker.types import (
+    ARCHIVED_BY_ADMIN_ERROR,
+    CANCELED_WHILE_RUNNING_ERROR,
+    LISTED_OVERHEAD,
+)
 
 #: Per-state counts and stored flags of every queue: rows with a state carry a count,
 #: rows without one carry the pause flag.
@@ -30,33 +34,90 @@ SELECT queue, NULL, 0, paused FROM conveyor_queues WHERE queue = $1
 #: The task $1.
 GET_TASK = f"SELECT {TASK_COLUMNS} FROM conveyor_tasks t WHERE t.id = $1"
 
+#: QueueStats a page at a time: the first $2 queue names after $1 (tasks' queues, found
+#: by skipping through the queue index one name at a time, and stored flags), each with
+#: its per-state counts (a row with a NULL state when it has no tasks) and its flag.
+LIST_QUEUES = """
+WITH RECURSIVE named(queue) AS (
+    (SELECT t.queue FROM conveyor_tasks t WHERE t.queue > $1 ORDER BY t.queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT t.queue FROM conveyor_tasks t
+            WHERE t.queue > n.queue ORDER BY t.queue LIMIT 1)
+    FROM named n
+    WHERE n.queue IS NOT NULL
+), names AS (
+    SELECT queue FROM (
+        (SELECT queue FROM named WHERE queue IS NOT NULL LIMIT $2)
+        UNION
+        (SELECT queue FROM conveyor_queues WHERE queue > $1 ORDER BY queue LIMIT $2)
+    ) AS candidates
+    ORDER BY queue LIMIT $2
+)
+SELECT names.queue, counts.state, counts.n, q.paused
+FROM names
+LEFT JOIN conveyor_queues q ON q.queue = names.queue
+LEFT JOIN LATERAL (
+    SELECT t.state, count(*) AS n FROM conveyor_tasks t
+    WHERE t.queue = names.queue GROUP BY t.state
+) AS counts ON true
+ORDER BY names.queue
+"""
+
 # ListTasks: one statement per filter combination, so each gets a plan that uses its
-# index. $1 = cursor (the last id of the previous page, '' for the first), $2 = limit.
+# index. $1 = cursor (the last id of the previous page, '' for the first), $2 = limit,
+# $3 = the page's byte budget, $4 = leave payloads out. The ids of the page are picked
+# first with their sizes (types.listed_size: octet_length reads a stored value's length
+# without fetching it), the page ends before the row that takes the running size past $3
+# (the first row always stays), and only the rows kept are read whole. Each row ends
+# with ``fetched``, how many rows the page picked before the budget cut.
+
+#: The size types.listed_size gives a task, $4 saying whether payloads are left out.
+_LISTED_SIZE = f"""(
+    {LISTED_OVERHEAD}
+    + coalesce(octet_length(t.last_error), 0)
+    + (SELECT coalesce(sum(octet_length(h.key) + octet_length(h.value)), 0)
+       FROM jsonb_each_text(t.headers) AS h)
+    + CASE WHEN $4 THEN 0 ELSE octet_length(t.payload)
+           + coalesce(octet_length(t.progress), 0) + coalesce(octet_length(t.result), 0) END
+)"""
+#: TASK_COLUMNS, with the payload, progress and result left out when $4 is true.
+_OMITTED = {"payload": "''::bytea", "progress": "NULL::bytea", "result": "NULL::bytea"}
+_LISTED_COLUMNS = ", ".join(
+    "t.headers::text AS headers"
+    if name == "headers"
+    else f"CASE WHEN $4 THEN {_OMITTED[name]} ELSE t.{name} END AS {name}"
+    if name in _OMITTED
+    else f"t.{name}"
+    for name in TASK_FIELDS
+)
+
+
+def _list_tasks(where: str) -> str:
+    return f"""
+WITH page AS (
+    SELECT t.id, {_LISTED_SIZE} AS size FROM conveyor_tasks t
+    WHERE t.id > $1{where}
+    ORDER BY t.id LIMIT $2
+), sized AS (
+    SELECT id, count(*) OVER () AS fetched, row_number() OVER (ORDER BY id) AS n,
+           sum(size) OVER (ORDER BY id) AS running
+    FROM page
+)
+SELECT {_LISTED_COLUMNS}, sized.fetched
+FROM sized JOIN conveyor_tasks t ON t.id = sized.id
+WHERE sized.n = 1 OR sized.running <= $3
+ORDER BY t.id
+"""
+
 
 #: Every task.
-LIST_TASKS = f"""
-SELECT {TASK_COLUMNS} FROM conveyor_tasks t
-WHERE t.id > $1
-ORDER BY t.id LIMIT $2
-"""
-#: The tasks of queue $3.
-LIST_TASKS_BY_QUEUE = f"""
-SELECT {TASK_COLUMNS} FROM conveyor_tasks t
-WHERE t.id > $1 AND t.queue = $3
-ORDER BY t.id LIMIT $2
-"""
-#: The tasks in state $3.
-LIST_TASKS_BY_STATE = f"""
-SELECT {TASK_COLUMNS} FROM conveyor_tasks t
-WHERE t.id > $1 AND t.state = $3
-ORDER BY t.id LIMIT $2
-"""
-#: The tasks of queue $3 in state $4.
-LIST_TASKS_BY_QUEUE_AND_STATE = f"""
-SELECT {TASK_COLUMNS} FROM conveyor_tasks t
-WHERE t.id > $1 AND t.queue = $3 AND t.state = $4
-ORDER BY t.id LIMIT $2
-"""
+LIST_TASKS = _list_tasks("")
+#: The tasks of queue $5.
+LIST_TASKS_BY_QUEUE = _list_tasks(" AND t.queue = $5")
+#: The tasks in state $5.
+LIST_TASKS_BY_STATE = _list_tasks(" AND t.state = $5")
+#: The tasks of queue $5 in state $6.
+LIST_TASKS_BY_QUEUE_AND_STATE = _list_tasks(" AND t.queue = $5 AND t.state = $6")
 
 #: Waiting -> CANCELED; ACTIVE -> ARCHIVED with CANCELED_WHILE_RUNNING_ERROR.
 CANCEL_TASK = f"""
