@@ -154,7 +154,7 @@ class TableUpkeep:
         cheap read of them otherwise (nothing at all while resting)."""
         if now < self._resume_at:
             return StorageUpkeep()
-        stats = await read_stats(pool)
+        stats = await _read_stats_untimed(pool)
         self._dead_floor = min(self._dead_floor, stats.dead_rows)
         seen = StorageUpkeep(
             live_rows=stats.live_rows, dead_rows=stats.dead_rows, changed_rows=stats.changed_rows
@@ -230,6 +230,14 @@ async def _run(pool: Pool, statement: str) -> TableStats | None:
                 # Ending the session is what releases the lock then.
                 conn.terminate()
                 raise
+
+
+async def _read_stats_untimed(pool: Pool) -> TableStats:
+    """:func:`read_stats` clear of the session's statement timeout, like the upkeep itself:
+    under load even this read can outlast a tight one, and upkeep would then never run."""
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("SET LOCAL statement_timeout = 0")
+        return await read_stats(conn)
 
 
 async def read_stats(on: Pool | PoolConnectionProxy[asyncpg.Record]) -> TableStats:
