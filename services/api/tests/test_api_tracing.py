@@ -10,6 +10,7 @@ import grpc
 import pytest
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import tracing
+from conveyor_testkit.polling import wait_until
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
@@ -34,7 +35,15 @@ async def test_calls_are_traced_with_their_status(
             await stub.GetTask(service_pb2.GetTaskRequest(id="01ARZ3NDEKTSV4RRFFQ69G5FAV"))
     provider = tracing._provider
     assert provider is not None
-    provider.force_flush()
+    names = {"/conveyor.v1.TaskService/Enqueue", "/conveyor.v1.TaskService/GetTask"}
+
+    def finished() -> bool:
+        # A server span ends after its response went out: the client may see the answer
+        # before the span is finished.
+        provider.force_flush()
+        return names <= {s.name for s in spans.get_finished_spans()}
+
+    await wait_until(finished)
     by_name = {s.name: s for s in spans.get_finished_spans()}
     enqueue = by_name["/conveyor.v1.TaskService/Enqueue"]
     assert enqueue.attributes is not None
