@@ -31,7 +31,8 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_api_refuses_to_start_without_auth_unless_told() -> None:
     with pytest.raises(ValidationError, match="no auth tokens"):
         ApiSettings.from_args([])
-    assert ApiSettings.from_args(["--auth-tokens", "a,b"]).auth_tokens == ["a", "b"]
+    flag = "a:admin:0123456789abcdef,b:producer:fedcba9876543210"
+    assert [t.name for t in ApiSettings.from_args(["--auth-tokens", flag]).tokens] == ["a", "b"]
 
 
 def test_bad_values_are_rejected_with_the_field_name() -> None:

@@ -120,8 +120,8 @@ class ApiServer:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if tracing_enabled():
             interceptors.append(TracingInterceptor())
-        if self.settings.auth_tokens:
-            interceptors.append(BearerAuthInterceptor(self.settings.auth_tokens))
+        if self.settings.tokens:
+            interceptors.append(BearerAuthInterceptor(self.settings.tokens))
         else:
             # ApiSettings refuses this combination unless allow_unauthenticated is set.
             logger.warning(
@@ -216,7 +216,7 @@ class ApiServer:
             settings.host,
             self.port,
             __version__,
-            "on" if settings.auth_tokens else "OFF",
+            "on" if settings.tokens else "OFF",
             settings.read_only,
         )
 
