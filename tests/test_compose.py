@@ -4,6 +4,7 @@ of the service it is given to, and the health checks and ports line up."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,18 @@ def test_api_port_is_published_and_checked() -> None:
     assert f"{port}:{port}" in api["ports"]
     check = api["healthcheck"]["test"]
     assert check[check.index("--port") + 1] == port
-    assert api["environment"]["CONVEYOR_AUTH_TOKENS"], "auth must not be off in a deployment"
+
+
+def test_the_api_refuses_to_start_without_real_tokens() -> None:
+    """No token ships in compose.yaml: the api's tokens come from the operator's
+    environment, and compose's ``${VAR:?message}`` stops `docker compose up` when it is
+    unset or empty, with a message saying what to set."""
+    value = SERVICES["api"]["environment"]["CONVEYOR_AUTH_TOKENS"]
+    required = re.fullmatch(r"\$\{CONVEYOR_AUTH_TOKENS:\?([^}$]+)\}", value)
+    assert required, f"CONVEYOR_AUTH_TOKENS must be required from the environment: {value!r}"
+    assert "name:role:secret" in required.group(1)
+    assert "change-me" not in (ROOT / "compose.yaml").read_text()
+    assert "CONVEYOR_ALLOW_UNAUTHENTICATED" not in SERVICES["api"]["environment"]
 
 
 def test_services_export_traces_to_the_viewer() -> None:

@@ -217,8 +217,10 @@ class Cluster:
         record: Path,
         mode: str = "noop",
         grace: float = 30.0,
+        env: Mapping[str, str] | None = None,
     ) -> Proc:
-        """An SDK worker process (tests/e2e/worker_app.py) that records each run to ``record``."""
+        """An SDK worker process (tests/e2e/worker_app.py) that records each run to ``record``
+        (``env``: e.g. ``CONVEYOR_TOKEN``, the bearer secret it presents)."""
         args = [
             str(ROOT / "tests" / "e2e" / "worker_app.py"),
             "--target",
@@ -234,7 +236,7 @@ class Cluster:
         ]
         for queue, weight in queues.items():
             args += ["--queue", f"{queue}={weight}"]
-        return self.spawn("worker", args)
+        return self.spawn("worker", args, env)
 
     def stop_all(self) -> None:
         """Terminate every process still running."""
