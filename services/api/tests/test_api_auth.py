@@ -282,7 +282,7 @@ async def test_admin_may_do_everything(channel: grpc.aio.Channel, broker: Counti
     [
         ({"billing": 1}, "'billing'"),
         ({"emails": 1, "billing": 1}, "'billing'"),
-        ({"emails": 1, "billing": 1, "alerts": 1}, "'alerts' (nor 'billing')"),
+        ({"emails": 1, "billing": 1, "alerts": 1}, "'alerts' (and 1 more)"),
     ],
 )
 async def test_a_queue_limited_worker_is_refused_another_queue(

@@ -227,23 +227,29 @@ class _HelloCheckedContext:
             outside = sorted(set(frame.hello.queues) - allowed)
             if outside:
                 token = self._token
+                # Names from the client, not yet validated (the session does that): the
+                # first one only, quoted, and a count of the rest.
+                more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
                 logger.warning(
-                    "auth.denied token=%s role=%s method=WorkerService.Session queues=%s",
+                    "auth.denied token=%s role=%s method=WorkerService.Session queue=%r%s",
                     token.name,
                     token.role_text,
-                    ",".join(outside),
+                    outside[0][:128],
+                    more,
                 )
                 await context.abort(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"token {token.name!r} (role {token.role_text}) may not serve queue "
-                    f"{outside[0]!r}"
-                    + (f" (nor {', '.join(map(repr, outside[1:]))})" if outside[1:] else "")
-                    + f"; it is limited to {', '.join(sorted(allowed))}",
+                    f"{outside[0][:128]!r}{more}; it is limited to {', '.join(sorted(allowed))}",
                 )
         return frame
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
+        # Only for names not found here; kept, so the next lookup (a write per frame) is
+        # an attribute read. The context's attributes are its methods: they do not change.
+        value = getattr(self._context, name)
+        setattr(self, name, value)
+        return value
 
 
 class ReadOnlyInterceptor(grpc.aio.ServerInterceptor):
