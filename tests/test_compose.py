@@ -93,7 +93,18 @@ def test_api_port_is_published_and_checked() -> None:
     assert f"{port}:{port}" in api["ports"]
     check = api["healthcheck"]["test"]
     assert check[check.index("--port") + 1] == port
-    assert api["environment"]["CONVEYOR_AUTH_TOKENS"], "auth must not be off in a deployment"
+
+
+def test_the_api_refuses_to_start_without_real_tokens() -> None:
+    """No token ships in compose.yaml: the api's tokens come from the operator's
+    environment, and compose's ``${VAR:?message}`` stops `docker compose up` when it is
+    unset or empty, with a message saying what to set."""
+    value = SERVICES["api"]["environment"]["CONVEYOR_AUTH_TOKENS"]
+    required = re.fullmatch(r"\$\{CONVEYOR_AUTH_TOKENS:\?([^}$]+)\}", value)
+    assert required, f"CONVEYOR_AUTH_TOKENS must be required from the environment: {value!r}"
+    assert "name:role:secret" in required.group(1)
+    assert "change-me" not in (ROOT / "compose.yaml").read_text()
+    assert "CONVEYOR_ALLOW_UNAUTHENTICATED" not in SERVICES["api"]["environment"]
 
 
 def test_services_export_traces_to_the_viewer() -> None:
@@ -252,12 +263,20 @@ def test_certificates_name_the_hosts_services_connect_to(dev_certs: Path) -> Non
     assert {callback.hostname, "localhost"} <= _sans(dev_certs / "api.pem")
 
 
+#: What an operator puts in CONVEYOR_AUTH_TOKENS for `docker compose up` (compose requires it).
+OPERATOR_TOKENS = "ops:admin:0123456789abcdef0123"
+
+
 def _container_env(service: dict[str, Any], dev_certs: Path) -> dict[str, str]:
-    """A service's environment with its /tls paths pointing into ``dev_certs``."""
-    return {
+    """A service's environment with its /tls paths pointing into ``dev_certs`` and compose's
+    required ``${VAR:?...}`` values filled in as the operator would."""
+    env = {
         var: str(value).replace("/tls/", f"{dev_certs}/")
         for var, value in (service.get("environment") or {}).items()
     }
+    if "CONVEYOR_AUTH_TOKENS" in env:
+        env["CONVEYOR_AUTH_TOKENS"] = OPERATOR_TOKENS
+    return env
 
 
 @pytest.mark.parametrize("name", sorted(CONVEYOR))

@@ -221,10 +221,12 @@ class Cluster:
         mode: str = "noop",
         grace: float = 30.0,
         tls: Mapping[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Proc:
         """An SDK worker process (tests/e2e/worker_app.py) that records each run to ``record``;
         ``tls`` holds its ``--tls-ca``, ``--tls-cert`` and ``--tls-key`` by flag name
-        (``{"ca": path}``...)."""
+        (``{"ca": path}``...); ``env``: e.g. ``CONVEYOR_TOKEN``, the bearer secret it
+        presents."""
         args = [
             str(ROOT / "tests" / "e2e" / "worker_app.py"),
             "--target",
@@ -242,7 +244,7 @@ class Cluster:
             args += ["--queue", f"{queue}={weight}"]
         for name, path in (tls or {}).items():
             args += [f"--tls-{name}", path]
-        return self.spawn("worker", args)
+        return self.spawn("worker", args, env)
 
     def stop_all(self) -> None:
         """Terminate every process still running."""

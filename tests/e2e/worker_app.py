@@ -62,6 +62,8 @@ def main() -> None:
 
     worker = Worker(
         target=args.target,
+        # From the environment, as an operator would pass it: not in the process list.
+        token=os.environ.get("CONVEYOR_TOKEN") or None,
         queues=queues,
         concurrency=args.concurrency,
         grace_period=args.grace,

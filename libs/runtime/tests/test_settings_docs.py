@@ -32,10 +32,10 @@ def test_api_refuses_to_start_without_auth_unless_told() -> None:
     # On loopback: a plaintext port needs no allow_plaintext (see test_tls_settings.py).
     with pytest.raises(ValidationError, match="no auth tokens"):
         ApiSettings.from_args(["--host", "127.0.0.1"])
-    assert ApiSettings.from_args(["--host", "127.0.0.1", "--auth-tokens", "a,b"]).auth_tokens == [
-        "a",
-        "b",
-    ]
+    flag = "a:admin:0123456789abcdef,b:producer:fedcba9876543210"
+    assert [
+        t.name for t in ApiSettings.from_args(["--host", "127.0.0.1", "--auth-tokens", flag]).tokens
+    ] == ["a", "b"]
 
 
 def test_bad_values_are_rejected_with_the_field_name() -> None:

@@ -23,6 +23,7 @@ import pytest
 from conveyor import (
     FailedPrecondition,
     InvalidArgument,
+    PermissionDenied,
     ReconnectBackoff,
     RetryAfter,
     SkipRetry,
@@ -637,6 +638,7 @@ async def test_sigterm_stops_a_worker_run_with_signal_handling(harness: Harness)
         (grpc.StatusCode.FAILED_PRECONDITION, FailedPrecondition),
         (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument),
         (grpc.StatusCode.UNAUTHENTICATED, Unauthenticated),
+        (grpc.StatusCode.PERMISSION_DENIED, PermissionDenied),
     ],
 )
 async def test_a_refused_session_makes_run_raise_without_retrying(

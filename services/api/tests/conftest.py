@@ -19,7 +19,7 @@ from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.stream import MakeApi
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-of-the-tests"
 
 
 @pytest.fixture

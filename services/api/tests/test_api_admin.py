@@ -22,7 +22,7 @@ from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
 
 TTL = timedelta(seconds=30)
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-of-the-tests"
 
 
 async def put(broker: CountingBroker, queue: str = "q", **options: Any) -> Task:
@@ -350,7 +350,10 @@ async def test_watch_events_rejects_bad_filters(admin: Any) -> None:
 async def test_auth_required_when_tokens_are_configured(
     make_api: MakeApi, broker: CountingBroker
 ) -> None:
-    api = await make_api(auth_tokens=[TOKEN, "other-token"], allow_unauthenticated=False)
+    api = await make_api(
+        auth_tokens=[f"tests:admin:{TOKEN}", "pool:worker:other-token-of-the-tests"],
+        allow_unauthenticated=False,
+    )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as ch:
         stub: Any = service_pb2_grpc.TaskServiceStub
         tasks = stub(ch)
@@ -378,7 +381,7 @@ async def test_auth_required_when_tokens_are_configured(
 
         ok = await tasks.Enqueue(request, metadata=(("authorization", f"Bearer {TOKEN}"),))
         assert ok.created
-        good_worker = WorkerStream(ch, token="other-token")
+        good_worker = WorkerStream(ch, token="other-token-of-the-tests")
         welcome = await good_worker.hello({"q": 1}, 1)
         assert welcome.session_id
         good_worker.cancel()

@@ -20,7 +20,7 @@ from conveyor_testkit.polling import wait_until
 from conveyor_testkit.stream import MakeApi, Recorder, dispatch
 from google.protobuf.descriptor import MethodDescriptor
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-of-the-tests"
 #: An unfinished varint tag: no message type parses it.
 GARBAGE = b"\xff\xff\xff\xff"
 SERVICES = ("TaskService", "WorkerService", "AdminService", "WebhookService")
@@ -135,7 +135,7 @@ async def test_valid_bytes_still_reach_the_servicer(
 
 
 async def test_auth_still_comes_first(make_api: MakeApi) -> None:
-    api = await make_api(auth_tokens=[TOKEN], allow_unauthenticated=False)
+    api = await make_api(auth_tokens=[f"tests:admin:{TOKEN}"], allow_unauthenticated=False)
     enqueue = service_pb2.DESCRIPTOR.services_by_name["TaskService"].methods_by_name["Enqueue"]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
         anonymous = await call_raw(channel, enqueue, GARBAGE)

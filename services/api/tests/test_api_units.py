@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hmac
+
 import grpc
 import pytest
-from conveyor_api.auth import BearerAuthInterceptor, _bearer
+from conveyor_api.auth import ADMIN_READS, BearerAuthInterceptor, _bearer, needed_role
 from conveyor_api.semver import at_least, parse_version
 from conveyor_api.session import HelloRejected, check_hello
 from conveyor_protos.v1 import service_pb2
+from conveyor_runtime.tokens import Role, load_tokens
 
 
 def test_parse_version() -> None:
@@ -79,12 +82,63 @@ def test_bearer_parsing_and_constant_time_check() -> None:
     assert _bearer([("authorization", "Basic abc")]) is None
     assert _bearer([("x-other", "Bearer abc")]) is None
     assert _bearer(None) is None
-    auth = BearerAuthInterceptor(["one", "two"])
-    assert auth._accepts(b"two")
-    assert not auth._accepts(b"three")
-    assert not auth._accepts(None)
     with pytest.raises(ValueError, match="token"):
         BearerAuthInterceptor([])
+
+
+def test_every_configured_secret_is_compared_whichever_matches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tokens = load_tokens([f"t{n}:producer:{n:02d}-secret-of-the-token" for n in range(5)])
+    auth = BearerAuthInterceptor(tokens)
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", counting)
+    for presented, expected in (
+        (b"00-secret-of-the-token", "t0"),
+        (b"04-secret-of-the-token", "t4"),
+        (b"05-secret-of-the-token", None),
+        (b"short", None),
+    ):
+        compared.clear()
+        found = auth.identify(presented)
+        assert (found.name if found else None) == expected
+        assert len(compared) == len(tokens)
+        # Digests of equal length, never the secrets themselves.
+        assert {len(a) for a, _ in compared} == {len(b) for _, b in compared} == {32}
+    assert auth.identify(None) is None
+
+
+@pytest.mark.parametrize(
+    ("method", "role"),
+    [
+        ("/conveyor.v1.TaskService/Enqueue", Role.PRODUCER),
+        ("/conveyor.v1.TaskService/GetTask", Role.PRODUCER),
+        ("/conveyor.v1.WorkerService/Session", Role.WORKER),
+        ("/conveyor.v1.AdminService/GetTask", Role.READ_ONLY),
+        ("/conveyor.v1.AdminService/ListQueues", Role.READ_ONLY),
+        ("/conveyor.v1.AdminService/WatchEvents", Role.READ_ONLY),
+        ("/conveyor.v1.AdminService/GetClusterInfo", Role.READ_ONLY),
+        ("/conveyor.v1.AdminService/ListWebhookWorkers", Role.READ_ONLY),
+        ("/conveyor.v1.AdminService/DeleteTask", Role.ADMIN),
+        ("/conveyor.v1.AdminService/UpsertWebhookWorker", Role.ADMIN),
+        ("/conveyor.v1.AdminService/PauseQueue", Role.ADMIN),
+        # A method nobody mapped needs admin: new calls fail closed.
+        ("/conveyor.v1.SomethingNew/Do", Role.ADMIN),
+    ],
+)
+def test_the_role_each_call_needs(method: str, role: Role) -> None:
+    assert needed_role(method) is role
+
+
+def test_every_admin_read_is_a_real_method() -> None:
+    names = {m.name for m in service_pb2.DESCRIPTOR.services_by_name["AdminService"].methods}
+    assert names >= ADMIN_READS
 
 
 def test_public_names() -> None:

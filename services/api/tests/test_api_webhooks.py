@@ -25,7 +25,7 @@ from conveyor_testkit.stream import MakeApi
 from google.protobuf.duration_pb2 import Duration
 from nats.aio.subscription import Subscription
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-of-the-tests"
 SCHEMA = "conveyor_api_webhook_tests"
 NAME = "hooky"
 NEW_SECRET = "whsec-new-0123456789"
@@ -592,7 +592,9 @@ async def test_no_running_gateway_is_unavailable(hooks: Any, registered: Webhook
 async def test_callbacks_need_no_bearer_token_when_auth_is_on(
     make_api: MakeApi, gateway: FakeGateway
 ) -> None:
-    api: ApiServer = await make_api(auth_tokens=[TOKEN], allow_unauthenticated=False)
+    api: ApiServer = await make_api(
+        auth_tokens=[f"tests:admin:{TOKEN}"], allow_unauthenticated=False
+    )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
         stub: Any = service_pb2_grpc.WebhookServiceStub
         await stub(channel).ReportResult(report(lease_token()))

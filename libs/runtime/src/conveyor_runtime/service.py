@@ -176,6 +176,17 @@ def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:
     return 0
 
 
+def settings_errors(exc: ValidationError) -> str:
+    """One line per problem of ``exc``, without the values given: a setting can hold a
+    secret (a token, a DSN's password), and pydantic's own text quotes every input."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        message = str(error["msg"]).removeprefix("Value error, ")
+        where = ".".join(str(part) for part in error["loc"])
+        lines.append(f"  {where}: {message}" if where else f"  {message}")
+    return "\n".join(lines)
+
+
 def service_main(
     settings_type: type[S],
     serve: ServiceMain[S],
@@ -189,6 +200,6 @@ def service_main(
     try:
         settings = settings_type.from_args(sys.argv[1:] if argv is None else argv)
     except ValidationError as exc:
-        print(f"conveyor-{name}: invalid settings:\n{exc}", file=sys.stderr)
+        print(f"conveyor-{name}: invalid settings:\n{settings_errors(exc)}", file=sys.stderr)
         return 2
     return run_service(serve, settings, name=name)

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Annotated, Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from conveyor_runtime.tls import check_links, check_server_tls
+from conveyor_runtime.tokens import Token, load_tokens
 
 
 def default_instance_id() -> str:
@@ -164,14 +165,22 @@ class ApiSettings(CommonSettings):
     enqueue_batch_max: int = Field(
         500, ge=1, le=1000, description="Most enqueues in one group commit"
     )
-    auth_tokens: Annotated[list[str], NoDecode] = Field(
+    auth_tokens: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
-        description="Accepted bearer tokens (empty: see allow_unauthenticated)",
+        description="Bearer tokens, comma-separated, each name:role:secret; roles admin, "
+        "producer, worker, worker=<queue>+<queue>..., read-only (README, Tokens and roles; "
+        "empty: see allow_unauthenticated)",
+    )
+    auth_tokens_file: str | None = Field(
+        None,
+        description="A file of tokens, one name:role:secret a line (# comments), read at "
+        "start, in addition to auth_tokens: keeps secrets out of process lists and "
+        "environment dumps",
     )
     allow_unauthenticated: bool = Field(
         False, description="Run without auth tokens (dev mode sets this)"
     )
-    read_only: bool = Field(False, description="Reject AdminService mutations")
+    read_only: bool = Field(False, description="Reject AdminService mutations, for every token")
     tls_cert: str | None = Field(
         None, description="Certificate chain (PEM file) the gRPC port presents (with tls_key)"
     )
@@ -181,6 +190,8 @@ class ApiSettings(CommonSettings):
         description="CA bundle (PEM file): clients must present a certificate it signed "
         "(mutual TLS)",
     )
+
+    _tokens: tuple[Token, ...] = PrivateAttr(default=())
 
     @field_validator("auth_tokens", mode="before")
     @classmethod
@@ -196,13 +207,21 @@ class ApiSettings(CommonSettings):
         return self
 
     @model_validator(mode="after")
-    def _auth_fails_closed(self) -> Self:
-        if not self.auth_tokens and not self.allow_unauthenticated:
+    def _load_tokens_and_fail_closed(self) -> Self:
+        entries = [secret.get_secret_value() for secret in self.auth_tokens]
+        self._tokens = load_tokens(entries, self.auth_tokens_file)
+        if not self._tokens and not self.allow_unauthenticated:
             raise ValueError(
-                "no auth tokens configured: set CONVEYOR_AUTH_TOKENS or, knowingly, "
+                "no auth tokens configured: set CONVEYOR_AUTH_TOKENS or "
+                "CONVEYOR_AUTH_TOKENS_FILE (name:role:secret tokens) or, knowingly, "
                 "CONVEYOR_ALLOW_UNAUTHENTICATED=true"
             )
         return self
+
+    @property
+    def tokens(self) -> tuple[Token, ...]:
+        """Every configured token, parsed (no secrets: their digests)."""
+        return self._tokens
 
 
 class DispatcherSettings(CommonSettings):

@@ -1,22 +1,29 @@
-"""Server interceptors: bearer-token auth and read-only mode."""
+"""Server interceptors: bearer-token auth with roles, and read-only mode."""
 
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from conveyor_protos.v1 import service_pb2
+from conveyor_runtime.tokens import Role, Token, digest
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    _Context = grpc.aio.ServicerContext[Any, Any]
     _Continuation = Callable[
         [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
     ]
 
 ADMIN_SERVICE = "/conveyor.v1.AdminService/"
+TASK_SERVICE = "/conveyor.v1.TaskService/"
+WORKER_SERVICE = "/conveyor.v1.WorkerService/"
 #: Webhook callbacks authenticate with their per-delivery lease token instead.
 _TOKEN_EXEMPT_PREFIXES = ("/conveyor.v1.WebhookService/",)
 #: AdminService methods that only read. Everything else on AdminService mutates.
@@ -73,25 +80,59 @@ def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
     return None
 
 
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Accepts a call only with ``authorization: Bearer <token>`` naming a known token.
+def needed_role(method: str) -> Role:
+    """The role a call needs besides admin, as refusals name it: ``producer``,
+    ``worker``, ``read-only`` or ``admin`` (every method not listed here: fail closed)."""
+    if method.startswith(TASK_SERVICE):
+        return Role.PRODUCER
+    if method.startswith(WORKER_SERVICE):
+        return Role.WORKER
+    if method.startswith(ADMIN_SERVICE) and method.removeprefix(ADMIN_SERVICE) in ADMIN_READS:
+        return Role.READ_ONLY
+    return Role.ADMIN
 
-    Tokens are compared in constant time, and every configured token is tried, so the
-    time taken says nothing about which one was close.
+
+def _call_name(method: str) -> str:
+    # "/conveyor.v1.AdminService/DeleteTask" -> "AdminService.DeleteTask"
+    service, _, name = method.lstrip("/").partition("/")
+    return f"{service.rpartition('.')[2]}.{name}"
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Accepts a call only with ``authorization: Bearer <secret>`` naming a configured
+    token whose role allows the call.
+
+    - no token, or one nobody configured: UNAUTHENTICATED;
+    - a token whose role does not cover the method: PERMISSION_DENIED naming the role the
+      call needs;
+    - a ``worker=<queues>`` token: a session whose Hello names another queue ends with
+      PERMISSION_DENIED naming that queue;
+    - WebhookService calls pass: they authenticate with their per-delivery lease token.
+
+    The presented secret is hashed once and compared in constant time with the digest of
+    every configured token, all of them, so the time taken says nothing about which one
+    matched or how close another one was.
     """
 
-    def __init__(self, tokens: Iterable[str]) -> None:
-        self._tokens = [t.encode() for t in tokens]
+    def __init__(self, tokens: Iterable[Token]) -> None:
+        self._tokens = tuple(tokens)
         if not self._tokens:
             raise ValueError("BearerAuthInterceptor needs at least one token")
+        logger.info(
+            "auth.tokens %s",
+            " ".join(f"{token.name}={token.role_text}" for token in self._tokens),
+        )
 
-    def _accepts(self, token: bytes | None) -> bool:
-        if token is None:
-            return False
-        ok = False
-        for known in self._tokens:
-            ok |= hmac.compare_digest(token, known)
-        return ok
+    def identify(self, secret: bytes | None) -> Token | None:
+        """The configured token whose secret is ``secret``, if any."""
+        if secret is None:
+            return None
+        presented = digest(secret)
+        found: Token | None = None
+        for token in self._tokens:
+            if hmac.compare_digest(presented, token.secret_digest):
+                found = token
+        return found
 
     async def intercept_service(
         self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
@@ -101,14 +142,114 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(_TOKEN_EXEMPT_PREFIXES):
             return handler
         metadata: Any = handler_call_details.invocation_metadata
-        if self._accepts(_bearer(metadata)):
+        token = self.identify(_bearer(metadata))
+        if token is None:
+            logger.warning("auth.rejected method=%s", method)
+            return _refusal(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or invalid bearer token (metadata 'authorization: Bearer <secret>', "
+                "the secret part of a name:role:secret token)",
+            )
+        if token.role is Role.ADMIN:
             return handler
-        logger.warning("auth.rejected method=%s", method)
-        return _refusal(
-            handler,
-            grpc.StatusCode.UNAUTHENTICATED,
-            "missing or invalid bearer token (metadata 'authorization: Bearer <token>')",
-        )
+        needed = needed_role(method)
+        if token.role is not needed:
+            logger.warning(
+                "auth.denied token=%s role=%s method=%s needs=%s",
+                token.name,
+                token.role_text,
+                method,
+                needed,
+            )
+            either = "" if needed is Role.ADMIN else " or admin"
+            return _refusal(
+                handler,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{_call_name(method)} needs role {needed}{either}; token {token.name!r} "
+                f"has role {token.role_text}",
+            )
+        if token.queues is not None and handler.stream_stream is not None:
+            return _queue_limited(handler, token)
+        return handler
+
+
+def _queue_limited(
+    handler: grpc.RpcMethodHandler[Any, Any], token: Token
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler`` (WorkerService.Session) behind a check of the Hello's queues.
+
+    The session reads its frames with ``context.read()``; it is handed a context whose
+    first read checks the Hello and ends the call with PERMISSION_DENIED when it names a
+    queue the token does not cover, before the session does anything with it. Every later
+    read is the real context's, with nothing in between. A first frame that is not a
+    Hello goes to the session, which refuses it as it refuses it for everyone.
+    """
+    inner: Any = handler.stream_stream
+    behavior: Any
+    if inspect.isasyncgenfunction(inner):
+
+        async def streamed(requests: Any, context: _Context) -> AsyncIterator[Any]:
+            async with aclosing(inner(requests, _HelloCheckedContext(context, token))) as out:
+                async for response in out:
+                    yield response
+
+        behavior = streamed
+    else:
+
+        async def written(requests: Any, context: _Context) -> Any:
+            return await inner(requests, _HelloCheckedContext(context, token))
+
+        behavior = written
+    return grpc.stream_stream_rpc_method_handler(
+        behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class _HelloCheckedContext:
+    """A servicer context whose first ``read()`` refuses a Hello naming a queue outside
+    the token's; everything else is the wrapped context's."""
+
+    def __init__(self, context: _Context, token: Token) -> None:
+        self._context = context
+        self._token = token
+        self.read: Callable[[], Awaitable[Any]] = self._first_read
+
+    async def _first_read(self) -> Any:
+        context = self._context
+        # From now on the session reads the real stream directly.
+        self.read = context.read
+        frame = await context.read()
+        if isinstance(frame, service_pb2.WorkerFrame) and frame.WhichOneof("frame") == "hello":
+            allowed = self._token.queues or frozenset()
+            outside = sorted(set(frame.hello.queues) - allowed)
+            if outside:
+                token = self._token
+                # Names from the client, not yet validated (the session does that): the
+                # first one only, quoted, and a count of the rest.
+                more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+                logger.warning(
+                    "auth.denied token=%s role=%s method=WorkerService.Session queue=%r%s",
+                    token.name,
+                    token.role_text,
+                    outside[0][:128],
+                    more,
+                )
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"token {token.name!r} (role {token.role_text}) may not serve queue "
+                    f"{outside[0][:128]!r}{more}; it is limited to {', '.join(sorted(allowed))}",
+                )
+        return frame
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names not found here; kept, so the next lookup (a write per frame) is
+        # an attribute read. The context's attributes are its methods: they do not change.
+        value = getattr(self._context, name)
+        setattr(self, name, value)
+        return value
 
 
 class ReadOnlyInterceptor(grpc.aio.ServerInterceptor):

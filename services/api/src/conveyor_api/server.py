@@ -121,8 +121,8 @@ class ApiServer:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if tracing_enabled():
             interceptors.append(TracingInterceptor())
-        if self.settings.auth_tokens:
-            interceptors.append(BearerAuthInterceptor(self.settings.auth_tokens))
+        if self.settings.tokens:
+            interceptors.append(BearerAuthInterceptor(self.settings.tokens))
         else:
             # ApiSettings refuses this combination unless allow_unauthenticated is set.
             logger.warning(
@@ -223,7 +223,7 @@ class ApiServer:
             self.port,
             __version__,
             ("mutual" if settings.tls_client_ca else "on") if credentials else "OFF",
-            "on" if settings.auth_tokens else "OFF",
+            "on" if settings.tokens else "OFF",
             settings.read_only,
         )
 

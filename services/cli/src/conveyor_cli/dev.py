@@ -73,8 +73,14 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
         if options.dsn:
             base = base.model_copy(update={"dsn": options.dsn})
         common = base.model_dump()
+        # No tokens, whatever the environment holds: dev is open, and says so.
         api_settings = ApiSettings(
-            **common, host=options.host, port=options.port, allow_unauthenticated=True
+            **common,
+            host=options.host,
+            port=options.port,
+            auth_tokens=[],
+            auth_tokens_file=None,
+            allow_unauthenticated=True,
         )
         async with open_runtime(base, name="dev") as rt:
             api = ApiServer(api_settings, rt.broker, rt.nc, rt.clock, event_gate=rt.gate)

@@ -10,6 +10,7 @@ import click
 from conveyor_runtime.settings import CommonSettings
 
 from conveyor_cli.ops import enqueue, queue, task
+from conveyor_cli.tokens import token
 from conveyor_cli.webhooks import webhook
 
 PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
@@ -188,3 +189,4 @@ cli.add_command(enqueue)
 cli.add_command(task)
 cli.add_command(queue)
 cli.add_command(webhook)
+cli.add_command(token)

@@ -32,8 +32,11 @@ from conveyor._worker.slots import Slots
 logger = logging.getLogger("conveyor.worker")
 
 SESSION_METHOD = "/conveyor.v1.WorkerService/Session"
-#: Statuses that end a worker instead of a reconnect: they do not heal by retrying.
-FATAL_CODES = frozenset({"INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED"})
+#: Statuses that end a worker instead of a reconnect: they do not heal by retrying
+#: (PERMISSION_DENIED: the token's role does not cover a worker session on these queues).
+FATAL_CODES = frozenset(
+    {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "UNAUTHENTICATED", "PERMISSION_DENIED"}
+)
 #: How long to wait for Welcome after Hello.
 WELCOME_TIMEOUT = 30.0
 #: How long a closing session waits for its last writes, then for the server's end.

@@ -237,8 +237,9 @@ class Worker:
 
         With ``handle_signals`` SIGTERM and SIGINT call :meth:`stop` (a second signal
         forces it). Returns after a graceful shutdown. Raises :class:`InvalidArgument`,
-        :class:`FailedPrecondition` or :class:`Unauthenticated` when the server refuses
-        the session: those do not heal by retrying.
+        :class:`FailedPrecondition`, :class:`Unauthenticated` or :class:`PermissionDenied`
+        (the token's role does not allow these queues) when the server refuses the
+        session: those do not heal by retrying.
         """
         if self._loop is not None:
             raise RuntimeError("this worker is already running")
