@@ -88,7 +88,28 @@ class NatsSecurity:
         return "none"
 
 
-class _TlsRequiredClient(NatsClient):
+class _Client(NatsClient):
+    """nats-py's client with its PONG handling made safe.
+
+    ``flush()`` queues a future for the server's PONG and waits for it; when that wait is
+    cancelled (a gRPC handler whose caller went away, a service stopping) or times out,
+    the future is cancelled but stays queued, and the PONG that answers it then raises
+    InvalidStateError inside the read loop: the connection stops reading for good, and
+    the process goes deaf to NATS while it still looks connected. Here the PONG is still
+    matched to its future (one PONG per PING, in order), and a future nobody waits for
+    any more is skipped.
+    """
+
+    async def _process_pong(self) -> None:
+        if self._pongs:
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+
+
+class _TlsRequiredClient(_Client):
     """A client that refuses a server whose INFO does not require TLS.
 
     nats-py upgrades to TLS only when the server's INFO asks for it, and otherwise goes
@@ -168,7 +189,7 @@ async def connect_nats(
     async def on_closed() -> None:
         logger.info("nats.closed name=%s", name)
 
-    nc = _TlsRequiredClient() if security.tls is not None else NatsClient()
+    nc = _TlsRequiredClient() if security.tls is not None else _Client()
     servers = _servers(url)
     try:
         await nc.connect(
