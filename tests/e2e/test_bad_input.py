@@ -13,8 +13,9 @@ from conveyor import AsyncAdminClient, AsyncClient, InvalidArgument, ResourceExh
 from conveyor_broker import Task
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
+from conveyor_testkit.polling import wait_until
 
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 from tests.e2e.lifecycle import start_stack, wait_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
@@ -218,7 +219,9 @@ async def test_undecodable_requests_get_invalid_argument_and_change_nothing(
         task = await store.get_task(running.id)
         return task.state.value == "pending" and task.retried == 0
 
-    await wait_for(released, timeout=20, message="the session's task released")
+    await wait_until(
+        released, within=20, interval=POLL_INTERVAL, message="the session's task released"
+    )
     after = await all_tasks(store)
     assert after.pop(running.id).retried == 0
     assert after == before, "an undecodable request changed stored tasks"
