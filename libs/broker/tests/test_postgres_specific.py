@@ -9,7 +9,7 @@ import asyncio
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from importlib import resources
@@ -36,6 +36,7 @@ from conveyor_broker.postgres import (
 )
 from conveyor_broker.postgres.migrations import declared_schema, load_migrations
 from conveyor_broker.postgres.rows import enqueue_params, new_task
+from conveyor_testkit.polling import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -79,13 +80,6 @@ async def scratch_schema(pg_dsn: str) -> AsyncIterator[str]:
             await admin.execute(f"DROP SCHEMA {name} CASCADE")
     finally:
         await admin.close()
-
-
-async def wait_for(condition: Callable[[], Awaitable[bool]], *, within: float = 10.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``within`` seconds."""
-    async with asyncio.timeout(within):
-        while not await condition():  # noqa: ASYNC110 - the condition is in another process
-            await asyncio.sleep(0.01)
 
 
 # ------------------------------------------------------------------------- migrations
@@ -451,7 +445,7 @@ async def _wait_until_blocked_on_a_lock(dsn: str, query_fragment: str) -> None:
             )
             return count > 0
 
-        await wait_for(blocked)
+        await wait_until(blocked, message=f"a statement with {query_fragment!r} waiting on a lock")
     finally:
         await conn.close()
 
