@@ -36,8 +36,9 @@ import uvloop
 from conveyor import AsyncClient, spec
 from conveyor_broker.postgres import migrate
 from conveyor_runtime.embedded_nats import EmbeddedNats
+from conveyor_testkit.polling import wait_until
 
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -170,7 +171,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         async with AsyncClient(target) as client:
             # Warm up: every worker connected and one task through.
             await client.enqueue("e2e.noop", {}, queue="bench")
-            await wait_for(lambda: tail.count("done") >= 1, timeout=60, message="warm-up task")
+            await wait_until(
+                lambda: tail.count("done") >= 1,
+                within=60,
+                interval=POLL_INTERVAL,
+                message="warm-up task",
+            )
             tail.reset()
 
             # 1. Throughput: a burst into the (nearly) empty table, drained at once.
@@ -187,9 +193,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.gather(*pending[chunk : chunk + 4])
             t_enqueued = time.perf_counter()
             done_at_enqueued = tail.count("done")
-            await wait_for(
+            await wait_until(
                 lambda: tail.count("done") >= args.tasks,
-                timeout=600,
+                within=600,
                 interval=0.02,
                 message="burst drained",
             )
@@ -204,9 +210,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 task = await client.enqueue("e2e.noop", {}, queue="bench")
                 sent[task.id] = before
                 await asyncio.sleep(1 / args.latency_rate)  # the light load's pacing
-            await wait_for(
+            await wait_until(
                 lambda: tail.count("start") >= len(sent),
-                timeout=60,
+                within=60,
+                interval=POLL_INTERVAL,
                 message="latency tasks",
             )
         starts = {f[1]: int(f[5]) for f in tail.lines["start"]}

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from conveyor_runtime.embedded_nats import free_port
+from conveyor_testkit.polling import wait_until_blocking
 
-from tests.e2e.harness import port_open, wait_until
+from tests.e2e.harness import POLL_INTERVAL, port_open
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,14 +34,18 @@ def test_quickstart_runs_start_to_finish(tmp_path: Path) -> None:
     )
     worker = None
     try:
-        wait_until(
-            lambda: port_open(port) or dev.poll() is not None, timeout=120, message="dev server"
+        wait_until_blocking(
+            lambda: port_open(port) or dev.poll() is not None,
+            within=120,
+            interval=POLL_INTERVAL,
+            message="dev server",
         )
         assert dev.poll() is None, (tmp_path / "dev.log").read_text()
         # The banner comes once every service has started (the port opens with the api).
-        wait_until(
+        wait_until_blocking(
             lambda: "AUTH IS OFF" in (tmp_path / "dev.log").read_text() or dev.poll() is not None,
-            timeout=60,
+            within=60,
+            interval=POLL_INTERVAL,
             message="dev banner",
         )
         banner = (tmp_path / "dev.log").read_text()

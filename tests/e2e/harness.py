@@ -6,52 +6,24 @@ until a timeout.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from conveyor_runtime.embedded_nats import free_port
+from conveyor_testkit.polling import wait_until, wait_until_blocking
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-async def wait_for(
-    condition: Callable[[], Awaitable[bool]] | Callable[[], bool],
-    *,
-    timeout: float = 30.0,  # noqa: ASYNC109 - a polling deadline, not a cancellation scope
-    interval: float = 0.05,
-    message: str = "condition",
-) -> None:
-    """Poll ``condition`` until it is true; fail with ``message`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {message}")
-        await asyncio.sleep(interval)  # polling interval, not a wait for time to pass
-
-
-def wait_until(
-    condition: Callable[[], bool], *, timeout: float = 30.0, message: str = "condition"
-) -> None:
-    """Blocking twin of :func:`wait_for`, for synchronous tests."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {message}")
-        time.sleep(0.05)  # polling interval, not a wait for time to pass
+#: How often an end-to-end test checks a condition: each check reads a log or asks the
+#: api or the database, and the processes under test share the machine with the test.
+POLL_INTERVAL = 0.05
 
 
 def port_open(port: int) -> bool:
@@ -74,7 +46,12 @@ def dev_server(log: Path) -> Iterator[str]:
             start_new_session=True,
         )
     try:
-        wait_until(lambda: port_open(port) or proc.poll() is not None, timeout=60, message="dev")
+        wait_until_blocking(
+            lambda: port_open(port) or proc.poll() is not None,
+            within=60,
+            interval=POLL_INTERVAL,
+            message="dev",
+        )
         assert proc.poll() is None, log.read_text()
         yield f"127.0.0.1:{port}"
     finally:
@@ -182,7 +159,12 @@ class Cluster:
             {"CONVEYOR_HOST": "127.0.0.1", "CONVEYOR_PORT": str(port), **(env or {})},
         )
         proc.port = port
-        await wait_for(lambda: port_open(port) or not proc.alive(), timeout=30, message="api port")
+        await wait_until(
+            lambda: port_open(port) or not proc.alive(),
+            within=30,
+            interval=POLL_INTERVAL,
+            message="api port",
+        )
         if not proc.alive():
             raise RuntimeError(f"api exited:\n{proc.log()}")
         return proc

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor import AsyncAdminClient, AsyncClient, TaskInfo, TaskNotFound, TaskState
+from conveyor_testkit.polling import wait_until
 
 from tests.e2e.conftest import read_record
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 
 #: Short leases and ticks, so that retries, expiry and purges happen within seconds.
 FAST = {
@@ -66,7 +67,12 @@ async def _warm_up(stack: Stack, cluster: Cluster, queues: Iterable[str]) -> Non
     [maintenance] = [p for p in cluster.procs if p.name.startswith("maintenance")]
     for role in ("scheduler", "reaper"):
         line = f"maintenance.leader_elected role={role}"
-        await wait_for(lambda line=line: line in maintenance.log(), timeout=60, message=line)
+        await wait_until(
+            lambda line=line: line in maintenance.log(),  # type: ignore[misc]
+            within=60,
+            interval=POLL_INTERVAL,
+            message=line,
+        )
 
 
 async def wait_state(
@@ -79,7 +85,9 @@ async def wait_state(
         seen[:] = [await admin.get_task(task_id)]
         return seen[0].state is state
 
-    await wait_for(reached, timeout=within, message=f"task {task_id} {state.value}")
+    await wait_until(
+        reached, within=within, interval=POLL_INTERVAL, message=f"task {task_id} {state.value}"
+    )
     return seen[0]
 
 
@@ -93,4 +101,4 @@ async def wait_gone(admin: AsyncAdminClient, task_id: str, *, within: float = 20
             return True
         return False
 
-    await wait_for(gone, timeout=within, message=f"task {task_id} purged")
+    await wait_until(gone, within=within, interval=POLL_INTERVAL, message=f"task {task_id} purged")

@@ -23,8 +23,9 @@ from conveyor_broker import Task, TaskListParams
 from conveyor_broker import TaskState as BrokerState
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
+from conveyor_testkit.polling import wait_until
 
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 from tests.e2e.lifecycle import start_stack, wait_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
@@ -235,7 +236,9 @@ async def test_undecodable_requests_get_invalid_argument_and_change_nothing(
         task = await store.get_task(running.id)
         return task.state.value == "pending" and task.retried == 0
 
-    await wait_for(released, timeout=20, message="the session's task released")
+    await wait_until(
+        released, within=20, interval=POLL_INTERVAL, message="the session's task released"
+    )
     after = await all_tasks(store)
     assert after.pop(running.id).retried == 0
     assert after == before, "an undecodable request changed stored tasks"
@@ -318,7 +321,9 @@ async def test_bad_inputs_fail_alone_and_other_producers_are_stored(
         )
         return good <= {t.id for t in page.tasks}
 
-    await wait_for(all_ran, timeout=60, message="every good task completed")
+    await wait_until(
+        all_ran, within=60, message="every good task completed", interval=POLL_INTERVAL
+    )
     stored = await all_tasks(store)
     assert {t.queue for t in stored.values()} == {"hardened"}
     assert all(t.type == "e2e.noop" and not t.unique_key for t in stored.values())

@@ -21,8 +21,9 @@ from conveyor import (
     TaskState,
 )
 from conveyor_broker.types import ARCHIVED_BY_ADMIN_ERROR, CANCELED_WHILE_RUNNING_ERROR
+from conveyor_testkit.polling import wait_until
 
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 from tests.e2e.lifecycle import Stack, start_stack, wait_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
@@ -111,12 +112,19 @@ async def check_running_task(stack: Stack, client: AsyncClient, admin: AsyncAdmi
         task = await admin.get_task(running.id)
         return task.state is A and task.progress == {"step": 1}
 
-    await wait_for(progress_visible, message="progress of the running task")
+    await wait_until(
+        progress_visible, within=30, interval=POLL_INTERVAL, message="progress of the running task"
+    )
     with pytest.raises(FailedPrecondition, match="cannot delete"):
         await admin.delete_task(running.id)
     aborted = await admin.cancel_task(running.id)
     assert (aborted.state, aborted.last_error) == (X, CANCELED_WHILE_RUNNING_ERROR)
-    await wait_for(lambda: stack.lines("cancelled", running.id) != [], message="handler cancelled")
+    await wait_until(
+        lambda: stack.lines("cancelled", running.id) != [],
+        within=30,
+        interval=POLL_INTERVAL,
+        message="handler cancelled",
+    )
     [line] = stack.lines("cancelled", running.id)
     assert "canceled_by_an_operator_while_running" in line[3]
     after = await client.enqueue("e2e.noop", {}, queue="live")
@@ -131,7 +139,12 @@ async def check_running_task(stack: Stack, client: AsyncClient, admin: AsyncAdmi
     skipped = await client.enqueue("e2e.skip", {}, queue="live")
     await wait_state(admin, skipped.id, X)
     assert (await admin.revive_task(skipped.id)).state is P
-    await wait_for(lambda: len(stack.lines("start", skipped.id)) == 2, message="revived task ran")
+    await wait_until(
+        lambda: len(stack.lines("start", skipped.id)) == 2,
+        within=30,
+        interval=POLL_INTERVAL,
+        message="revived task ran",
+    )
     assert (await wait_state(admin, skipped.id, X)).retried == 0
 
 
@@ -152,7 +165,12 @@ async def check_pause_and_resume(
         assert (await admin.queue_stats("live")).paused
         [dispatcher] = [p for p in cluster.procs if p.name.startswith("dispatcher")]
         line = "dispatcher.pause_changed queue=live paused=True"
-        await wait_for(lambda: line in dispatcher.log(), message="the live dispatcher paused")
+        await wait_until(
+            lambda: line in dispatcher.log(),
+            within=30,
+            interval=POLL_INTERVAL,
+            message="the live dispatcher paused",
+        )
         held = [(await client.enqueue("e2e.noop", {}, queue="live")).id for _ in range(3)]
         # Work on another queue of the same worker and dispatcher still flows meanwhile.
         other = await client.enqueue("e2e.noop", {}, queue="other")
@@ -163,7 +181,12 @@ async def check_pause_and_resume(
         await admin.resume_queue("live")
         for task_id in held:
             await wait_state(admin, task_id, C)
-        await wait_for(lambda: {e.task_id for e in events} >= set(held), message="3 completions")
+        await wait_until(
+            lambda: {e.task_id for e in events} >= set(held),
+            within=30,
+            interval=POLL_INTERVAL,
+            message="3 completions",
+        )
         watch.close()
         with contextlib.suppress(asyncio.CancelledError):
             await collector

@@ -11,9 +11,10 @@ from pathlib import Path
 import nats
 import pytest
 from conveyor import AsyncAdminClient, AsyncClient, TaskEvent, TaskState
+from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 from tests.e2e.lifecycle import start_stack, wait_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
@@ -111,8 +112,18 @@ async def test_retries_results_and_events(cluster: Cluster, tmp_path: Path) -> N
         assert refused.last_error == "result is 3000002 bytes; the limit is 2000"
         assert len(stack.lines("start", giant.id)) == 1
 
-        await wait_for(lambda: len(history(events, flaky.id)) == 7, message="flaky's 7 events")
-        await wait_for(lambda: len(history(events, huge.id)) == 3, message="huge's 3 events")
+        await wait_until(
+            lambda: len(history(events, flaky.id)) == 7,
+            within=30,
+            interval=POLL_INTERVAL,
+            message="flaky's 7 events",
+        )
+        await wait_until(
+            lambda: len(history(events, huge.id)) == 3,
+            within=30,
+            interval=POLL_INTERVAL,
+            message="huge's 3 events",
+        )
         watch.close()
         with contextlib.suppress(asyncio.CancelledError):
             await collector

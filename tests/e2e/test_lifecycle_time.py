@@ -13,9 +13,10 @@ import pytest
 from conveyor import AlreadyExists, AsyncAdminClient, AsyncClient, InvalidArgument, TaskState
 from conveyor_broker.types import EXPIRED_ERROR
 from conveyor_gateway.attempt_bounds import DEADLINE_EXCEEDED_ERROR, SERVER_TIMEOUT_ERROR
+from conveyor_testkit.polling import wait_until
 from conveyor_testkit.stream import WorkerStream
 
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 from tests.e2e.lifecycle import Stack, start_stack, wait_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
@@ -56,11 +57,21 @@ async def check_sdk_cancels_at_timeout_and_deadline(
     async def first_attempt_failed() -> bool:
         return (await admin.get_task(deaf.id)).retried >= 1
 
-    await wait_for(first_attempt_failed, message="the deaf handler's attempt failed")
+    await wait_until(
+        first_attempt_failed,
+        within=30,
+        interval=POLL_INTERVAL,
+        message="the deaf handler's attempt failed",
+    )
     assert stack.lines("finished", deaf.id) == []  # ... while its handler still runs
     assert (await admin.get_task(deaf.id)).last_error == "timed out"
     assert (await wait_state(admin, deaf.id, X)).retried == 2
-    await wait_for(lambda: len(stack.lines("finished", deaf.id)) == 2, message="deaf handlers end")
+    await wait_until(
+        lambda: len(stack.lines("finished", deaf.id)) == 2,
+        within=30,
+        interval=POLL_INTERVAL,
+        message="deaf handlers end",
+    )
     assert [f[3] for f in stack.lines("finished", deaf.id)] == ["True", "True"]
 
     # Past the deadline the task is archived, not retried.
@@ -135,7 +146,7 @@ async def check_expiry_and_unique_keys(
             return False
         return True
 
-    await wait_for(claim_lapsed, timeout=10, interval=0.1, message="the unique claim lapses")
+    await wait_until(claim_lapsed, within=10, interval=0.1, message="the unique claim lapses")
     assert ids[0] != holder.id
     # ... and a claim is freed as soon as its holder completes.
     first = await client.enqueue("e2e.noop", {}, queue="ttl", unique_key="once")

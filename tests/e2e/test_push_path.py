@@ -13,9 +13,10 @@ from conveyor import AsyncClient, spec
 from conveyor_broker import TaskState
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_runtime.embedded_nats import EmbeddedNats
+from conveyor_testkit.polling import wait_until
 
 from tests.e2e.conftest import read_record
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
 
@@ -66,7 +67,9 @@ async def test_every_task_completes_exactly_once(
     async def all_done() -> bool:
         return await count_state(store, TaskState.COMPLETED) == len(ids)
 
-    await wait_for(all_done, timeout=120, message=f"{len(ids)} completed tasks")
+    await wait_until(
+        all_done, within=120, interval=POLL_INTERVAL, message=f"{len(ids)} completed tasks"
+    )
     ran = Counter(f[1] for f in starts(record))
     assert set(ran) == set(ids)
     assert max(ran.values()) == 1, "a task ran twice"
@@ -92,7 +95,7 @@ async def test_many_queues_with_a_slot_each_never_stall(
     async def all_done() -> bool:
         return await count_state(store, TaskState.COMPLETED) >= 600
 
-    await wait_for(all_done, timeout=30, message="600 completed tasks")
+    await wait_until(all_done, within=30, interval=POLL_INTERVAL, message="600 completed tasks")
 
 
 async def test_killed_worker_task_is_released_and_completes_elsewhere(
@@ -107,14 +110,21 @@ async def test_killed_worker_task_is_released_and_completes_elsewhere(
     )
     async with AsyncClient(target) as client:
         task = await client.enqueue("e2e.noop", {"x": 1}, queue="jobs")
-    await wait_for(lambda: len(starts(record)) == 1, message="first attempt started")
+    await wait_until(
+        lambda: len(starts(record)) == 1,
+        within=30,
+        interval=POLL_INTERVAL,
+        message="first attempt started",
+    )
     blocked.kill9()
     cluster.start_worker(target, queues={"jobs": 1}, concurrency=1, record=record)
 
     async def completed() -> bool:
         return (await store.get_task(task.id)).state is TaskState.COMPLETED
 
-    await wait_for(completed, timeout=30, message="released task completed")
+    await wait_until(
+        completed, within=30, interval=POLL_INTERVAL, message="released task completed"
+    )
     assert [f[1] for f in starts(record)] == [task.id, task.id]
     assert [f[1] for f in dones(record)] == [task.id]
 
@@ -132,7 +142,12 @@ async def test_hung_worker_task_is_redelivered_after_lease_expiry(
     )
     async with AsyncClient(target) as client:
         task = await client.enqueue("e2e.noop", {"x": 1}, queue="jobs")
-    await wait_for(lambda: len(starts(record)) == 1, message="first attempt started")
+    await wait_until(
+        lambda: len(starts(record)) == 1,
+        within=30,
+        interval=POLL_INTERVAL,
+        message="first attempt started",
+    )
     os.kill(hung.pid, signal.SIGSTOP)
     try:
         cluster.start_worker(target, queues={"jobs": 1}, concurrency=1, record=record)
@@ -140,7 +155,9 @@ async def test_hung_worker_task_is_redelivered_after_lease_expiry(
         async def completed() -> bool:
             return (await store.get_task(task.id)).state is TaskState.COMPLETED
 
-        await wait_for(completed, timeout=30, message="redelivered task completed")
+        await wait_until(
+            completed, within=30, interval=POLL_INTERVAL, message="redelivered task completed"
+        )
     finally:
         hung.kill9()
     attempts = [f[2] for f in starts(record) if f[1] == task.id]
@@ -162,7 +179,12 @@ async def test_graceful_stop_releases_tasks_to_another_worker_at_once(
     )
     async with AsyncClient(target) as client:
         ids = [(await client.enqueue("e2e.noop", {"i": i}, queue="jobs")).id for i in range(3)]
-    await wait_for(lambda: len(starts(record)) == 3, message="three tasks running")
+    await wait_until(
+        lambda: len(starts(record)) == 3,
+        within=30,
+        interval=POLL_INTERVAL,
+        message="three tasks running",
+    )
     assert stopping.terminate(timeout=20) == 0
     assert await count_state(store, TaskState.PENDING) == 3
     cluster.start_worker(target, queues={"jobs": 1}, concurrency=3, record=record)
@@ -170,7 +192,9 @@ async def test_graceful_stop_releases_tasks_to_another_worker_at_once(
     async def all_done() -> bool:
         return await count_state(store, TaskState.COMPLETED) == 3
 
-    await wait_for(all_done, timeout=20, message="released tasks completed elsewhere")
+    await wait_until(
+        all_done, within=20, interval=POLL_INTERVAL, message="released tasks completed elsewhere"
+    )
     assert {f[1] for f in dones(record)} == set(ids)
 
 
@@ -189,7 +213,12 @@ async def test_killed_dispatcher_is_replaced_and_no_task_is_lost(
     cluster.start_worker(target, queues={"load": 1}, concurrency=8, record=record, mode="work")
     async with AsyncClient(target) as client:
         ids = await enqueue_many(client, "load", 1500)
-    await wait_for(lambda: len(dones(record)) >= 100, message="draining under way")
+    await wait_until(
+        lambda: len(dones(record)) >= 100,
+        within=30,
+        interval=POLL_INTERVAL,
+        message="draining under way",
+    )
 
     nc = await nats.connect(nats_server.url)
     try:
@@ -204,7 +233,9 @@ async def test_killed_dispatcher_is_replaced_and_no_task_is_lost(
     async def all_done() -> bool:
         return await count_state(store, TaskState.COMPLETED) == len(ids)
 
-    await wait_for(all_done, timeout=90, message="every task completed after failover")
+    await wait_until(
+        all_done, within=90, interval=POLL_INTERVAL, message="every task completed after failover"
+    )
     assert {f[1] for f in dones(record)} == set(ids)
 
 
@@ -223,14 +254,24 @@ async def test_killed_api_workers_reconnect_to_another_api(
     cluster.start_worker(both, queues={"jobs": 1}, concurrency=8, record=record, mode="work")
     async with AsyncClient(f"127.0.0.1:{second.port}") as client:
         ids = await enqueue_many(client, "jobs", 1000)
-        await wait_for(lambda: len(dones(record)) >= 100, message="draining under way")
+        await wait_until(
+            lambda: len(dones(record)) >= 100,
+            within=30,
+            interval=POLL_INTERVAL,
+            message="draining under way",
+        )
         first.kill9()
         ids += await enqueue_many(client, "jobs", 200)
 
     async def all_done() -> bool:
         return await count_state(store, TaskState.COMPLETED) == len(ids)
 
-    await wait_for(all_done, timeout=90, message="every task completed after the api died")
+    await wait_until(
+        all_done,
+        within=90,
+        interval=POLL_INTERVAL,
+        message="every task completed after the api died",
+    )
     assert {f[1] for f in dones(record)} == set(ids)
 
 
@@ -246,7 +287,12 @@ async def test_weights_share_work_and_concurrency_is_never_exceeded(
         cluster.start_worker(
             target, queues={"heavy": 3, "light": 1}, concurrency=4, record=record, mode="work"
         )
-    await wait_for(lambda: len(dones(record)) >= 400, timeout=60, message="400 completions")
+    await wait_until(
+        lambda: len(dones(record)) >= 400,
+        within=60,
+        interval=POLL_INTERVAL,
+        message="400 completions",
+    )
 
     first = starts(record)[:400]
     by_queue = Counter(f[4] for f in first)

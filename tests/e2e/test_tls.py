@@ -15,10 +15,11 @@ from conveyor import AsyncAdminClient, AsyncClient, TaskState, Unavailable
 from conveyor.webhooks import AsyncCallbacks
 from conveyor_runtime.embedded_nats import free_port
 from conveyor_testkit.certs import CertAuthority
+from conveyor_testkit.polling import wait_until
 from conveyor_testkit.webhooks import Endpoint, rpc
 
 from tests.e2e.conftest import read_record
-from tests.e2e.harness import ROOT, Cluster, port_open, wait_for
+from tests.e2e.harness import POLL_INTERVAL, ROOT, Cluster, port_open
 from tests.e2e.lifecycle import wait_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
@@ -71,8 +72,11 @@ async def start_tls_stack(cluster: Cluster, certs: Certs, *, mutual: bool) -> tu
     cluster.start_dispatcher()
     cluster.start_maintenance()
     cluster.start_webhook({"CONVEYOR_CALLBACK_ADDRESS": target, "CONVEYOR_RECONCILE_TICK": "0.2"})
-    await wait_for(
-        lambda: f"tls={'mutual' if mutual else 'on'}" in api.log(), message="api tls line"
+    await wait_until(
+        lambda: f"tls={'mutual' if mutual else 'on'}" in api.log(),
+        message="api tls line",
+        within=30,
+        interval=POLL_INTERVAL,
     )
     return target, api.port
 
@@ -117,7 +121,12 @@ async def test_a_session_over_tls_end_to_end(
         # A webhook delivery answered "accepted", finished through the callbacks.
         await admin.upsert_webhook_worker("tls-hook", endpoint.url, {"hooks": 1}, secrets=["s"])
         hooked = await client.enqueue("report.build", {"m": 1}, queue="hooks")
-        await wait_for(lambda: len(endpoint.deliveries) == 1, message="webhook delivery")
+        await wait_until(
+            lambda: len(endpoint.deliveries) == 1,
+            message="webhook delivery",
+            within=30,
+            interval=POLL_INTERVAL,
+        )
         params = endpoint.deliveries[0].call["params"]
         assert params["callback"] == target
         async with AsyncCallbacks(
@@ -190,7 +199,12 @@ async def test_the_api_refuses_a_plaintext_port_beyond_loopback_unless_told(
     refused = cluster.spawn(
         "api", ["-m", "conveyor_api"], {"CONVEYOR_HOST": "0.0.0.0", "CONVEYOR_PORT": str(port)}
     )
-    await wait_for(lambda: not refused.alive(), message="api refusing to start")
+    await wait_until(
+        lambda: not refused.alive(),
+        message="api refusing to start",
+        within=30,
+        interval=POLL_INTERVAL,
+    )
     assert refused.popen is not None
     assert refused.popen.returncode == 2
     assert "no TLS certificate for the gRPC port on 0.0.0.0" in refused.log()
@@ -205,6 +219,11 @@ async def test_the_api_refuses_a_plaintext_port_beyond_loopback_unless_told(
             "CONVEYOR_ALLOW_PLAINTEXT": "true",
         },
     )
-    await wait_for(lambda: port_open(port) or not allowed.alive(), message="api port")
+    await wait_until(
+        lambda: port_open(port) or not allowed.alive(),
+        message="api port",
+        within=30,
+        interval=POLL_INTERVAL,
+    )
     assert allowed.alive(), allowed.log()
     assert "tls.DISABLED" in allowed.log()

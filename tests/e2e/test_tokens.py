@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from conveyor_broker import TaskState
 from conveyor_broker.postgres import PostgresBroker
+from conveyor_testkit.polling import wait_until
 
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
 
@@ -116,7 +117,7 @@ async def test_role_tokens_from_a_file_with_the_cli_and_workers(
     async def completed() -> bool:
         return (await store.get_task(task_id)).state is TaskState.COMPLETED
 
-    await wait_for(completed, timeout=60, message="the task completes")
+    await wait_until(completed, within=60, message="the task completes", interval=POLL_INTERVAL)
 
     # ... and is refused another queue: the worker stops with the reason, it does not retry.
     refused = cluster.start_worker(
@@ -126,7 +127,12 @@ async def test_role_tokens_from_a_file_with_the_cli_and_workers(
         record=tmp_path / "refused.txt",
         env={"CONVEYOR_TOKEN": secret["mailer"]},
     )
-    await wait_for(lambda: not refused.alive(), timeout=60, message="the refused worker exits")
+    await wait_until(
+        lambda: not refused.alive(),
+        within=60,
+        message="the refused worker exits",
+        interval=POLL_INTERVAL,
+    )
     assert refused.popen is not None
     assert refused.popen.returncode != 0
     assert "may not serve queue 'billing'" in refused.log()

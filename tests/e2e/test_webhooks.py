@@ -40,10 +40,11 @@ from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import LeaseClaims, mint_lease_token
+from conveyor_testkit.polling import wait_until
 from conveyor_testkit.webhooks import Delivery, Endpoint, rpc
 from conveyor_webhook import ROLE
 
-from tests.e2e.harness import ROOT, Cluster, Proc, port_open, wait_for
+from tests.e2e.harness import POLL_INTERVAL, ROOT, Cluster, Proc, port_open
 from tests.e2e.lifecycle import wait_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
@@ -93,7 +94,12 @@ async def start_stack(
         )
         for i in range(webhooks)
     ]
-    await wait_for(lambda: port_open(port) or not api.alive(), timeout=60, message="api port")
+    await wait_until(
+        lambda: port_open(port) or not api.alive(),
+        within=60,
+        interval=POLL_INTERVAL,
+        message="api port",
+    )
     if not api.alive():
         raise RuntimeError(f"api exited:\n{api.log()}")
     return Stack(target, procs)
@@ -197,7 +203,9 @@ async def test_sync_deliveries_complete_exactly_once_signed_with_results(
         async def all_done() -> bool:
             return await count_state(store, StoredState.COMPLETED) == len(ids)
 
-        await wait_for(all_done, timeout=60, message="200 webhook tasks completed")
+        await wait_until(
+            all_done, within=60, interval=POLL_INTERVAL, message="200 webhook tasks completed"
+        )
 
         delivered = Counter(d.task_id for d in endpoint.deliveries)
         assert set(delivered) == set(ids)
@@ -278,7 +286,9 @@ async def check_unreachable_endpoint(stack: Stack) -> None:
             tasks = [await admin.get_task(task_id) for task_id in ids]
             return all(t.retried >= 2 for t in tasks)
 
-        await wait_for(retried_twice, timeout=30, message="every task failed twice")
+        await wait_until(
+            retried_twice, within=30, interval=POLL_INTERVAL, message="every task failed twice"
+        )
         for task_id in ids:
             task = await admin.get_task(task_id)
             assert task.last_error is not None
@@ -328,8 +338,10 @@ async def test_async_delivery_heartbeats_and_reports_through_the_api(
     ):
         await register(admin, "async-hook", endpoint.url, {"reports": 1})
         task = await client.enqueue("report.build", {"month": 7}, queue="reports")
-        await wait_for(
+        await wait_until(
             lambda: f"webhook.delivery_accepted worker=async-hook task={task.id}" in webhook.log(),
+            within=30,
+            interval=POLL_INTERVAL,
             message="delivery accepted",
         )
         [delivery] = endpoint.deliveries
@@ -363,7 +375,12 @@ async def test_async_delivery_heartbeats_and_reports_through_the_api(
             # A token for a live delivery, signed with a secret the registration does
             # not have: refused, and the task is untouched.
             other = await client.enqueue("report.build", {"month": 8}, queue="reports")
-            await wait_for(lambda: len(endpoint.deliveries) == 2, message="second delivery")
+            await wait_until(
+                lambda: len(endpoint.deliveries) == 2,
+                within=30,
+                interval=POLL_INTERVAL,
+                message="second delivery",
+            )
             real = endpoint.deliveries[1].call["params"]["lease_token"]
             lease_id = endpoint.deliveries[1].lease_id
             claims = LeaseClaims(
@@ -427,7 +444,12 @@ async def test_killed_webhook_service_task_is_redelivered_by_the_survivor(
         await register(admin, "ha-hook", endpoint.url, {"ha": 1}, concurrency=2, timeout=60)
         ids = [(await client.enqueue("e2e.ha", {"i": i}, queue="ha")).id for i in range(6)]
         # Two slots: both held open by the leader, which can take nothing more.
-        await wait_for(lambda: len(endpoint.deliveries) == 2, message="two deliveries open")
+        await wait_until(
+            lambda: len(endpoint.deliveries) == 2,
+            within=30,
+            interval=POLL_INTERVAL,
+            message="two deliveries open",
+        )
         held = {d.task_id for d in endpoint.deliveries}
         leader = await leader_of(nats_server.url)
         by_id = {f"webhook-{i}": proc for i, proc in enumerate(stack.webhooks)}
@@ -470,8 +492,10 @@ async def test_paused_registration_gets_no_deliveries_until_resumed(
 
         await admin.pause_webhook_worker("paused-hook")
         assert (await admin.get_webhook_worker("paused-hook")).paused
-        await wait_for(
+        await wait_until(
             lambda: "webhook.gateway_drained worker=paused-hook" in webhook.log(),
+            within=30,
+            interval=POLL_INTERVAL,
             message="the paused registration's gateway drained",
         )
         task = await client.enqueue("e2e.wait", {}, queue="held")
@@ -488,8 +512,10 @@ async def test_paused_registration_gets_no_deliveries_until_resumed(
             await register(
                 admin, "control-hook", endpoint.url, {"control": 1}, concurrency=concurrency
             )
-            await wait_for(
-                lambda seen=seen: logged(webhook, started) > seen,
+            await wait_until(
+                lambda seen=seen: logged(webhook, started) > seen,  # type: ignore[misc]
+                within=30,
+                interval=POLL_INTERVAL,
                 message=f"control gateway restarted with concurrency {concurrency}",
             )
         assert (await admin.get_task(task.id)).state is TaskState.PENDING

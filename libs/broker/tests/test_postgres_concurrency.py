@@ -8,7 +8,6 @@ Each test works in a schema of its own, so none depends on another's rows.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 import asyncpg
@@ -26,17 +25,11 @@ from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.postgres.queries.enqueue import ENQUEUE
 from conveyor_broker.postgres.rows import enqueue_params, new_task
 from conveyor_broker.testing.schemas import brokers, scratch_schema
+from conveyor_testkit.polling import wait_until
 
 pytestmark = pytest.mark.postgres
 
 TTL = timedelta(seconds=30)
-
-
-async def wait_for(condition: Callable[[], Awaitable[bool]], *, within: float = 10.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``within`` seconds."""
-    async with asyncio.timeout(within):
-        while not await condition():  # noqa: ASYNC110 - the condition is in another process
-            await asyncio.sleep(0.01)
 
 
 async def test_concurrent_leasers_never_share_or_lose_a_task(pg_dsn: str) -> None:
@@ -126,7 +119,7 @@ async def _wait_until_blocked_on_a_lock(dsn: str, query_fragment: str) -> None:
             )
             return count > 0
 
-        await wait_for(blocked)
+        await wait_until(blocked)
     finally:
         await conn.close()
 

@@ -9,7 +9,6 @@ and its backoff) runs on the broker's clock, a FakeClock the tests move.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,6 +22,7 @@ from conveyor_broker import AckItem, FakeClock, NewTask, StorageUpkeep
 from conveyor_broker.postgres import PostgresBroker, upkeep
 from conveyor_broker.postgres.migrations import MIGRATION_LOCK_KEY
 from conveyor_broker.testing.schemas import migrated_schema
+from conveyor_testkit.polling import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -102,13 +102,18 @@ async def publish_counters(broker: PostgresBroker) -> None:
 async def upkeep_until(
     broker: PostgresBroker, acted: Callable[[StorageUpkeep], bool]
 ) -> StorageUpkeep:
-    """Call ``upkeep_storage`` until its report satisfies ``acted`` (within WITHIN s)."""
-    async with asyncio.timeout(WITHIN):
-        while True:
-            report = await broker.upkeep_storage()
-            if acted(report):
-                return report
-            await asyncio.sleep(0.1)
+    """Call ``upkeep_storage`` until its report satisfies ``acted`` (within WITHIN s);
+    return that report."""
+    last: list[StorageUpkeep] = []
+
+    async def upkeep_acted() -> bool:
+        last[:] = [await broker.upkeep_storage()]
+        return acted(last[0])
+
+    await wait_until(
+        upkeep_acted, within=WITHIN, interval=0.1, message="an upkeep report that acted"
+    )
+    return last[0]
 
 
 def vacuumed(report: StorageUpkeep) -> bool:

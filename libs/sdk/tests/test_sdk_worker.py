@@ -11,7 +11,7 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -33,6 +33,7 @@ from conveyor import (
 )
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
+from conveyor_testkit.polling import wait_until
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -688,23 +689,12 @@ async def test_sync_handlers_run_in_threads_and_see_cancellation(harness: Harnes
     session.send(dispatch(envelope("W2", "t.sync_wait", timeout=0.05)))
     (timed_out,) = await session.results(1)
     assert (timed_out.task_id, timed_out.error) == ("W2", "timed out")
-    await _until(lambda: worker.running == 0)
+    await wait_until(lambda: worker.running == 0, within=WAIT)
     assert seen["W1"] is True
     assert seen["W2"] is True
     assert seen["W1.reason"] == "cancelled by the server: operator"
     assert seen["W2.reason"] == "timed out"
     assert "W1" not in [r.task_id for r in session.all_results()]
-
-
-async def _until(condition: Callable[[], bool | Awaitable[bool]]) -> None:
-    async def poll() -> None:
-        while True:
-            value = condition()
-            if value if isinstance(value, bool) else await value:
-                return
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(poll(), WAIT)
 
 
 async def test_a_result_over_max_result_size_fails_the_attempt(harness: Harness) -> None:

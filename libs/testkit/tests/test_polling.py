@@ -1,11 +1,13 @@
-"""wait_until: sync and async conditions, and a timeout that names what was awaited."""
+"""wait_until and its blocking twin: sync and async conditions, and a timeout that names
+what was awaited."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
-from conveyor_testkit.polling import wait_until
+from conveyor_testkit.polling import wait_until, wait_until_blocking
 
 
 async def test_returns_once_a_sync_condition_holds() -> None:
@@ -51,3 +53,50 @@ async def test_a_timeout_error_of_the_condition_itself_is_not_relabelled() -> No
 
     with pytest.raises(TimeoutError, match="the condition's own"):
         await wait_until(broken, within=5)
+
+
+def test_blocking_returns_once_the_condition_holds() -> None:
+    calls = 0
+
+    def third_time() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls >= 3
+
+    wait_until_blocking(third_time, interval=0)
+    assert calls == 3
+
+
+def test_blocking_looks_once_before_any_timeout() -> None:
+    calls = 0
+
+    def holds() -> bool:
+        nonlocal calls
+        calls += 1
+        return True
+
+    wait_until_blocking(holds, within=0)
+    assert calls == 1
+
+
+def test_blocking_times_out_naming_the_condition_not_before_its_time() -> None:
+    calls = 0
+
+    def never() -> bool:
+        nonlocal calls
+        calls += 1
+        return False
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^the moon not met within 0.05s$"):
+        wait_until_blocking(never, within=0.05, message="the moon")
+    assert time.monotonic() - started >= 0.05
+    assert calls >= 2  # checked again after sleeping, not given up after the first look
+
+
+def test_blocking_lets_a_timeout_error_of_the_condition_itself_through() -> None:
+    def broken() -> bool:
+        raise TimeoutError("the condition's own")
+
+    with pytest.raises(TimeoutError, match="the condition's own"):
+        wait_until_blocking(broken, within=5)
