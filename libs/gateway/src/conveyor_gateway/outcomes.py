@@ -98,7 +98,8 @@ class Outcomes:
         #: The deliveries whose outcome is being retried, by lease id.
         self._pending: dict[str, Held] = {}
         #: The retry loops running (kept apart from the gateway's tasks: a gateway may
-        #: close while its outcomes are still being retried).
+        #: close while its outcomes are still being retried; they end when the process
+        #: does, the leases of what is left then expiring).
         self._retries: set[asyncio.Task[None]] = set()
         #: Outcomes retried since start (one per delivery per attempt), for metrics.
         self.retried = 0
@@ -278,13 +279,6 @@ class Outcomes:
             held.lease_id,
             held.queue,
         )
-
-    async def aclose(self) -> None:
-        """Stop retrying: the leases of what is still pending expire, and the reaper
-        retries those tasks (at-least-once)."""
-        for task in list(self._retries):
-            task.cancel()
-        await asyncio.gather(*self._retries, return_exceptions=True)
 
     def backoff(self, held: Held) -> timedelta:
         """The server's retry delay after the attempt of ``held`` failed."""

@@ -148,8 +148,9 @@ class ApiSettings(CommonSettings):
     outcome_backlog: int = Field(
         0,
         ge=0,
-        description="Outcomes of one worker whose commit failed and are being retried, past "
-        "which its gateway takes no new work until they drain (0: the worker's concurrency)",
+        description="Outcomes of one worker whose commit failed and are being retried at "
+        "which its gateway takes no new work, until half of them have committed (0: the "
+        "worker's concurrency)",
     )
     default_max_retry: int = Field(25, ge=0, description="max_retry of a task that does not set it")
     default_retention: float = Field(
