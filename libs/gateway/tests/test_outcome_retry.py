@@ -17,6 +17,7 @@ import pytest
 from conveyor_broker import (
     AckItem,
     Backoff,
+    BrokerClosed,
     FakeClock,
     LeaseReapParams,
     LeaseRef,
@@ -51,10 +52,16 @@ class FlakyBroker(MemoryBroker):
         super().__init__(clock)
         self.failing: Counter[str] = Counter()
         self.down = False
+        #: Calls refused on purpose (a BrokerError): not worth retrying.
+        self.refusing: set[str] = set()
+        self.refused: Counter[str] = Counter()
         self.committed: Counter[str] = Counter()
         self.extended: list[list[str]] = []
 
     def _trip(self, op: str) -> None:
+        if op in self.refusing:
+            self.refused[op] += 1
+            raise BrokerClosed(f"{op}: refused")
         if self.down:
             raise BrokenConnection(f"{op}: connection lost")
         if self.failing[op] > 0:
@@ -296,6 +303,21 @@ async def test_a_lease_found_lost_on_extension_stops_the_retry(rig: Rig) -> None
     await wait_until(lambda: gateway.backlog == 0)
     assert (await rig.get(task)).state == TaskState.RETRY
     assert rig.broker.committed == Counter()
+
+
+async def test_an_outcome_the_broker_refuses_on_purpose_is_not_retried(rig: Rig) -> None:
+    gateway = rig.gateway()
+    (task,) = await rig.held(gateway, 1)
+    rig.broker.refusing.add("release")
+
+    gateway.on_results([result(task, service_pb2.OUTCOME_RELEASE)])
+
+    # The refusal is handled in the step that raised it: by the time it is seen here,
+    # a retry would have been queued.
+    await wait_until(lambda: rig.broker.refused["release"] == 1)
+    assert (gateway.backlog, gateway.outcomes_retried) == (0, 0)
+    assert (await rig.get(task)).state == TaskState.ACTIVE  # the reaper's, in time
+    rig.broker.refusing.clear()
 
 
 # ---------------------------------------------------------------- backpressure

@@ -30,7 +30,15 @@ import time
 from collections.abc import Awaitable, Callable, Container, Sequence
 from datetime import timedelta
 
-from conveyor_broker import AckItem, Broker, LeaseLost, LeaseRef, TaskNotFound, TaskState
+from conveyor_broker import (
+    AckItem,
+    Broker,
+    BrokerError,
+    LeaseLost,
+    LeaseRef,
+    TaskNotFound,
+    TaskState,
+)
 from conveyor_protos.v1 import service_pb2
 from conveyor_runtime import wire
 
@@ -170,6 +178,11 @@ class Outcomes:
         """Run ``attempt`` once; when the broker fails, hand the batch to a retry loop."""
         try:
             lost = await attempt(batch)
+        except BrokerError:
+            # The broker refused on purpose (closed, say): trying again cannot help; the
+            # leases expire and the reaper takes the tasks back.
+            self._refused(batch, what)
+            return
         except Exception as exc:
             logger.warning(
                 "gateway.%s_failed gateway=%s count=%d error=%r retrying",
@@ -185,6 +198,15 @@ class Outcomes:
             return
         for held in lost:
             self._lease_lost(held)
+
+    def _refused(self, batch: Sequence[Held], what: str) -> None:
+        logger.exception(
+            "gateway.%s_refused gateway=%s count=%d tasks=%s",
+            what,
+            self.name,
+            len(batch),
+            ",".join(h.task_id for h in batch[:10]),
+        )
 
     def _hold(self, batch: Sequence[Held]) -> None:
         for held in batch:
@@ -225,6 +247,9 @@ class Outcomes:
                 self.retried += len(batch)
                 try:
                     lost = await attempt(batch)
+                except BrokerError:
+                    self._refused(batch, what)
+                    return
                 except Exception as exc:
                     logger.warning(
                         "gateway.%s_retry_failed gateway=%s count=%d tries=%d error=%r",
@@ -247,7 +272,8 @@ class Outcomes:
                 self._drop(batch)
                 batch = []
         finally:
-            # Cancelled (the process is stopping): the leases expire, the reaper retries.
+            # Refused, or cancelled (the process is stopping): the leases expire, and the
+            # reaper takes the tasks back.
             if batch:
                 self._drop(batch)
 
