@@ -34,3 +34,10 @@ class GatewayConfig:
     timeout_grace: timedelta = timedelta(seconds=5)
     #: Wall time, for deadlines (the broker's clock in production).
     clock: Clock = field(default_factory=SystemClock)
+    #: Outcomes whose commit failed and are being retried at which the gateway takes no
+    #: new work, until half of them have committed (0: the worker's concurrency).
+    outcome_backlog: int = 0
+    #: Seconds before the first retry of an outcome whose commit failed; it doubles up to
+    #: ``outcome_retry_max``.
+    outcome_retry_first: float = 0.05
+    outcome_retry_max: float = 1.0

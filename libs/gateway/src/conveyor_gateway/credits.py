@@ -75,6 +75,9 @@ class Credits:
         self._started = False
         #: True once the gateway began closing: it takes nothing from then on.
         self.closed = False
+        #: True while the gateway takes no new work (its backlog of outcomes to commit is
+        #: full): every queue is announced with no slots and offers are refused.
+        self.held_back = False
 
     # ------------------------------------------------------------- lifecycle
 
@@ -113,7 +116,7 @@ class Credits:
 
     def free(self, queue: str) -> int:
         """Slots the gateway can still take on ``queue``."""
-        if self.closed or queue not in self.capacity:
+        if self.closed or self.held_back or queue not in self.capacity:
             return 0
         by_queue = self._slots[queue] - self._per_queue[queue]
         overall = self.limit - len(self._held)
@@ -132,6 +135,15 @@ class Credits:
         self.limit = limit
         self._slots = slots
         logger.info("gateway.concurrency_capped gateway=%s concurrency=%d", self._id, limit)
+        if self._started and not self.closed:
+            self._spawn(self._register_all())
+
+    def hold_back(self, on: bool) -> None:
+        """Take no new work (``on``) or take it again; the slots are re-announced at once
+        when this changes (no slots while held back)."""
+        if on == self.held_back:
+            return
+        self.held_back = on
         if self._started and not self.closed:
             self._spawn(self._register_all())
 
@@ -204,7 +216,7 @@ class Credits:
         return cluster_pb2.Register(
             gateway=self._id,
             queue=queue,
-            capacity=self._slots[queue],
+            capacity=0 if self.held_back else self._slots[queue],
             weight=self._spec.queues[queue],
             in_flight=self._per_queue[queue],
             labels=dict(self._spec.labels),

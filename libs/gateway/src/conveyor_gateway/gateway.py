@@ -110,7 +110,16 @@ class Gateway:
             skips=heartbeat_skips,
             on_extended=on_extended,
         )
-        self._outcomes = Outcomes(gateway_id, broker=broker, acks=acks, wakes=wakes, config=config)
+        self._outcomes = Outcomes(
+            gateway_id,
+            broker=broker,
+            acks=acks,
+            wakes=wakes,
+            config=config,
+            on_backlog=self._on_backlog,
+        )
+        #: The backlog of outcomes being retried past which no new work is taken.
+        self.backlog_limit = config.outcome_backlog or spec.concurrency
         self._close_done = asyncio.Event()
 
     # ------------------------------------------------------------- lifecycle
@@ -180,6 +189,43 @@ class Gateway:
         """Held attempts whose time bound is armed."""
         return len(self._holdings.timers)
 
+    @property
+    def backlog(self) -> int:
+        """Outcomes whose commit failed and that are being retried (their leases kept
+        alive meanwhile)."""
+        return self._outcomes.backlog
+
+    @property
+    def outcomes_retried(self) -> int:
+        """Outcome commits retried since the gateway started (a counter, for metrics)."""
+        return self._outcomes.retried
+
+    @property
+    def held_back(self) -> bool:
+        """True while the backlog is full and the gateway takes no new work."""
+        return self._credits.held_back
+
+    def _on_backlog(self, backlog: int) -> None:
+        # Past the limit no new work is taken (every slot announced as none); taken again
+        # once the backlog has drained to half of it.
+        credits = self._credits
+        if not credits.held_back and backlog >= self.backlog_limit:
+            logger.warning(
+                "gateway.outcome_backlog_full gateway=%s backlog=%d limit=%d",
+                self.id,
+                backlog,
+                self.backlog_limit,
+            )
+            credits.hold_back(True)
+        elif credits.held_back and backlog <= self.backlog_limit // 2:
+            logger.info(
+                "gateway.outcome_backlog_drained gateway=%s backlog=%d limit=%d",
+                self.id,
+                backlog,
+                self.backlog_limit,
+            )
+            credits.hold_back(False)
+
     def holds(self, task_id: str) -> bool:
         """True when this gateway holds ``task_id``."""
         return task_id in self._holdings.lease_of
@@ -227,7 +273,9 @@ class Gateway:
 
     def on_results(self, results: Iterable[service_pb2.Result]) -> None:
         """Apply the worker's Results: each frees its slot at once; the broker calls run
-        in the background. A Result for no delivery held here is logged and ignored."""
+        in the background, and one that fails is retried (its lease extended) until it
+        commits or its lease is gone (see :mod:`~conveyor_gateway.outcomes`). A Result for
+        no delivery held here is logged and ignored."""
         # Successes (nearly every result) are acked together, in one task: a frame's worth
         # of results costs one ack round trip, not a task and a future apiece.
         acks: list[tuple[Held, AckItem]] = []

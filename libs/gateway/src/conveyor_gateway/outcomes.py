@@ -9,17 +9,36 @@
 - RELEASE: give the task back untouched and wake its queue.
 
 Every call is scoped to the delivery's lease, which the broker checks: a lost lease
-changes nothing. :class:`Outcomes` needs no running gateway, so it also answers Results
+changes nothing.
+
+An outcome whose commit fails (the broker unreachable, a connection cut) is not dropped:
+it is retried, with a short doubling backoff, until it commits or the broker says its
+lease is gone (:class:`~conveyor_broker.LeaseLost`, or an ack answered False). Meanwhile
+the retry keeps extending its lease (every quarter of the lease TTL), although the
+worker's slot was freed, so the reaper never takes back a task whose outcome is on its
+way. The outcomes being retried are the gateway's *backlog* (:attr:`Outcomes.backlog`;
+``on_backlog`` hears of every change); a lease-scoped call repeated after a commit whose
+answer was lost finds the lease gone, so no outcome is applied twice. :class:`Outcomes` needs no running gateway, so it also answers Results
 for leases no gateway holds (:meth:`Outcomes.resolve`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Container
+import time
+from collections.abc import Awaitable, Callable, Container, Sequence
 from datetime import timedelta
 
-from conveyor_broker import AckItem, Broker, LeaseLost, TaskNotFound, TaskState
+from conveyor_broker import (
+    AckItem,
+    Broker,
+    BrokerError,
+    LeaseLost,
+    LeaseRef,
+    TaskNotFound,
+    TaskState,
+)
 from conveyor_protos.v1 import service_pb2
 from conveyor_runtime import wire
 
@@ -54,6 +73,11 @@ FINAL_OUTCOMES = frozenset(
 BROKER_UNAVAILABLE = "broker unavailable: retry"
 
 
+#: Commits what it can of a batch of outcomes; returns the deliveries whose lease is lost.
+#: Raises when the broker failed (nothing of the batch is known to be committed).
+Attempt = Callable[[list[Held]], Awaitable[list[Held]]]
+
+
 def is_well_formed(result: service_pb2.Result) -> bool:
     """True when ``result`` names a task and a lease and carries a final outcome."""
     return bool(result.task_id and result.lease_id and result.outcome in FINAL_OUTCOMES)
@@ -71,12 +95,31 @@ class Outcomes:
         acks: AckBatcher,
         wakes: WakePublisher,
         config: GatewayConfig,
+        on_backlog: Callable[[int], None] | None = None,
     ) -> None:
         self.name = name
         self._broker = broker
         self._acks = acks
         self._wakes = wakes
         self._config = config
+        self._on_backlog = on_backlog
+        #: The deliveries whose outcome is being retried, by lease id.
+        self._pending: dict[str, Held] = {}
+        #: The retry loops running (kept apart from the gateway's tasks: a gateway may
+        #: close while its outcomes are still being retried; they end when the process
+        #: does, the leases of what is left then expiring).
+        self._retries: set[asyncio.Task[None]] = set()
+        #: Outcomes retried since start (one per delivery per attempt), for metrics.
+        self.retried = 0
+
+    @property
+    def backlog(self) -> int:
+        """Outcomes whose commit failed and that are being retried."""
+        return len(self._pending)
+
+    def pending(self, lease_id: str) -> bool:
+        """True while the outcome of the delivery under ``lease_id`` is being retried."""
+        return lease_id in self._pending
 
     async def apply(self, held: Held, result: service_pb2.Result) -> None:
         """Apply ``result`` to the delivery ``held``; LeaseLost when its lease is lost."""
@@ -101,44 +144,167 @@ class Outcomes:
             self._wakes.wake(held.queue)
 
     async def complete(self, held: Held, result: service_pb2.Result) -> None:
-        """:meth:`apply`, logging a lost lease or a broker failure instead of raising (the
-        task then stays ACTIVE until its lease expires, and the reaper retries it)."""
-        try:
-            await self.apply(held, result)
-        except LeaseLost:
-            logger.info(
-                "gateway.lease_lost gateway=%s task=%s lease=%s queue=%s",
-                self.name,
-                held.task_id,
-                held.lease_id,
-                held.queue,
-            )
-        except Exception:
-            logger.exception(
-                "gateway.outcome_failed gateway=%s task=%s lease=%s queue=%s",
-                self.name,
-                held.task_id,
-                held.lease_id,
-                held.queue,
-            )
+        """:meth:`apply`, logging a lost lease instead of raising; when the broker fails,
+        the outcome is retried in the background until it commits or its lease is gone."""
+        await self._settle([held], self._one(lambda h: self.apply(h, result)), "outcome")
 
     async def ack_all(self, acks: list[tuple[Held, AckItem]]) -> None:
         """Ack successes together (one ack round trip for a frame's worth), logging each
-        lost lease; a broker failure is logged (the reaper retries those tasks)."""
+        lost lease; when the broker fails, the acks are retried in the background until
+        they commit or their leases are gone."""
+        items = {held.lease_id: item for held, item in acks}
+
+        async def ack(batch: list[Held]) -> list[Held]:
+            acked = await self._acks.ack_many([items[h.lease_id] for h in batch])
+            return [h for h, ok in zip(batch, acked, strict=True) if not ok]
+
+        await self._settle([held for held, _ in acks], ack, "ack")
+
+    def _one(self, apply: Callable[[Held], Awaitable[None]]) -> Attempt:
+        """An :data:`Attempt` applying ``apply`` to each delivery of the batch."""
+
+        async def attempt(batch: list[Held]) -> list[Held]:
+            lost: list[Held] = []
+            for held in batch:
+                try:
+                    await apply(held)
+                except LeaseLost:
+                    lost.append(held)
+            return lost
+
+        return attempt
+
+    async def _settle(self, batch: list[Held], attempt: Attempt, what: str) -> None:
+        """Run ``attempt`` once; when the broker fails, hand the batch to a retry loop."""
         try:
-            acked = await self._acks.ack_many([item for _, item in acks])
-        except Exception:
-            logger.exception("gateway.ack_failed gateway=%s count=%d", self.name, len(acks))
-            acked = [True] * len(acks)  # nothing more to log per task
-        for (held, _), ok in zip(acks, acked, strict=True):
-            if not ok:
+            lost = await attempt(batch)
+        except BrokerError:
+            # The broker refused on purpose (closed, say): trying again cannot help; the
+            # leases expire and the reaper takes the tasks back.
+            self._refused(batch, what)
+            return
+        except Exception as exc:
+            logger.warning(
+                "gateway.%s_failed gateway=%s count=%d error=%r retrying",
+                what,
+                self.name,
+                len(batch),
+                exc,
+            )
+            self._hold(batch)
+            task = asyncio.get_running_loop().create_task(self._retry(batch, attempt, what))
+            self._retries.add(task)
+            task.add_done_callback(self._retries.discard)
+            return
+        for held in lost:
+            self._lease_lost(held)
+
+    def _refused(self, batch: Sequence[Held], what: str) -> None:
+        logger.exception(
+            "gateway.%s_refused gateway=%s count=%d tasks=%s",
+            what,
+            self.name,
+            len(batch),
+            ",".join(h.task_id for h in batch[:10]),
+        )
+
+    def _hold(self, batch: Sequence[Held]) -> None:
+        for held in batch:
+            self._pending[held.lease_id] = held
+        self._backlog_changed()
+
+    def _drop(self, batch: Sequence[Held]) -> None:
+        for held in batch:
+            self._pending.pop(held.lease_id, None)
+        self._backlog_changed()
+
+    def _backlog_changed(self) -> None:
+        if self._on_backlog is not None:
+            self._on_backlog(len(self._pending))
+
+    async def _retry(self, batch: list[Held], attempt: Attempt, what: str) -> None:
+        """Retry ``attempt`` on ``batch`` until it commits or every lease is gone,
+        extending the leases meanwhile (the worker's heartbeat no longer covers them)."""
+        config = self._config
+        ttl = config.lease_ttl
+        delay = config.outcome_retry_first
+        extended_at: float | None = None
+        tries = 1
+        try:
+            while batch:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, config.outcome_retry_max)
+                now = time.monotonic()
+                if extended_at is None or now - extended_at >= ttl.total_seconds() / 4:
+                    gone = await self._extend(batch)
+                    if gone is not None:
+                        extended_at = now
+                        self._drop(gone)
+                        batch = [h for h in batch if h not in gone]
+                        if not batch:
+                            return
+                tries += 1
+                self.retried += len(batch)
+                try:
+                    lost = await attempt(batch)
+                except BrokerError:
+                    self._refused(batch, what)
+                    return
+                except Exception as exc:
+                    logger.warning(
+                        "gateway.%s_retry_failed gateway=%s count=%d tries=%d error=%r",
+                        what,
+                        self.name,
+                        len(batch),
+                        tries,
+                        exc,
+                    )
+                    continue
+                for held in lost:
+                    self._lease_lost(held)
                 logger.info(
-                    "gateway.lease_lost gateway=%s task=%s lease=%s queue=%s",
+                    "gateway.%s_committed_after_retry gateway=%s count=%d tries=%d",
+                    what,
                     self.name,
-                    held.task_id,
-                    held.lease_id,
-                    held.queue,
+                    len(batch) - len(lost),
+                    tries,
                 )
+                self._drop(batch)
+                batch = []
+        finally:
+            # Refused, or cancelled (the process is stopping): the leases expire, and the
+            # reaper takes the tasks back.
+            if batch:
+                self._drop(batch)
+
+    async def _extend(self, batch: list[Held]) -> list[Held] | None:
+        """Extend the leases of ``batch``; the deliveries whose lease is gone (logged), or
+        None when the broker failed."""
+        refs = [LeaseRef(h.task_id, h.lease_id) for h in batch]
+        try:
+            lost = await self._broker.extend_leases(refs, self._config.lease_ttl)
+        except Exception as exc:
+            logger.warning(
+                "gateway.pending_extend_failed gateway=%s count=%d error=%r",
+                self.name,
+                len(batch),
+                exc,
+            )
+            return None
+        gone = {ref.lease_id for ref in lost}
+        dropped = [h for h in batch if h.lease_id in gone]
+        for held in dropped:
+            self._lease_lost(held)
+        return dropped
+
+    def _lease_lost(self, held: Held) -> None:
+        logger.info(
+            "gateway.lease_lost gateway=%s task=%s lease=%s queue=%s",
+            self.name,
+            held.task_id,
+            held.lease_id,
+            held.queue,
+        )
 
     def backoff(self, held: Held) -> timedelta:
         """The server's retry delay after the attempt of ``held`` failed."""
@@ -169,17 +335,16 @@ class Outcomes:
 
     async def give_up(self, held: Held, bound: AttemptBound) -> None:
         """End an attempt that overran ``bound`` without a Result: archived at its
-        deadline, else failed with the backoff. Logs rather than raises."""
-        try:
+        deadline, else failed with the backoff. Logs rather than raises; a broker failure
+        is retried like a worker's outcome."""
+
+        async def end(h: Held) -> None:
             if bound.by_deadline:
-                await self._broker.archive(held.task_id, held.lease_id, DEADLINE_EXCEEDED_ERROR)
+                await self._broker.archive(h.task_id, h.lease_id, DEADLINE_EXCEEDED_ERROR)
             else:
-                await self.fail(held, SERVER_TIMEOUT_ERROR, self.backoff(held))
-        except LeaseLost:
-            logger.info("gateway.lease_lost gateway=%s task=%s", self.name, held.task_id)
-        except Exception:
-            # Its lease is no longer extended: the reaper takes the task back.
-            logger.exception("gateway.give_up_failed gateway=%s task=%s", self.name, held.task_id)
+                await self.fail(h, SERVER_TIMEOUT_ERROR, self.backoff(h))
+
+        await self._settle([held], self._one(end), "give_up")
 
     def _retry_delay(self, held: Held, result: service_pb2.Result) -> timedelta:
         if result.HasField("retry_after"):

@@ -145,6 +145,13 @@ class ApiSettings(CommonSettings):
     )
     max_payload: int = Field(1024 * 1024, gt=0, description="Largest task payload in bytes")
     max_result: int = Field(1024 * 1024, gt=0, description="Largest task result in bytes")
+    outcome_backlog: int = Field(
+        0,
+        ge=0,
+        description="Outcomes of one worker whose commit failed and are being retried at "
+        "which its gateway takes no new work, until half of them have committed (0: the "
+        "worker's concurrency)",
+    )
     default_max_retry: int = Field(25, ge=0, description="max_retry of a task that does not set it")
     default_retention: float = Field(
         86400.0, ge=0, description="Seconds a completed task is kept when it sets no retention"

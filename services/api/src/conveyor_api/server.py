@@ -110,6 +110,7 @@ class ApiServer:
             max_result=settings.max_result,
             timeout_grace=timedelta(seconds=settings.timeout_grace),
             clock=self.clock,
+            outcome_backlog=settings.outcome_backlog,
         )
         self._hello_timeout = hello_timeout
         self._event_gate = event_gate
