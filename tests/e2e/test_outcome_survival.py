@@ -19,9 +19,10 @@ import pytest
 from conveyor import AsyncClient, spec
 from conveyor_broker import TaskState
 from conveyor_broker.postgres import PostgresBroker
+from conveyor_testkit.polling import wait_until
 
 from tests.e2e.conftest import read_record
-from tests.e2e.harness import Cluster, wait_for
+from tests.e2e.harness import POLL_INTERVAL, Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
 
@@ -88,7 +89,9 @@ async def test_acks_that_fail_while_the_database_is_cut_off_still_commit(
     def done() -> int:
         return sum(1 for f in read_record(record) if f[0] == "done")
 
-    await wait_for(lambda: done() >= 200, timeout=60, message="the drain under way")
+    await wait_until(
+        lambda: done() >= 200, within=60, interval=POLL_INTERVAL, message="the drain under way"
+    )
     before = done()
     terminated = await _cut_api_connections(migrated_dsn, 3.5)
     assert terminated > 0
@@ -101,7 +104,7 @@ async def test_acks_that_fail_while_the_database_is_cut_off_still_commit(
             TASKS
         )
 
-    await wait_for(terminal, timeout=120, message="every task terminal")
+    await wait_until(terminal, within=120, interval=POLL_INTERVAL, message="every task terminal")
     # A lost ack would have left its task ACTIVE until the reaper archived it.
     states = {(await store.get_task(task_id)).state for task_id in ids}
     assert states == {TaskState.COMPLETED}
