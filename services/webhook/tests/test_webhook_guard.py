@@ -217,3 +217,21 @@ async def test_an_operators_edit_during_a_reseal_wins(rig: Rig) -> None:
     assert await manager.reseal() == 0  # nothing stale: the operator's are sealed
     stored = (await rig.broker.get_webhook_worker(NAME)).secrets
     assert KEYRING.open_all(NAME, stored) == (operator,)
+
+
+@memory_only
+async def test_without_a_key_plaintext_secrets_keep_working_with_a_warning(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    await register(rig.broker, rig.endpoint.url, NAME, sealed=False)
+    manager = await rig.managers(webhook_secret_key=None)
+    with caplog.at_level(logging.WARNING):
+        await rig.running(manager)
+        await manager.reconcile()
+    warnings = [r.getMessage() for r in caplog.records if "secrets_plaintext" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "set CONVEYOR_WEBHOOK_SECRET_KEY" in warnings[0]
+    assert await manager.reseal() == 0  # nothing to seal with
+    task_id = await rig.submit()
+    await rig.wait_state(task_id, TaskState.COMPLETED)
+    assert (await rig.broker.get_webhook_worker(NAME)).secrets == (SECRET, OLD_SECRET)

@@ -302,15 +302,19 @@ class WebhookManager:
     def _opened(self, stored: list[WebhookWorker]) -> list[WebhookWorker]:
         """The ``stored`` registrations whose secrets open, with their secrets opened."""
         opened: list[WebhookWorker] = []
+        names = {worker.name for worker in stored}
+        for gone in [name for name in self._secret_problems if name not in names]:
+            del self._secret_problems[gone]
         for worker in stored:
             try:
                 secrets = self.keyring.open_all(worker.name, worker.secrets)
             except SecretKeyError as exc:
-                self._secret_problem(worker.name, str(exc))
+                self._secret_problem(worker.name, "webhook.secrets_unusable", str(exc))
                 continue
             if any(not is_sealed(value) for value in worker.secrets) and not self.keyring.keys:
                 self._secret_problem(
                     worker.name,
+                    "webhook.secrets_plaintext",
                     f"the secrets of webhook worker {worker.name!r} are stored in plaintext: "
                     f"set {KEY_SETTING} on the api and the webhook service to encrypt them",
                     level=logging.WARNING,
@@ -320,10 +324,13 @@ class WebhookManager:
             opened.append(replace(worker, secrets=secrets))
         return opened
 
-    def _secret_problem(self, name: str, problem: str, level: int = logging.ERROR) -> None:
+    def _secret_problem(
+        self, name: str, event: str, problem: str, level: int = logging.ERROR
+    ) -> None:
+        """Log ``problem`` of registration ``name`` unless it was the last one logged."""
         if self._secret_problems.get(name) != problem:
             self._secret_problems[name] = problem
-            logger.log(level, "webhook.secrets_unusable worker=%s problem=%s", name, problem)
+            logger.log(level, "%s worker=%s problem=%s", event, name, problem)
 
     async def reseal(self) -> int:
         """Seal again, under the newest key, every stored secret that is plaintext or
