@@ -18,6 +18,7 @@ from pathlib import Path
 
 from conveyor_runtime.embedded_nats import free_port
 from conveyor_testkit.polling import wait_until, wait_until_blocking
+from conveyor_testkit.webhooks import LOCAL_ENDPOINTS, WEBHOOK_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,6 +138,10 @@ class Cluster:
             "CONVEYOR_ALLOW_UNAUTHENTICATED": "true",
             "CONVEYOR_LOG_LEVEL": "info",
             "PYTHONUNBUFFERED": "1",
+            # The tests' webhook endpoints listen on 127.0.0.1, which the services refuse
+            # unless allowed: allow exactly that, and share one key for the secrets.
+            "CONVEYOR_WEBHOOK_ALLOW_NETWORKS": LOCAL_ENDPOINTS,
+            "CONVEYOR_WEBHOOK_SECRET_KEY": WEBHOOK_KEY,
             **self.settings_env,
         }
         env.update(extra or {})

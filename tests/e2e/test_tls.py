@@ -23,6 +23,8 @@ from tests.e2e.harness import POLL_INTERVAL, ROOT, Cluster, port_open
 from tests.e2e.lifecycle import wait_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
+#: A webhook signing secret (at least 32 bytes).
+TLS_SECRET = "tls-hook-secret-0123456789abcdefg"
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,9 @@ async def test_a_session_over_tls_end_to_end(
         assert {q.name for q in (await admin.list_queues()).queues} >= {"tls"}
 
         # A webhook delivery answered "accepted", finished through the callbacks.
-        await admin.upsert_webhook_worker("tls-hook", endpoint.url, {"hooks": 1}, secrets=["s"])
+        await admin.upsert_webhook_worker(
+            "tls-hook", endpoint.url, {"hooks": 1}, secrets=[TLS_SECRET]
+        )
         hooked = await client.enqueue("report.build", {"m": 1}, queue="hooks")
         await wait_until(
             lambda: len(endpoint.deliveries) == 1,

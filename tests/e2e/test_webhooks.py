@@ -32,7 +32,7 @@ from conveyor import (
     WebhookWorkerNotFound,
     spec,
 )
-from conveyor.webhooks import AsyncCallbacks, verify_signature
+from conveyor.webhooks import AsyncCallbacks, ReplayGuard, verify_signature, verify_webhook
 from conveyor_broker import TaskState as StoredState
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_runtime.embedded_nats import EmbeddedNats, free_port
@@ -43,6 +43,7 @@ from conveyor_runtime.webhook_auth import LeaseClaims, mint_lease_token
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.webhooks import Delivery, Endpoint, rpc
 from conveyor_webhook import ROLE
+from standardwebhooks.webhooks import Webhook as StandardWebhook
 
 from tests.e2e.harness import POLL_INTERVAL, ROOT, Cluster, Proc, port_open
 from tests.e2e.lifecycle import wait_state
@@ -50,8 +51,8 @@ from tests.e2e.lifecycle import wait_state
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
 
 #: The registration's secrets, newest first: the newest signs every delivery.
-SECRET = "e2e-newest-secret"
-OLD_SECRET = "e2e-older-secret"
+SECRET = "whsec_" + base64.b64encode(b"e2e-newest-secret-0123456789abcd").decode()
+OLD_SECRET = "e2e-older-secret-0123456789abcdef"
 
 #: Short leases and ticks, so that retries, expiry and reconciles happen within seconds.
 FAST = {
@@ -210,11 +211,22 @@ async def test_sync_deliveries_complete_exactly_once_signed_with_results(
         delivered = Counter(d.task_id for d in endpoint.deliveries)
         assert set(delivered) == set(ids)
         assert max(delivered.values()) == 1, "a task was delivered twice"
+        replays = ReplayGuard()
+        reference = StandardWebhook(SECRET)
         for delivery in endpoint.deliveries:
+            # Standard Webhooks: the reference library and the SDK accept it; the newest
+            # secret signs, the older one alone does not verify.
+            reference.verify(delivery.body, delivery.headers, json_parse=False)
+            assert verify_webhook(delivery.headers, delivery.body, [OLD_SECRET, SECRET])
+            assert not verify_webhook(delivery.headers, delivery.body, OLD_SECRET)
+            # Every delivery has an id of its own (the lease id).
+            assert header(delivery, "webhook-id") == delivery.lease_id
+            assert replays.first_time(delivery.lease_id)
+            assert not replays.first_time(delivery.lease_id)
+            # The deprecated header, still sent for one release.
             signature = header(delivery, "Conveyor-Signature")
-            assert verify_signature(signature, delivery.body, SECRET), signature
-            # The newest secret signs; the older one alone does not verify.
-            assert not verify_signature(signature, delivery.body, OLD_SECRET)
+            with pytest.warns(DeprecationWarning, match="verify_webhook"):
+                assert verify_signature(signature, delivery.body, SECRET), signature
             assert header(delivery, "Conveyor-Delivery") == delivery.task_id
             assert (header(delivery, "User-Agent") or "").startswith("conveyor-webhook/")
             assert delivery.call["method"] == "conveyor.task"
@@ -578,6 +590,11 @@ async def test_cli_help_and_bad_registrations_get_clear_errors(
             ({"timeout": 0}, "timeout"),
             ({"secrets": ["x" * 600]}, "secret"),
             ({"secrets": [f"s{i}" for i in range(11)]}, "secrets"),
+            ({"secrets": ["one-character-would-do"]}, "at least 32 bytes"),
+            ({"url": "http://169.254.169.254/latest/meta-data/"}, "link-local address"),
+            ({"url": "http://127.0.0.2:5432/"}, "loopback address"),
+            ({"url": "http://[::ffff:169.254.169.254]/"}, "in an IPv6 form"),
+            ({"url": "http://10.0.0.1/"}, "private address"),
         ]
         for name in ("kept", "fresh"):
             for change, message in bad:

@@ -229,6 +229,8 @@ class Op:
                 return await b.set_webhook_worker_paused(a[0], a[1])
             case "webhook_delete":
                 return await b.delete_webhook_worker(a[0])
+            case "webhook_secrets":
+                return await b.replace_webhook_secrets(a[0], a[1], a[2])
         raise AssertionError(f"unknown operation {self.name}")
 
 
@@ -296,6 +298,11 @@ _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "webhook_upsert": st.tuples(st.lists(hooks, min_size=1, max_size=4).map(tuple)),
     "webhook_pause": st.tuples(webhook_names, st.booleans()),
     "webhook_delete": st.tuples(webhook_names),
+    "webhook_secrets": st.tuples(
+        webhook_names,
+        st.sampled_from([(), ("s1",), ("s2", "s1")]),
+        st.sampled_from([("s3",), ("s3", "s2"), ()]),
+    ),
 }
 # Weighted towards what moves tasks through their lives: enqueue, lease, outcomes, time.
 # (one_of does not weight repeated branches; sampled_from does.)

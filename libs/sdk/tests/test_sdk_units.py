@@ -114,11 +114,19 @@ def test_exported_names() -> None:
 def test_webhooks_exported_names() -> None:
     assert set(webhooks.__all__) == {
         "DEFAULT_TOLERANCE",
+        "ID_HEADER",
         "SIGNATURE_HEADER",
+        "STANDARD_SIGNATURE_HEADER",
+        "TIMESTAMP_HEADER",
+        "WHSEC_PREFIX",
         "AsyncCallbacks",
         "Callbacks",
         "Outcome",
+        "ReplayGuard",
+        "delivery_id",
+        "standard_secret",
         "verify_signature",
+        "verify_webhook",
     }
     for name in webhooks.__all__:
         assert hasattr(webhooks, name), name

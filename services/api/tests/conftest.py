@@ -16,8 +16,10 @@ from conveyor_protos.v1 import service_pb2_grpc
 from conveyor_runtime.nats_connect import NatsClient, connect_nats
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.webhook_urls import Resolve
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.stream import MakeApi
+from conveyor_testkit.webhooks import WEBHOOK_KEY, FakeDns
 
 TOKEN = "s3cret-token-of-the-tests"
 
@@ -57,7 +59,14 @@ async def make_api(
     """Start an ApiServer with settings overrides; every one started is stopped after."""
     started: list[ApiServer] = []
 
-    async def make(*, hello_timeout: float = HELLO_TIMEOUT, **overrides: Any) -> ApiServer:
+    async def make(
+        *,
+        hello_timeout: float = HELLO_TIMEOUT,
+        resolve: Resolve | None = None,
+        **overrides: Any,
+    ) -> ApiServer:
+        # ``resolve`` looks up webhook URL hosts (default: no name resolves, so no test
+        # depends on DNS; every name is let through then).
         options: dict[str, Any] = {
             "host": "127.0.0.1",
             "port": 0,
@@ -67,9 +76,17 @@ async def make_api(
             "allow_unauthenticated": True,
             "register_tick": 60.0,
             "enqueue_batch_window": 0.005,
+            "webhook_secret_key": WEBHOOK_KEY,
         }
         options.update(overrides)
-        server = ApiServer(ApiSettings(**options), broker, nc, clock, hello_timeout=hello_timeout)
+        server = ApiServer(
+            ApiSettings(**options),
+            broker,
+            nc,
+            clock,
+            hello_timeout=hello_timeout,
+            resolve=resolve or FakeDns({}).lookup,
+        )
         await server.start()
         started.append(server)
         return server

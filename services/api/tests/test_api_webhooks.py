@@ -20,16 +20,20 @@ from conveyor_broker.testing.schemas import migrated_schema
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.webhook_auth import LeaseClaims, mint_lease_token
+from conveyor_runtime.webhook_secrets import SecretKeyError, SecretKeyring, generate_key
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.stream import MakeApi
+from conveyor_testkit.webhooks import KEYRING, FakeDns
 from google.protobuf.duration_pb2 import Duration
 from nats.aio.subscription import Subscription
 
 TOKEN = "s3cret-token-of-the-tests"
 SCHEMA = "conveyor_api_webhook_tests"
 NAME = "hooky"
-NEW_SECRET = "whsec-new-0123456789"
-OLD_SECRET = "whsec-old-9876543210"
+#: The Standard Webhooks form (whsec_ + base64 of 32 bytes), and a plain text of 32 bytes.
+NEW_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+OLD_SECRET = "old-secret-0123456789abcdefghijk"
+OTHER_SECRET = "zzz-secret-0123456789abcdefghijk"
 TASK_ID = "01HZZZZZZZZZZZZZZZZZZZZZZA"
 LEASE_ID = "01HZZZZZZZZZZZZZZZZZZZZZZB"
 Reply = cluster_pb2.WebhookCallbackReply
@@ -101,6 +105,16 @@ def upsert(worker: service_pb2.WebhookWorker) -> service_pb2.UpsertWebhookWorker
     return service_pb2.UpsertWebhookWorkerRequest(worker=worker)
 
 
+async def stored_secrets(broker: Broker, name: str = NAME) -> tuple[str, ...]:
+    """The secrets of registration ``name`` as stored (sealed under the test key: none
+    shows in what the broker holds), opened."""
+    stored = (await broker.get_webhook_worker(name)).secrets
+    assert all(value.startswith("enc:v1:test:") for value in stored), stored
+    for secret in (NEW_SECRET, OLD_SECRET, OTHER_SECRET):
+        assert secret not in "".join(stored)
+    return KEYRING.open_all(name, stored)
+
+
 def assert_no_secrets(response: Any, *secrets: str) -> None:
     """Neither the decoded message nor its bytes carry any secret."""
     data = response.SerializeToString()
@@ -133,7 +147,7 @@ async def test_register_read_pause_resume_delete_without_ever_returning_secrets(
     )
     assert worker.created_at.ToDatetime(tzinfo=UTC) == created_at
     assert worker.updated_at.ToDatetime(tzinfo=UTC) == created_at
-    assert (await broker.get_webhook_worker(NAME)).secrets == (NEW_SECRET, OLD_SECRET)
+    assert await stored_secrets(broker) == (NEW_SECRET, OLD_SECRET)
 
     got = await admin.GetWebhookWorker(service_pb2.GetWebhookWorkerRequest(name=NAME))
     assert_no_secrets(got)
@@ -146,11 +160,11 @@ async def test_register_read_pause_resume_delete_without_ever_returning_secrets(
     assert edited.worker.concurrency == 9
     assert edited.worker.created_at.ToDatetime(tzinfo=UTC) == created_at
     assert edited.worker.updated_at.ToDatetime(tzinfo=UTC) == clock.now()
-    assert (await broker.get_webhook_worker(NAME)).secrets == (NEW_SECRET, OLD_SECRET)
+    assert await stored_secrets(broker) == (NEW_SECRET, OLD_SECRET)
 
-    await admin.UpsertWebhookWorker(upsert(wire_worker("another", secrets=("zzz-secret",))))
+    await admin.UpsertWebhookWorker(upsert(wire_worker("another", secrets=(OTHER_SECRET,))))
     listed = await admin.ListWebhookWorkers(service_pb2.ListWebhookWorkersRequest())
-    assert_no_secrets(listed, NEW_SECRET, OLD_SECRET, "zzz-secret")
+    assert_no_secrets(listed, NEW_SECRET, OLD_SECRET, OTHER_SECRET)
     assert [w.name for w in listed.workers] == ["another", NAME]
 
     await admin.SetWebhookWorkerPaused(
@@ -194,10 +208,38 @@ BAD_WORKERS: dict[str, Callable[[], service_pb2.WebhookWorker]] = {
     "zero-timeout": lambda: wire_worker(timeout=0),
     "negative-timeout": lambda: wire_worker(timeout=-1),
     "timeout-over-an-hour": lambda: wire_worker(timeout=3601),
-    "empty-secret": lambda: wire_worker(secrets=("good-secret", "")),
-    "too-many-secrets": lambda: wire_worker(secrets=tuple(f"s-{i}" for i in range(11))),
+    "empty-secret": lambda: wire_worker(secrets=(NEW_SECRET, "")),
+    "too-many-secrets": lambda: wire_worker(secrets=tuple(f"{i:032}" for i in range(11))),
     "secret-too-long": lambda: wire_worker(secrets=("x" * 513,)),
+    "one-character-secret": lambda: wire_worker(secrets=("k",)),
+    "31-byte-secret": lambda: wire_worker(secrets=(NEW_SECRET, "x" * 31)),
+    "short-whsec-secret": lambda: wire_worker(
+        secrets=("whsec_" + base64.b64encode(b"k" * 31).decode(),)
+    ),
+    "whsec-not-base64": lambda: wire_worker(secrets=("whsec_" + "!" * 44,)),
+    "control-in-secret": lambda: wire_worker(secrets=("x" * 40 + "\n",)),
+    "loopback-url": lambda: wire_worker(url="http://127.0.0.1:5432/"),
+    "private-url": lambda: wire_worker(url="http://10.0.0.1/hook"),
+    "metadata-url": lambda: wire_worker(url="http://169.254.169.254/latest/meta-data/"),
+    "ipv6-loopback-url": lambda: wire_worker(url="http://[::1]:8080/hook"),
+    "ipv4-mapped-loopback-url": lambda: wire_worker(url="https://[::ffff:127.0.0.1]/hook"),
+    "unspecified-url": lambda: wire_worker(url="http://0.0.0.0:9/"),
+    "name-resolving-to-loopback": lambda: wire_worker(url="https://loopback.test/hook"),
+    "name-resolving-to-private-among-public": lambda: wire_worker(url="https://mixed.test/"),
 }
+#: What names resolve to in these tests (any other name does not resolve).
+DNS = {
+    "loopback.test": [["127.0.0.1"]],
+    "mixed.test": [["93.184.216.34", "10.1.2.3"]],
+    "public.test": [["93.184.216.34"]],
+    "private.test": [["10.2.0.9"]],
+}
+
+
+@pytest.fixture
+async def api(make_api: MakeApi) -> ApiServer:
+    """A server with the default test settings, whose registrations see :data:`DNS`."""
+    return await make_api(resolve=FakeDns(DNS).lookup)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_WORKERS))
@@ -214,8 +256,117 @@ async def test_bad_registrations_are_invalid_argument_and_change_nothing(
         admin.UpsertWebhookWorker, upsert(bad), grpc.StatusCode.INVALID_ARGUMENT
     )
     assert details
+    # No message quotes a secret (long enough to tell).
+    for secret in bad.secrets:
+        assert len(secret) < 8 or secret not in details
     assert await broker.list_webhook_workers() == before
     assert await broker.get_webhook_worker(NAME) == stored
+
+
+async def test_refusals_say_why(admin: Any) -> None:
+    async def details(worker: service_pb2.WebhookWorker) -> str:
+        code = grpc.StatusCode.INVALID_ARGUMENT
+        return await expect_code(admin.UpsertWebhookWorker, upsert(worker), code)
+
+    loopback = await details(wire_worker(url="http://127.0.0.1:5432/"))
+    assert "points at a loopback address" in loopback
+    assert "CONVEYOR_WEBHOOK_ALLOW_NETWORKS" in loopback
+    metadata = await details(wire_worker(url="http://169.254.169.254/"))
+    assert "link-local" in metadata
+    mapped = await details(wire_worker(url="http://[::ffff:127.0.0.1]/"))
+    assert "a loopback address in an IPv6 form" in mapped
+    resolved = await details(wire_worker(url="https://loopback.test/hook"))
+    assert "host 'loopback.test' resolves to a loopback address" in resolved
+    short = await details(wire_worker(secrets=("k",)))
+    assert "at least 32 bytes" in short
+    assert "this one has 1" in short
+
+
+async def test_the_system_resolvers_localhost_is_refused(make_api: MakeApi) -> None:
+    from conveyor_runtime.webhook_urls import system_resolve
+
+    api = await make_api(resolve=system_resolve)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
+        stub: Any = service_pb2_grpc.AdminServiceStub
+        details = await expect_code(
+            stub(channel).UpsertWebhookWorker,
+            upsert(wire_worker(url="http://localhost:8080/hook")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+    assert "host 'localhost' resolves to a loopback address" in details
+
+
+async def test_public_names_and_unresolvable_ones_are_accepted(admin: Any, broker: Broker) -> None:
+    for url in ("https://public.test/hook", "https://not-yet-in-dns.test/hook"):
+        made = await admin.UpsertWebhookWorker(upsert(wire_worker(url=url)))
+        assert made.worker.url == url
+
+
+async def test_the_allow_list_lets_its_networks_through_and_no_more(
+    make_api: MakeApi, broker: Broker
+) -> None:
+    api = await make_api(
+        webhook_allow_networks="10.1.0.0/16,127.0.0.1/32", resolve=FakeDns(DNS).lookup
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
+        stub: Any = service_pb2_grpc.AdminServiceStub
+        admin = stub(channel)
+        for url in ("http://10.1.200.3/hook", "http://127.0.0.1:8080/", "https://loopback.test/"):
+            made = await admin.UpsertWebhookWorker(upsert(wire_worker(url=url)))
+            assert made.worker.url == url
+        # (mixed.test's private address, 10.1.2.3, is in the allowed network.)
+        for url in ("http://10.2.0.1/", "http://127.0.0.2/", "https://private.test/"):
+            await expect_code(
+                admin.UpsertWebhookWorker,
+                upsert(wire_worker(url=url)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+    assert (await broker.get_webhook_worker(NAME)).url == "https://loopback.test/"
+
+
+async def test_without_a_secret_key_secrets_are_refused_and_nothing_is_stored(
+    make_api: MakeApi, broker: Broker
+) -> None:
+    api = await make_api(webhook_secret_key=None)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
+        stub: Any = service_pb2_grpc.AdminServiceStub
+        admin = stub(channel)
+        details = await expect_code(
+            admin.UpsertWebhookWorker, upsert(wire_worker()), grpc.StatusCode.FAILED_PRECONDITION
+        )
+        assert "CONVEYOR_WEBHOOK_SECRET_KEY" in details
+        assert await broker.list_webhook_workers() == []
+        # A registration without secrets needs no key (nothing to seal).
+        await admin.UpsertWebhookWorker(upsert(wire_worker(secrets=())))
+    assert (await broker.get_webhook_worker(NAME)).secrets == ()
+
+
+async def test_secrets_are_sealed_in_the_database_under_the_registrations_name(
+    admin: Any, broker: Broker, broker_dsn: str | None
+) -> None:
+    await admin.UpsertWebhookWorker(upsert(wire_worker()))
+    await admin.UpsertWebhookWorker(upsert(wire_worker("another", secrets=(NEW_SECRET,))))
+    if broker_dsn is not None:
+        # What a database dump holds: the raw column.
+        conn = await asyncpg.connect(broker_dsn)
+        try:
+            rows = await conn.fetch("SELECT name, secrets FROM conveyor_webhook_workers")
+        finally:
+            await conn.close()
+        raw = {row["name"]: list(row["secrets"]) for row in rows}
+    else:
+        raw = {w.name: list(w.secrets) for w in await broker.list_webhook_workers()}
+    assert set(raw) == {NAME, "another"}
+    dump = repr(raw)
+    for secret in (NEW_SECRET, OLD_SECRET, NEW_SECRET.removeprefix("whsec_")):
+        assert secret not in dump
+    assert all(value.startswith("enc:v1:test:") for values in raw.values() for value in values)
+    # The same secret sealed twice (another nonce) looks different.
+    assert raw[NAME][0] != raw["another"][0]
+    # A value moved to another registration does not open there.
+    with pytest.raises(SecretKeyError, match="does not decrypt with key 'test'"):
+        KEYRING.open("another", raw[NAME][1])
+    assert KEYRING.open_all(NAME, raw[NAME]) == (NEW_SECRET, OLD_SECRET)
 
 
 async def test_a_missing_worker_message_is_invalid_argument(admin: Any) -> None:
@@ -334,13 +485,14 @@ def seconds(value: float) -> Duration:
 
 @pytest.fixture
 async def registered(broker: Broker) -> WebhookWorker:
-    """The registration callbacks are verified against: two secrets, newest first."""
+    """The registration callbacks are verified against: two secrets, newest first, sealed
+    as the api seals them."""
     return await broker.upsert_webhook_worker(
         WebhookWorkerSpec(
             name=NAME,
             url="https://hooks.example.com/conveyor",
             queues={"wh-a": 1},
-            secrets=(NEW_SECRET, OLD_SECRET),
+            secrets=KEYRING.seal_all(NAME, (NEW_SECRET, OLD_SECRET)),
         )
     )
 
@@ -413,6 +565,46 @@ async def test_a_worker_without_secrets_accepts_no_token(
         service_pb2.WebhookHeartbeatRequest(lease_token=lease_token(worker="bare")),
         grpc.StatusCode.UNAUTHENTICATED,
     )
+    assert fake.callbacks == []
+    await fake.stop()
+
+
+async def test_plaintext_secrets_from_before_encryption_still_verify(
+    hooks: Any, broker: Broker, bus: Bus
+) -> None:
+    await broker.upsert_webhook_worker(
+        WebhookWorkerSpec(
+            name="legacy", url="https://a.example.com/", queues={"q": 1}, secrets=("short",)
+        )
+    )
+    fake = await FakeGateway().start(bus, "legacy")
+    token = lease_token("short", worker="legacy", queue="q")
+    await hooks.Heartbeat(service_pb2.WebhookHeartbeatRequest(lease_token=token))
+    assert len(fake.callbacks) == 1
+    await fake.stop()
+
+
+async def test_secrets_sealed_with_a_key_the_api_lacks_are_unavailable_not_garbage(
+    hooks: Any, broker: Broker, bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    elsewhere = SecretKeyring.parse(generate_key("gone"))
+    await broker.upsert_webhook_worker(
+        WebhookWorkerSpec(
+            name="rekeyed",
+            url="https://a.example.com/",
+            queues={"q": 1},
+            secrets=elsewhere.seal_all("rekeyed", (NEW_SECRET,)),
+        )
+    )
+    fake = await FakeGateway().start(bus, "rekeyed")
+    token = lease_token(worker="rekeyed", queue="q")
+    details = await expect_code(
+        hooks.Heartbeat,
+        service_pb2.WebhookHeartbeatRequest(lease_token=token),
+        grpc.StatusCode.UNAVAILABLE,
+    )
+    assert "cannot read the secrets of webhook worker rekeyed" in details
+    assert "encrypted with key 'gone', which is not configured" in caplog.text
     assert fake.callbacks == []
     await fake.stop()
 

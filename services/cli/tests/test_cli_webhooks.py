@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 
@@ -13,8 +14,8 @@ from conveyor_runtime.embedded_nats import free_port
 
 from tests.e2e.harness import dev_server
 
-SECRET_NEW = "cli-secret-new-1234"
-SECRET_OLD = "cli-secret-old-5678"
+SECRET_NEW = "cli-secret-new-1234-0123456789abcdef"
+SECRET_OLD = "cli-secret-old-5678-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +82,16 @@ def test_set_get_list_pause_resume_delete(target: str) -> None:
         "set",
         "cli-hook",
         "--url",
-        "http://10.0.0.1:8080/hook",
+        "https://other.example.com:8443/hook",
         "--queue",
         "cli-wh-a",
         target=target,
     )
     assert again.exit_code == 0, again.output
-    assert "webhook worker cli-hook saved (active) -> http://10.0.0.1:8080/hook" in again.output
+    assert (
+        "webhook worker cli-hook saved (active) -> https://other.example.com:8443/hook"
+        in again.output
+    )
 
     table = run("webhook", "list", target=target)
     assert table.exit_code == 0, table.output
@@ -166,3 +170,54 @@ def test_errors_are_one_clear_line_and_a_nonzero_exit(target: str) -> None:
     down = run("webhook", "list", target=f"127.0.0.1:{free_port()}")
     assert down.exit_code == 1
     assert down.output.startswith("Error:")
+
+
+def test_new_secret_prints_a_registrable_standard_secret(target: str) -> None:
+    made = run("webhook", "new-secret")
+    assert made.exit_code == 0, made.output
+    secret = made.output.strip()
+    assert secret.startswith("whsec_")
+    assert len(base64.b64decode(secret.removeprefix("whsec_"), validate=True)) == 32
+    assert run("webhook", "new-secret").output.strip() != secret
+    saved = run(
+        "webhook",
+        "set",
+        "cli-fresh",
+        "--url",
+        "https://a.example.com/",
+        "--queue",
+        "cli-fresh",
+        "--secret",
+        secret,
+        "--paused",
+        target=target,
+    )
+    assert saved.exit_code == 0, saved.output
+    assert secret not in saved.output
+    assert run("webhook", "delete", "cli-fresh", target=target).exit_code == 0
+
+
+def test_short_secrets_and_forbidden_urls_are_refused_loopback_allowed_in_dev(
+    target: str,
+) -> None:
+    def set_(url: str, *secrets: str) -> click.testing.Result:
+        args = ["webhook", "set", "cli-guarded", "--url", url, "--queue", "cli-g", "--paused"]
+        for secret in secrets:
+            args += ["--secret", secret]
+        return run(*args, target=target)
+
+    short = set_("https://a.example.com/", "k")
+    assert short.exit_code == 1
+    assert "at least 32 bytes" in short.output
+    metadata = set_("http://169.254.169.254/latest/meta-data/", SECRET_NEW)
+    assert metadata.exit_code == 1
+    assert "link-local address" in metadata.output
+    private = set_("http://10.0.0.1/hook", SECRET_NEW)
+    assert "private address" in private.output
+    names = [w["name"] for w in json.loads(run("webhook", "list", "--json", target=target).output)]
+    assert "cli-guarded" not in names
+    # `conveyor dev` allows endpoints on loopback (local development), by name too.
+    for url in ("http://127.0.0.1:8080/hook", "http://localhost:8080/hook"):
+        local = set_(url, SECRET_NEW)
+        assert local.exit_code == 0, local.output
+    assert run("webhook", "delete", "cli-guarded", target=target).exit_code == 0

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import base64
+import hmac
 import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from conveyor_protos.v1 import service_pb2, task_pb2
 from conveyor_runtime import wire
-from conveyor_runtime.webhook_auth import LeaseClaims, verify_delivery, verify_lease_token
+from conveyor_runtime.webhook_auth import (
+    LeaseClaims,
+    verify_delivery,
+    verify_lease_token,
+    verify_standard,
+)
 from conveyor_webhook.delivery import (
     DELIVERY_HEADER,
     METHOD,
@@ -103,8 +109,22 @@ def test_a_deadline_is_an_rfc3339_utc_timestamp() -> None:
 
 def test_headers_sign_the_exact_body_with_the_given_secret() -> None:
     body, _ = delivery_body(envelope(), worker="w", secret="newest", callback="")
-    headers = delivery_headers(body, task_id=TASK, secret="newest", timestamp=1_900_000_000)
+    headers = delivery_headers(
+        body, task_id=TASK, delivery_id=LEASE, secret="newest", timestamp=1_900_000_000
+    )
     assert headers["Content-Type"] == "application/json"
+    # Standard Webhooks: the delivery id (the lease id), the time, the signature over both
+    # and the body.
+    assert headers["webhook-id"] == LEASE
+    assert headers["webhook-timestamp"] == "1900000000"
+    expected = hmac.new(b"newest", f"{LEASE}.1900000000.".encode() + body, "sha256").digest()
+    assert headers["webhook-signature"] == "v1," + base64.b64encode(expected).decode()
+    now = 1_900_000_000
+    assert verify_standard(headers, body, ["older", "newest"], now=now)
+    assert not verify_standard(headers, body, ["older"], now=now)
+    assert not verify_standard(headers, body + b" ", ["newest"], now=now)
+    assert not verify_standard({**headers, "webhook-id": "other"}, body, ["newest"], now=now)
+    assert not verify_standard(headers, body, ["newest"], now=now + 301)
     assert headers[DELIVERY_HEADER] == TASK
     assert headers["User-Agent"] == USER_AGENT
     assert USER_AGENT.startswith("conveyor-webhook/")

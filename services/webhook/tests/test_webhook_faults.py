@@ -109,7 +109,8 @@ async def test_a_failed_extension_at_park_time_keeps_the_latest_known_expiry(
     rig.endpoint.hold(rpc("accepted"))
     gateway = await rig.start_gateway()
     task_id = await rig.submit()
-    await wait_until(lambda: gateway.open_deliveries == 1)
+    # Open, and arrived (the request is sent a moment after the delivery opens).
+    await wait_until(lambda: gateway.open_deliveries == 1 and len(rig.endpoint.deliveries) == 1)
     (delivery,) = rig.endpoint.deliveries
     dispatched = (await broker.get_task(task_id)).lease_expires_at
     assert dispatched is not None

@@ -24,6 +24,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import verify_delivery, verify_lease_token
+from conveyor_runtime.webhook_urls import AddressPolicy
 from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
     dispatcher_fixture,
     endpoint_fixture,
@@ -32,6 +33,8 @@ from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
 )
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.webhooks import (
+    LOCAL_ENDPOINTS,
+    SECRET,
     Delivery,
     Endpoint,
     Rig,
@@ -45,7 +48,7 @@ from nats.errors import ConnectionClosedError
 
 QUEUE = "hooks"
 NAME = "billing"
-NEWEST = "newest-secret"
+NEWEST = SECRET
 memory_only = pytest.mark.parametrize("broker_dsn", ["memory"], indirect=True)
 Reply = cluster_pb2.WebhookCallbackReply
 
@@ -544,7 +547,8 @@ async def test_a_gateway_that_fails_to_start_closes_what_it_opened(
     config = WebhookConfig(
         gateway=GatewayConfig(
             lease_ttl=timedelta(seconds=30), register_tick=5.0, max_result=1024, clock=clock
-        )
+        ),
+        policy=AddressPolicy.from_networks([LOCAL_ENDPOINTS]),
     )
     bus = Bus(gone, subjects)
     acks, wakes = AckBatcher(broker), WakePublisher(bus)

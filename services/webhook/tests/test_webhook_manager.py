@@ -26,7 +26,16 @@ from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
     rig_fixture,
 )
 from conveyor_testkit.polling import wait_until
-from conveyor_testkit.webhooks import Delivery, Endpoint, Managers, Rig, register, rpc
+from conveyor_testkit.webhooks import (
+    LOCAL_ENDPOINTS,
+    WEBHOOK_KEY,
+    Delivery,
+    Endpoint,
+    Managers,
+    Rig,
+    register,
+    rpc,
+)
 from conveyor_webhook import ROLE, WebhookGateway, WebhookManager
 from nats.errors import NoRespondersError
 
@@ -329,6 +338,8 @@ async def test_stopping_while_a_gateway_starts_drains_the_half_started_gateway(
             instance_id="gated",
             leader_ttl=2.0,
             reconcile_tick=60.0,
+            webhook_allow_networks=LOCAL_ENDPOINTS,
+            webhook_secret_key=WEBHOOK_KEY,
         )
         manager = WebhookManager(settings, broker, gated, clock)
         # The gateway's start waits on its flush (after it subscribed to its dispatch

@@ -5,6 +5,7 @@ in-process dispatcher): it delivers, and stops on SIGTERM giving the role up. Al
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import uuid
@@ -21,7 +22,7 @@ from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.polling import wait_until
-from conveyor_testkit.webhooks import Endpoint, register, rpc, submit
+from conveyor_testkit.webhooks import LOCAL_ENDPOINTS, WEBHOOK_KEY, Endpoint, register, rpc, submit
 from conveyor_webhook import ROLE
 
 
@@ -57,6 +58,10 @@ async def test_webhook_process_delivers_and_stops_on_sigterm(
                 "0.2",
                 "--log-format",
                 "json",
+                "--webhook-allow-networks",
+                LOCAL_ENDPOINTS,
+                # The key in the environment, as an operator keeps it out of `ps`.
+                env={**os.environ, "CONVEYOR_WEBHOOK_SECRET_KEY": WEBHOOK_KEY},
                 stdout=log,
                 stderr=log,
             )

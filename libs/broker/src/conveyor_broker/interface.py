@@ -84,6 +84,7 @@ from conveyor_broker.validation import (
     check_name_cursor,
     check_not_negative,
     check_queue,
+    check_stored_secrets,
     check_task_id,
     check_webhook_name,
     check_webhook_worker,
@@ -550,6 +551,21 @@ class Broker(abc.ABC):
         check_webhook_name(name)
         await self._delete_webhook_worker(name)
 
+    async def replace_webhook_secrets(
+        self, name: str, expected: Sequence[str], secrets: Sequence[str]
+    ) -> bool:
+        """Store ``secrets`` for registration ``name`` if its stored secrets are still
+        exactly ``expected`` (compare and set); True when they were replaced. False when
+        they changed meanwhile or the registration is gone. Nothing else changes,
+        ``updated_at`` included: this re-encrypts secrets (the webhook leader's upkeep),
+        it is no operator's edit. Raises InvalidTask for bad input."""
+        self._check_open()
+        check_webhook_name(name)
+        if not secrets:
+            raise InvalidTask("replace_webhook_secrets needs at least one secret")
+        check_stored_secrets(secrets)
+        return await self._replace_webhook_secrets(name, tuple(expected), tuple(secrets))
+
     # --------------------------------------------------------------- lifecycle
 
     def set_event_sink(self, sink: EventSink | None) -> None:
@@ -678,3 +694,8 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _delete_webhook_worker(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _replace_webhook_secrets(
+        self, name: str, expected: tuple[str, ...], secrets: tuple[str, ...]
+    ) -> bool: ...

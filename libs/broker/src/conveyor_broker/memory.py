@@ -556,6 +556,16 @@ class MemoryBroker(Broker):
             self._webhook(name)
             del self._webhooks[name]
 
+    async def _replace_webhook_secrets(
+        self, name: str, expected: tuple[str, ...], secrets: tuple[str, ...]
+    ) -> bool:
+        async with self._locked():
+            stored = self._webhooks.get(name)
+            if stored is None or stored.secrets != expected:
+                return False
+            self._webhooks[name] = replace(stored, secrets=secrets)
+            return True
+
     # --------------------------------------------------------------- lifecycle
 
     async def close(self) -> None:

@@ -4,6 +4,8 @@ implementation sees a call, and what the api runs on requests before they reach 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -217,6 +219,12 @@ def check_limit(limit: int, *, upper: int = 1000) -> None:
 MAX_WEBHOOK_CONCURRENCY = 10_000
 MAX_WEBHOOK_SECRETS = 10
 MAX_WEBHOOK_SECRET_LEN = 512
+#: The shortest signing secret a registration takes, in bytes of key (Standard Webhooks
+#: asks for 24 to 64; an HMAC-SHA256 key shorter than its 32-byte output wastes strength).
+MIN_WEBHOOK_SECRET_BYTES = 32
+#: The longest stored form of a secret (sealed: prefix, key id, nonce, tag, base64).
+MAX_STORED_SECRET_LEN = 1024
+WHSEC_PREFIX = "whsec_"
 MAX_WEBHOOK_URL_LEN = 2048
 MAX_WEBHOOK_TIMEOUT = timedelta(hours=1)
 MAX_QUEUE_WEIGHT = 1000
@@ -255,14 +263,54 @@ def check_webhook_worker(spec: WebhookWorkerSpec) -> None:
         raise InvalidTask(f"webhook concurrency must be 1..{MAX_WEBHOOK_CONCURRENCY}")
     if not timedelta(0) < spec.timeout <= MAX_WEBHOOK_TIMEOUT:
         raise InvalidTask(f"webhook timeout must be > 0 and at most {MAX_WEBHOOK_TIMEOUT}")
-    if len(spec.secrets) > MAX_WEBHOOK_SECRETS:
+    check_stored_secrets(spec.secrets)
+
+
+def check_stored_secrets(secrets: Sequence[str]) -> None:
+    """Raise InvalidTask unless ``secrets`` are what a broker may store for one
+    registration."""
+    if len(secrets) > MAX_WEBHOOK_SECRETS:
         raise InvalidTask(f"a webhook worker has at most {MAX_WEBHOOK_SECRETS} secrets")
-    for secret in spec.secrets:
-        if not isinstance(secret, str) or not 1 <= len(secret) <= MAX_WEBHOOK_SECRET_LEN:
-            raise InvalidTask(f"a webhook secret is 1..{MAX_WEBHOOK_SECRET_LEN} characters")
+    for secret in secrets:
+        # Stored forms: sealed by the api (conveyor_runtime.webhook_secrets), or plaintext
+        # from before. What an operator may register is check_webhook_secret's business.
+        if not isinstance(secret, str) or not 1 <= len(secret) <= MAX_STORED_SECRET_LEN:
+            raise InvalidTask(f"a stored webhook secret is 1..{MAX_STORED_SECRET_LEN} characters")
         if CONTROL_RE.search(secret):
             # Not check_text: its message would quote part of the secret.
             raise InvalidTask("a webhook secret may not hold control characters")
+
+
+def check_webhook_secret(secret: str) -> None:
+    """Raise InvalidTask unless ``secret`` is a signing secret an operator may register:
+    ``whsec_`` + the standard base64 of at least :data:`MIN_WEBHOOK_SECRET_BYTES` bytes
+    (the Standard Webhooks form), or any other text of at least that many UTF-8 bytes, at
+    most :data:`MAX_WEBHOOK_SECRET_LEN` characters, no control characters. The message
+    never quotes the secret."""
+    if not isinstance(secret, str) or not secret:
+        raise InvalidTask("a webhook secret may not be empty")
+    if len(secret) > MAX_WEBHOOK_SECRET_LEN:
+        raise InvalidTask(f"a webhook secret is at most {MAX_WEBHOOK_SECRET_LEN} characters")
+    if CONTROL_RE.search(secret):
+        raise InvalidTask("a webhook secret may not hold control characters")
+    rule = (
+        f"a webhook secret must hold at least {MIN_WEBHOOK_SECRET_BYTES} bytes: "
+        f"whsec_ followed by the base64 of {MIN_WEBHOOK_SECRET_BYTES} random bytes "
+        "(`conveyor webhook new-secret` makes one), or a text of at least "
+        f"{MIN_WEBHOOK_SECRET_BYTES} bytes"
+    )
+    if secret.startswith(WHSEC_PREFIX):
+        try:
+            key = base64.b64decode(secret[len(WHSEC_PREFIX) :], validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidTask(
+                "a whsec_ webhook secret is whsec_ followed by standard base64 (A-Z, a-z, "
+                "0-9, '+', '/', '=' padding)"
+            ) from None
+        if len(key) < MIN_WEBHOOK_SECRET_BYTES:
+            raise InvalidTask(f"{rule}; this one decodes to {len(key)}")
+    elif len(secret.encode()) < MIN_WEBHOOK_SECRET_BYTES:
+        raise InvalidTask(f"{rule}; this one has {len(secret.encode())}")
 
 
 def _split_url(url: object) -> SplitResult | None:

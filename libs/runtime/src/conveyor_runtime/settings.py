@@ -19,6 +19,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from conveyor_runtime.tls import check_links, check_server_tls
 from conveyor_runtime.tokens import Token, load_tokens
+from conveyor_runtime.webhook_secrets import SecretKeyring
+from conveyor_runtime.webhook_urls import AddressPolicy, parse_networks
 
 
 def default_instance_id() -> str:
@@ -34,6 +36,8 @@ class CommonSettings(BaseSettings):
         extra="forbid",
         cli_kebab_case=True,
         cli_implicit_flags=True,
+        # An error must not print what was given: passwords, tokens and keys are inputs.
+        hide_input_in_errors=True,
     )
 
     nats_url: str = Field(
@@ -135,7 +139,58 @@ class CommonSettings(BaseSettings):
         return cls(_cli_parse_args=list(argv))
 
 
-class ApiSettings(CommonSettings):
+class WebhookAccessSettings(CommonSettings):
+    """What the api (registrations, callbacks) and the webhook service (deliveries) both
+    need to know about webhooks: where deliveries may go, and the keys of the secrets."""
+
+    webhook_allow_networks: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Networks webhook URLs may point at beyond public addresses, "
+        "comma-separated (e.g. 10.1.0.0/16,127.0.0.1/32); loopback, link-local, private, "
+        "reserved and this server's own addresses are refused otherwise (`conveyor dev` "
+        "allows loopback)",
+    )
+    webhook_secret_key: SecretStr | None = Field(
+        None,
+        description="Keys that encrypt webhook secrets at rest: <id>:<base64 of 32 bytes>, "
+        "comma-separated, newest first (the first encrypts, all decrypt); needed by the api "
+        "and the webhook service (`conveyor dev` makes one per run)",
+    )
+    webhook_secret_key_file: str | None = Field(
+        None, description="File holding webhook_secret_key's value (one key a line)"
+    )
+
+    @field_validator("webhook_allow_networks", mode="before")
+    @classmethod
+    def _split_networks(cls, value: object) -> object:
+        # Environment variables carry a comma-separated list, not JSON.
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("webhook_allow_networks")
+    @classmethod
+    def _networks_parse(cls, value: list[str]) -> list[str]:
+        parse_networks(value)
+        return value
+
+    @model_validator(mode="after")
+    def _keys_load(self) -> Self:
+        self.secret_keyring()
+        return self
+
+    def address_policy(self) -> AddressPolicy:
+        """Where webhook deliveries may connect (public addresses, plus the allow-list)."""
+        return AddressPolicy.from_networks(self.webhook_allow_networks)
+
+    def secret_keyring(self) -> SecretKeyring:
+        """The keys of the webhook secrets (empty when none is configured). Raises
+        ValueError when the setting is malformed or its file unreadable."""
+        key = self.webhook_secret_key.get_secret_value() if self.webhook_secret_key else None
+        return SecretKeyring.load(key, self.webhook_secret_key_file)
+
+
+class ApiSettings(WebhookAccessSettings):
     """services/api: TaskService, WorkerService, AdminService."""
 
     host: str = Field("0.0.0.0", description="gRPC listen address")
@@ -282,7 +337,7 @@ class MaintenanceSettings(CommonSettings):
     )
 
 
-class WebhookSettings(CommonSettings):
+class WebhookSettings(WebhookAccessSettings):
     """services/webhook: webhook workers."""
 
     reconcile_tick: float = Field(5.0, gt=0, description="Seconds between registration reconciles")

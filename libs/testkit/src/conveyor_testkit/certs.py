@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import nkeys
+from conveyor_runtime.webhook_secrets import generate_key
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -188,7 +189,9 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
       endpoint's callbacks) for an api that asks for one (mutual TLS);
     - ``nats-users.conf``: one variable per NATS user holding its public nkey
       (``API_NKEY = "U..."``), included by deploy/nats.conf;
-    - ``<user>.nk``: each NATS user's nkey seed (``CONVEYOR_NATS_NKEY_SEED``).
+    - ``<user>.nk``: each NATS user's nkey seed (``CONVEYOR_NATS_NKEY_SEED``);
+    - ``webhook-secret.key``: the key that encrypts webhook secrets at rest
+      (``CONVEYOR_WEBHOOK_SECRET_KEY_FILE`` of the api and the webhook service).
 
     Keys are readable by everyone (mode 0644): the containers run as users of their own,
     and these are throwaway development keys. Returns the paths written.
@@ -216,4 +219,5 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
         put(f"{user}.nk", seed + b"\n")
         lines.append(f'{user.upper()}_NKEY = "{public}"')
     put("nats-users.conf", ("\n".join(lines) + "\n").encode())
+    put("webhook-secret.key", (generate_key("dev") + "\n").encode())
     return written

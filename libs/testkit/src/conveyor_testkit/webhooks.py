@@ -3,6 +3,12 @@ told, shortcuts to register a worker and submit tasks, and a :class:`Rig` bundli
 registration under test with everything around it (its pytest fixtures are in
 :mod:`conveyor_testkit.fixtures`).
 
+The endpoint listens on 127.0.0.1, which the webhook service refuses to deliver to by
+default: every rig here allows exactly that address (:data:`LOCAL_ENDPOINTS`) and gives
+its services a secret key (:data:`WEBHOOK_KEY`), as an operator would; registrations it
+stores directly in the broker are sealed with that key, as the api does. :class:`FakeDns`
+makes names resolve where a test wants.
+
 Nothing here sleeps for time: waits poll a condition until a timeout.
 """
 
@@ -13,12 +19,13 @@ import base64
 import json
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Container
+from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from aiohttp import web
+from aiohttp.abc import AbstractResolver, ResolveResult
 from conveyor_broker import (
     Broker,
     FakeClock,
@@ -32,11 +39,65 @@ from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_runtime.webhook_secrets import SecretKeyring, generate_key
 from conveyor_webhook.gateway import WebhookGateway
 from conveyor_webhook.manager import WebhookManager
 from nats.aio.client import Client as NATS
 
 from conveyor_testkit.polling import wait_until
+
+#: The allow-list of every rig: the address its endpoints listen on, and no more.
+LOCAL_ENDPOINTS = "127.0.0.1/32"
+#: The key that seals the webhook secrets of every rig (one per test run).
+WEBHOOK_KEY = generate_key("test")
+#: :data:`WEBHOOK_KEY` as a keyring.
+KEYRING = SecretKeyring.parse(WEBHOOK_KEY)
+#: Secrets long enough to register (32 bytes and more), newest first.
+SECRET = "newest-secret-0123456789abcdefghij"
+OLD_SECRET = "older-secret-0123456789abcdefghijk"
+
+
+class FakeDns(AbstractResolver):
+    """A resolver that knows only the names it is given: ``answers[name]`` is the list of
+    answers (each a list of addresses) of successive look-ups; the last one repeats. An
+    unknown name does not resolve. Both an aiohttp resolver (for the webhook service's
+    sessions) and a :data:`~conveyor_runtime.webhook_urls.Resolve` (:meth:`lookup`, for
+    the api's registration check). ``lookups`` counts the look-ups per name."""
+
+    def __init__(self, answers: Mapping[str, Sequence[Sequence[str]]]) -> None:
+        self._answers = {name: [list(a) for a in seq] for name, seq in answers.items()}
+        self.lookups: dict[str, int] = {}
+
+    def _next(self, host: str) -> list[str]:
+        answers = self._answers.get(host)
+        if not answers:
+            raise OSError(socket.EAI_NONAME, f"{host} does not resolve (FakeDns)")
+        count = self.lookups.get(host, 0)
+        self.lookups[host] = count + 1
+        return answers[min(count, len(answers) - 1)]
+
+    async def lookup(self, host: str, port: int) -> list[str]:
+        """The next answer for ``host`` (a Resolve)."""
+        return self._next(host)
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        """The next answer for ``host``, as aiohttp wants it."""
+        return [
+            {
+                "hostname": host,
+                "host": address,
+                "port": port,
+                "family": socket.AF_INET6 if ":" in address else socket.AF_INET,
+                "proto": 0,
+                "flags": socket.AI_NUMERICHOST,
+            }
+            for address in self._next(host)
+        ]
+
+    async def close(self) -> None:
+        """Nothing to close."""
 
 
 @dataclass
@@ -151,18 +212,24 @@ class _Dispatcher(Protocol):
     def queue(self, name: str) -> _Book | None: ...
 
 
-async def register(broker: Broker, url: str, name: str, **overrides: Any) -> WebhookWorker:
-    """Store a registration ``name`` for ``url`` (concurrency 4, timeout 10 s, two secrets
-    unless overridden)."""
+async def register(
+    broker: Broker, url: str, name: str, *, sealed: bool = True, **overrides: Any
+) -> WebhookWorker:
+    """Store a registration ``name`` for ``url`` (concurrency 4, timeout 10 s, secrets
+    :data:`SECRET` and :data:`OLD_SECRET` unless overridden), its secrets sealed with
+    :data:`KEYRING` as the api seals them (``sealed=False``: stored as given, like a
+    registration from before secrets were encrypted)."""
     fields: dict[str, Any] = {
         "name": name,
         "url": url,
         "queues": {"hooks": 1},
         "concurrency": 4,
         "timeout": timedelta(seconds=10),
-        "secrets": ("newest-secret", "older-secret"),
+        "secrets": (SECRET, OLD_SECRET),
     }
     fields.update(overrides)
+    if sealed:
+        fields["secrets"] = KEYRING.seal_all(name, fields["secrets"])
     return await broker.upsert_webhook_worker(WebhookWorkerSpec(**fields))
 
 
@@ -218,7 +285,8 @@ async def send_callback(
 
 class Managers:
     """Starts WebhookManagers on one broker, NATS connection and subject prefix, with
-    settings overrides as keywords; stops every one on the way out of ``async with``."""
+    settings overrides as keywords (by default allowing :data:`LOCAL_ENDPOINTS` and
+    keyed with :data:`WEBHOOK_KEY`); stops every one on the way out of ``async with``."""
 
     def __init__(
         self, broker: Broker, nc: NATS, clock: Clock, nats_url: str, subjects: Subjects
@@ -234,12 +302,23 @@ class Managers:
             "reconcile_tick": 60.0,
             "register_tick": 5.0,
             "callback_address": "api.test:50051",
+            "webhook_allow_networks": LOCAL_ENDPOINTS,
+            "webhook_secret_key": WEBHOOK_KEY,
         }
         self.started: list[WebhookManager] = []
 
-    async def __call__(self, **overrides: Any) -> WebhookManager:
+    async def __call__(
+        self, *, resolver: AbstractResolver | None = None, **overrides: Any
+    ) -> WebhookManager:
+        """A started manager (``resolver``: the one its gateways look names up with)."""
         options = {"instance_id": f"wh-{uuid.uuid4().hex[:6]}", **self._defaults, **overrides}
-        manager = WebhookManager(WebhookSettings(**options), self._broker, self._nc, self._clock)
+        manager = WebhookManager(
+            WebhookSettings(**options),
+            self._broker,
+            self._nc,
+            self._clock,
+            resolver=(lambda: resolver) if resolver is not None else None,
+        )
         await manager.start()
         self.started.append(manager)
         return manager

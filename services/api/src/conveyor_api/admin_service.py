@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus, Published
 from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate
+from conveyor_runtime.webhook_secrets import SecretKeyError, SecretKeyring
+from conveyor_runtime.webhook_urls import AddressPolicy, UrlGuard
 from nats.aio.subscription import Subscription
 
 from conveyor_api.broker_status import abort_for_error
@@ -90,8 +93,15 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         server_version: str,
         clock: Clock,
         event_gate: EventGate | None = None,
+        url_guard: UrlGuard | None = None,
+        keyring: SecretKeyring | None = None,
     ) -> None:
+        """``url_guard`` checks where webhook URLs point (default: public addresses only);
+        ``keyring`` seals webhook secrets (default: none, and registering a secret is
+        FAILED_PRECONDITION)."""
         self._broker = broker
+        self._url_guard = url_guard or UrlGuard(AddressPolicy.from_networks([]))
+        self._keyring = keyring or SecretKeyring()
         self._clock = clock
         self._event_gate = event_gate
         self._bus = bus
@@ -403,17 +413,26 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
 
     # ------------------------------------------------------- webhook workers
     # No NATS nudge: the webhook manager converges on the stored registrations every
-    # reconcile tick. Secrets are write-only: no response ever carries them.
+    # reconcile tick. Secrets are write-only: no response ever carries them, and the
+    # broker only ever sees them sealed (conveyor_runtime.webhook_secrets).
 
     async def UpsertWebhookWorker(
         self, request: service_pb2.UpsertWebhookWorkerRequest, context: _Context
     ) -> service_pb2.UpsertWebhookWorkerResponse:
-        """Create or replace a registration (no secrets given: the stored ones stay)."""
+        """Create or replace a registration (no secrets given: the stored ones stay).
+
+        The URL must point at an address deliveries may reach (INVALID_ARGUMENT
+        otherwise, see :mod:`conveyor_runtime.webhook_urls`); secrets are sealed under
+        the server key before they are stored (none configured: FAILED_PRECONDITION)."""
         try:
             if not request.HasField("worker"):
                 raise InvalidTask("worker is required")
             spec = wire.webhook_spec_from_proto(request.worker)
-            worker = await self._broker.upsert_webhook_worker(spec)
+            await self._url_guard.check(spec.url)
+            sealed = self._keyring.seal_all(spec.name, spec.secrets)
+            worker = await self._broker.upsert_webhook_worker(replace(spec, secrets=sealed))
+        except SecretKeyError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except Exception as exc:
             await abort_for_error(context, exc)
         logger.info(

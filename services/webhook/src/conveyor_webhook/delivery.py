@@ -3,7 +3,9 @@
 Pure functions (no I/O), so the wire format is tested on its own. The format is the one
 in docs (webhook contract): ``POST <url>`` with a JSON-RPC 2.0 call of method
 ``conveyor.task`` whose ``id`` is the lease id, signed with the registration's newest
-secret over the exact body bytes.
+secret over the exact body bytes the Standard Webhooks way (``webhook-id`` is the
+delivery id: the lease id, new for every attempt), plus the deprecated
+``Conveyor-Signature``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from datetime import UTC, datetime
 from conveyor_protos.v1 import task_pb2
 from conveyor_runtime import wire
 from conveyor_runtime.webhook_auth import (
-    SIGNATURE_HEADER,
     LeaseClaims,
     mint_lease_token,
-    sign_delivery,
+    signed_headers,
 )
 
 from conveyor_webhook.version import __version__
@@ -26,6 +27,7 @@ from conveyor_webhook.version import __version__
 #: The JSON-RPC method of a delivery.
 METHOD = "conveyor.task"
 #: The header naming the task a delivery carries (stable across retries: dedupe on it).
+#: The delivery id of one attempt is ``webhook-id`` (the lease id).
 DELIVERY_HEADER = "Conveyor-Delivery"
 USER_AGENT = f"conveyor-webhook/{__version__}"
 
@@ -66,11 +68,14 @@ def delivery_body(
     return json.dumps(call, separators=(",", ":")).encode(), token
 
 
-def delivery_headers(body: bytes, *, task_id: str, secret: str, timestamp: int) -> dict[str, str]:
-    """The HTTP headers of a delivery: content type, signature, delivery id, user agent."""
+def delivery_headers(
+    body: bytes, *, task_id: str, delivery_id: str, secret: str, timestamp: int
+) -> dict[str, str]:
+    """The HTTP headers of a delivery: content type, the signature headers (Standard
+    Webhooks, with ``delivery_id``, and the deprecated one), the task id, user agent."""
     return {
         "Content-Type": "application/json",
-        SIGNATURE_HEADER: sign_delivery(secret, body, timestamp),
+        **signed_headers(secret, delivery_id, body, timestamp),
         DELIVERY_HEADER: task_id,
         "User-Agent": USER_AGENT,
     }

@@ -42,7 +42,8 @@ import aiohttp
 from conveyor_broker import LeaseLost, WebhookWorker
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import wire
-from conveyor_runtime.webhook_auth import sign_delivery
+from conveyor_runtime.webhook_auth import signed_headers
+from conveyor_runtime.webhook_urls import FORBIDDEN_ADDRESS
 
 from conveyor_webhook.breaker import CircuitBreaker, Ticket
 from conveyor_webhook.callbacks import (
@@ -55,7 +56,7 @@ from conveyor_webhook.callbacks import (
 )
 from conveyor_webhook.config import WebhookConfig, Wiring
 from conveyor_webhook.delivery import delivery_body, delivery_headers
-from conveyor_webhook.http import open_session, signed_by
+from conveyor_webhook.http import forbidden, open_session, signed_by
 from conveyor_webhook.parking import ParkedDeliveries
 from conveyor_webhook.response import (
     Accepted,
@@ -173,7 +174,8 @@ class WebhookGateway:
         again before the error propagates."""
         if self._started or self._draining:
             raise RuntimeError(f"webhook gateway {self.id} was started already")
-        self._http = open_session()
+        resolver = self._config.resolver() if self._config.resolver is not None else None
+        self._http = open_session(self._config.policy, resolver=resolver)
         try:
             await self.gateway.start()
         except BaseException:
@@ -339,11 +341,19 @@ class WebhookGateway:
             env, worker=worker.name, secret=secret, callback=self._config.callback_address
         )
         # Signature timestamps are wall time: the endpoint checks them against its clock.
-        # The header is signed again once a connection is ready (signed_by).
-        headers = delivery_headers(body, task_id=env.id, secret=secret, timestamp=int(time.time()))
+        # The headers are signed again once a connection is ready (signed_by). The
+        # delivery id is the lease id: new for every attempt, never sent twice.
+        delivery_id = env.lease_id
+        headers = delivery_headers(
+            body,
+            task_id=env.id,
+            delivery_id=delivery_id,
+            secret=secret,
+            timestamp=int(time.time()),
+        )
         timeout = worker.timeout.total_seconds()
         try:
-            with signed_by(lambda: sign_delivery(secret, body, int(time.time()))):
+            with signed_by(lambda: signed_headers(secret, delivery_id, body, int(time.time()))):
                 async with asyncio.timeout(timeout):
                     async with http.post(
                         worker.url, data=body, headers=headers, allow_redirects=False
@@ -355,6 +365,9 @@ class WebhookGateway:
         except ResponseTooLarge:
             return Broken(f"endpoint response is larger than {self._max_body} bytes")
         except (aiohttp.ClientError, OSError) as exc:
+            if forbidden(exc):
+                # The same text whatever the address: nothing about what listens there.
+                return transport_failure(FORBIDDEN_ADDRESS)
             return transport_failure(f"could not reach the endpoint: {exc or type(exc).__name__}")
         return parse_response(status, raw, env.lease_id)
 

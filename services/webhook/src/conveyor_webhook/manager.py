@@ -10,6 +10,14 @@ registrations and converges onto them.
 - Changed queues or concurrency restart it: drain the old gateway, then start a new one
   (a new gateway id).
 - A registration paused, deleted or left without a secret has its gateway drained.
+- Secrets are stored sealed (:mod:`conveyor_runtime.webhook_secrets`); the manager opens
+  them with the keyring of its settings and hands its gateways the opened ones. One whose
+  secrets do not open (their key is not configured, or is not the one they were sealed
+  with) gets no gateway, and the error, naming the key id, is logged once.
+- Upkeep: secrets stored in plaintext (from before encryption) or sealed with a key
+  other than the newest are sealed again under the newest key, with a compare-and-set
+  (:meth:`~conveyor_broker.interface.Broker.replace_webhook_secrets`) so that an
+  operator's concurrent edit always wins. That is the upgrade path and key rotation.
 
 Draining lets the parked (accepted, asynchronous) deliveries go with no broker call,
 since their endpoints are still working on them; waits for open synchronous deliveries
@@ -35,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from conveyor_broker import Broker, WebhookWorker
@@ -47,12 +55,14 @@ from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tasks import cancel_and_wait
+from conveyor_runtime.webhook_secrets import KEY_SETTING, SecretKeyError, is_sealed
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
 from conveyor_webhook.callbacks import CallbackResponder, Handler, Status
 from conveyor_webhook.config import WebhookConfig, Wiring
 from conveyor_webhook.gateway import WebhookGateway
+from conveyor_webhook.http import ResolverFactory
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +98,13 @@ class WebhookManager:
         broker: Broker,
         nc: NATS,
         clock: Clock | None = None,
+        *,
+        resolver: ResolverFactory | None = None,
     ) -> None:
+        """``resolver`` makes the resolver of each gateway's HTTP session (None: aiohttp's
+        own; tests give their own)."""
         self.settings = settings
+        self.keyring = settings.secret_keyring()
         self.instance_id = settings.instance_id
         self.subjects = Subjects(settings.subject_prefix)
         self.clock: Clock = clock or SystemClock()
@@ -106,7 +121,11 @@ class WebhookManager:
             callback_address=settings.callback_address,
             breaker_threshold=settings.breaker_threshold,
             breaker_cooldown=settings.breaker_cooldown,
+            policy=settings.address_policy(),
+            resolver=resolver,
         )
+        #: The last secrets problem logged per registration (logged again on a change).
+        self._secret_problems: dict[str, str] = {}
         #: The running gateways, by registration name.
         self.gateways: dict[str, WebhookGateway] = {}
         self.reconciles = 0
@@ -246,6 +265,10 @@ class WebhookManager:
                 await self.reconcile()
             except Exception:
                 logger.exception("webhook.reconcile_failed")
+            try:
+                await self.reseal()
+            except Exception:
+                logger.exception("webhook.reseal_failed")
             await asyncio.sleep(self.settings.reconcile_tick)
 
     # -------------------------------------------------------------- reconcile
@@ -264,7 +287,7 @@ class WebhookManager:
             stored = await self._broker.list_webhook_workers()
             self.reconciles += 1
             await self._answer_for(stored)
-            desired = {w.name: w for w in stored if is_active(w)}
+            desired = {w.name: w for w in self._opened(stored) if is_active(w)}
             for name, gateway in list(self.gateways.items()):
                 worker = desired.get(name)
                 if worker is None or needs_restart(gateway.worker, worker):
@@ -275,6 +298,62 @@ class WebhookManager:
                 # One whose old gateway still drains starts when that drain is over.
                 if name not in self.gateways and name not in self._retiring:
                     await self._start(worker)
+
+    def _opened(self, stored: list[WebhookWorker]) -> list[WebhookWorker]:
+        """The ``stored`` registrations whose secrets open, with their secrets opened."""
+        opened: list[WebhookWorker] = []
+        names = {worker.name for worker in stored}
+        for gone in [name for name in self._secret_problems if name not in names]:
+            del self._secret_problems[gone]
+        for worker in stored:
+            try:
+                secrets = self.keyring.open_all(worker.name, worker.secrets)
+            except SecretKeyError as exc:
+                self._secret_problem(worker.name, "webhook.secrets_unusable", str(exc))
+                continue
+            if any(not is_sealed(value) for value in worker.secrets) and not self.keyring.keys:
+                self._secret_problem(
+                    worker.name,
+                    "webhook.secrets_plaintext",
+                    f"the secrets of webhook worker {worker.name!r} are stored in plaintext: "
+                    f"set {KEY_SETTING} on the api and the webhook service to encrypt them",
+                    level=logging.WARNING,
+                )
+            else:
+                self._secret_problems.pop(worker.name, None)
+            opened.append(replace(worker, secrets=secrets))
+        return opened
+
+    def _secret_problem(
+        self, name: str, event: str, problem: str, level: int = logging.ERROR
+    ) -> None:
+        """Log ``problem`` of registration ``name`` unless it was the last one logged."""
+        if self._secret_problems.get(name) != problem:
+            self._secret_problems[name] = problem
+            logger.log(level, "%s worker=%s problem=%s", event, name, problem)
+
+    async def reseal(self) -> int:
+        """Seal again, under the newest key, every stored secret that is plaintext or
+        sealed with an older key (a registration whose secrets do not open is left
+        alone); how many registrations were resealed. An operator's edit meanwhile wins:
+        that registration is left for the next pass."""
+        if not self.keyring.keys:
+            return 0
+        done = 0
+        for worker in await self._broker.list_webhook_workers():
+            if not self.keyring.stale(worker.secrets):
+                continue
+            try:
+                secrets = self.keyring.open_all(worker.name, worker.secrets)
+            except SecretKeyError:
+                continue  # logged by the reconcile
+            sealed = self.keyring.seal_all(worker.name, secrets)
+            if await self._broker.replace_webhook_secrets(worker.name, worker.secrets, sealed):
+                done += 1
+                logger.info(
+                    "webhook.secrets_resealed worker=%s key=%s", worker.name, self.keyring.primary
+                )
+        return done
 
     def _wired(self) -> Wiring:
         if self._wiring is None:

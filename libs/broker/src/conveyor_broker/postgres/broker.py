@@ -77,6 +77,7 @@ from conveyor_broker.postgres.queries.webhooks import (
     DELETE_WEBHOOK_WORKER,
     GET_WEBHOOK_WORKER,
     LIST_WEBHOOK_WORKERS,
+    REPLACE_WEBHOOK_SECRETS,
     SET_WEBHOOK_WORKER_PAUSED,
     UPSERT_WEBHOOK_WORKER,
 )
@@ -566,6 +567,14 @@ class PostgresBroker(Broker):
     async def _delete_webhook_worker(self, name: str) -> None:
         if await self._pool.fetchval(DELETE_WEBHOOK_WORKER, name) is None:
             raise WebhookWorkerNotFound(name)
+
+    async def _replace_webhook_secrets(
+        self, name: str, expected: tuple[str, ...], secrets: tuple[str, ...]
+    ) -> bool:
+        done = await self._pool.fetchval(
+            REPLACE_WEBHOOK_SECRETS, name, list(expected), list(secrets)
+        )
+        return done is not None
 
     # ----------------------------------------------------------------- lifecycle
 

@@ -14,8 +14,8 @@ from conveyor_broker.interface import Broker
 from conveyor_broker.types import WebhookWorker, WebhookWorkerSpec
 from conveyor_broker.validation import (
     MAX_QUEUE_WEIGHT,
+    MAX_STORED_SECRET_LEN,
     MAX_WEBHOOK_CONCURRENCY,
-    MAX_WEBHOOK_SECRET_LEN,
     MAX_WEBHOOK_SECRETS,
     MAX_WEBHOOK_TIMEOUT,
     MAX_WEBHOOK_URL_LEN,
@@ -78,7 +78,7 @@ BAD_SPECS: dict[str, _Bad] = {
         s, secrets=tuple(f"secret-{i}" for i in range(MAX_WEBHOOK_SECRETS + 1))
     ),
     "empty-secret": lambda s: replace(s, secrets=("s3cret", "")),
-    "secret-too-long": lambda s: replace(s, secrets=("x" * (MAX_WEBHOOK_SECRET_LEN + 1),)),
+    "secret-too-long": lambda s: replace(s, secrets=("x" * (MAX_STORED_SECRET_LEN + 1),)),
 }
 
 
@@ -135,7 +135,7 @@ class WebhookTests:
             queues={"q" * 128: MAX_QUEUE_WEIGHT, "x": 1},
             concurrency=MAX_WEBHOOK_CONCURRENCY,
             timeout=MAX_WEBHOOK_TIMEOUT,
-            secrets=tuple(f"{i}" * MAX_WEBHOOK_SECRET_LEN for i in range(MAX_WEBHOOK_SECRETS)),
+            secrets=tuple(f"{i}" * MAX_STORED_SECRET_LEN for i in range(MAX_WEBHOOK_SECRETS)),
         )
         assert len(spec.url) == MAX_WEBHOOK_URL_LEN
         created = await broker.upsert_webhook_worker(spec)
@@ -249,6 +249,35 @@ class WebhookTests:
         assert again.created_at == again_at
         assert again.secrets == ()
 
+    async def test_replace_secrets_is_a_compare_and_set(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        created = await broker.upsert_webhook_worker(webhook_spec(secrets=("one", "two")))
+        clock.advance(STEP)
+        assert await broker.replace_webhook_secrets(NAME, ("one", "two"), ("1", "2"))
+        # Only the secrets change: updated_at too stays (no operator edited anything).
+        assert await broker.get_webhook_worker(NAME) == replace(created, secrets=("1", "2"))
+        # Stale expectations (an operator's upsert came first) change nothing.
+        assert not await broker.replace_webhook_secrets(NAME, ("one", "two"), ("x",))
+        assert not await broker.replace_webhook_secrets(NAME, ("1",), ("x",))
+        assert (await broker.get_webhook_worker(NAME)).secrets == ("1", "2")
+        assert not await broker.replace_webhook_secrets("missing", ("1", "2"), ("x",))
+
+    @pytest.mark.parametrize(
+        "secrets",
+        [(), ("",), ("x" * (MAX_STORED_SECRET_LEN + 1),), ("a\nb",)],
+        ids=["none", "empty", "too-long", "control"],
+    )
+    async def test_replace_secrets_checks_what_it_stores(
+        self, broker: Broker, secrets: tuple[str, ...]
+    ) -> None:
+        await broker.upsert_webhook_worker(webhook_spec(secrets=("one",)))
+        with pytest.raises(InvalidTask):
+            await broker.replace_webhook_secrets(NAME, ("one",), secrets)
+        with pytest.raises(InvalidTask):
+            await broker.replace_webhook_secrets("bad name", ("one",), ("x",))
+        assert (await broker.get_webhook_worker(NAME)).secrets == ("one",)
+
     async def test_unknown_name_is_not_found(self, broker: Broker) -> None:
         await broker.upsert_webhook_worker(webhook_spec("present"))
         with pytest.raises(WebhookWorkerNotFound):
@@ -320,3 +349,5 @@ class WebhookTests:
             await broker.set_webhook_worker_paused(NAME, True)
         with pytest.raises(BrokerClosed):
             await broker.delete_webhook_worker(NAME)
+        with pytest.raises(BrokerClosed):
+            await broker.replace_webhook_secrets(NAME, ("a",), ("b",))

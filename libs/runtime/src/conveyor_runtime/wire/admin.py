@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.types import QueueStats, TaskState, WebhookWorker, WebhookWorkerSpec
-from conveyor_broker.validation import check_webhook_name, check_webhook_worker
+from conveyor_broker.validation import (
+    check_webhook_name,
+    check_webhook_secret,
+    check_webhook_worker,
+)
 from conveyor_protos.v1 import service_pb2
 
 from conveyor_runtime.wire.time import duration, from_duration, set_timestamp
@@ -45,7 +49,9 @@ def webhook_spec_from_proto(message: service_pb2.WebhookWorker) -> WebhookWorker
     """An operator's registration as the broker's spec, checked.
 
     ``concurrency`` 0 and an unset ``timeout`` take the defaults (10, 30 s); no secrets
-    keeps the stored ones. Raises InvalidTask describing the first problem.
+    keeps the stored ones. The secrets are as the operator gave them (plaintext, each
+    checked by :func:`~conveyor_broker.validation.check_webhook_secret`): the caller seals
+    them before the broker stores them. Raises InvalidTask describing the first problem.
     """
     check_webhook_name(message.name)
     timeout = DEFAULT_WEBHOOK_SPEC.timeout
@@ -64,4 +70,6 @@ def webhook_spec_from_proto(message: service_pb2.WebhookWorker) -> WebhookWorker
         secrets=tuple(message.secrets),
     )
     check_webhook_worker(spec)
+    for secret in spec.secrets:
+        check_webhook_secret(secret)
     return spec

@@ -304,9 +304,14 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
 
         ``secrets`` sign deliveries and lease tokens, newest first: the newest signs, any
         verifies, so rotate by putting a new one in front and dropping the old one once
-        in-flight deliveries are done. No secrets keeps the stored ones (a registration
-        gets no deliveries until it has one). Every other field is replaced. Returns the
-        stored registration (never its secrets); :class:`InvalidArgument` for bad input.
+        in-flight deliveries are done. Each holds at least 32 bytes of key: ``whsec_`` and
+        the base64 of 32 random bytes (``conveyor webhook new-secret``), or a text of at
+        least 32 bytes; the server stores them encrypted. No secrets keeps the stored ones
+        (a registration gets no deliveries until it has one). Every other field is
+        replaced. Returns the stored registration (never its secrets);
+        :class:`InvalidArgument` for bad input (a short secret, a URL that points at a
+        loopback, private, link-local or other non-public address),
+        :class:`FailedPrecondition` when the server has no key to store secrets with.
         """
         request = webhook_request(
             name,

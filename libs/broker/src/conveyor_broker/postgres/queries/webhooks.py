@@ -53,3 +53,10 @@ RETURNING {WEBHOOK_COLUMNS}
 
 #: Delete registration $1 (no row: not found).
 DELETE_WEBHOOK_WORKER = "DELETE FROM conveyor_webhook_workers WHERE name = $1 RETURNING name"
+
+#: Store secrets $3 for registration $1 if its secrets are exactly $2 (no row: not).
+REPLACE_WEBHOOK_SECRETS = """
+UPDATE conveyor_webhook_workers SET secrets = $3::text[]
+WHERE name = $1 AND secrets = $2::text[]
+RETURNING name
+"""
