@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conveyor_runtime.cluster_key import generate_key
 from conveyor_runtime.embedded_nats import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,19 +146,26 @@ class Proc:
 
 @dataclass
 class Cluster:
-    """The services of one end-to-end test: api(s), dispatcher(s), maintenance."""
+    """The services of one end-to-end test: api(s), dispatcher(s), maintenance.
+
+    They share ``cluster_key`` (the test run's, else a new one): a test's own bus seals
+    with it to speak as a service, or with another key to play an intruder."""
 
     dsn: str
     nats_url: str
     workdir: Path
     settings_env: dict[str, str] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
+    cluster_key: str = field(
+        default_factory=lambda: os.environ.get("CONVEYOR_CLUSTER_KEY") or generate_key()
+    )
 
     def _env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {
             "CONVEYOR_DSN": self.dsn,
             "CONVEYOR_NATS_URL": self.nats_url,
             "CONVEYOR_ALLOW_UNAUTHENTICATED": "true",
+            "CONVEYOR_CLUSTER_KEY": self.cluster_key,
             "CONVEYOR_LOG_LEVEL": "info",
             "PYTHONUNBUFFERED": "1",
             **self.settings_env,

@@ -24,6 +24,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import verify_delivery, verify_lease_token
+from conveyor_testkit.cluster_keys import cluster_auth
 from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
     dispatcher_fixture,
     endpoint_fixture,
@@ -546,7 +547,7 @@ async def test_a_gateway_that_fails_to_start_closes_what_it_opened(
             lease_ttl=timedelta(seconds=30), register_tick=5.0, max_result=1024, clock=clock
         )
     )
-    bus = Bus(gone, subjects)
+    bus = Bus(gone, subjects, cluster_auth())
     acks, wakes = AckBatcher(broker), WakePublisher(bus)
     gateway = WebhookGateway(worker, Wiring(broker, bus, config, acks, wakes))
 
