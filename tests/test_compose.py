@@ -11,6 +11,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -421,6 +422,9 @@ class Errors:
     async def on_error(self, exc: Exception) -> None:
         self.seen.append(str(exc).lower())
 
+    def reported(self, count: int) -> bool:
+        return len(self.seen) >= count
+
     def violations(self, action: str, subject: str) -> int:
         needle = f'permissions violation for {action} to "{subject.lower()}"'
         return sum(needle in error for error in self.seen)
@@ -465,7 +469,7 @@ async def test_each_service_user_may_use_exactly_its_own_subjects(
                 denied_publish = {p for p in PROBES if p not in MAY_PUBLISH[name]}
                 denied_subscribe = {p for p in subscribed if p not in MAY_SUBSCRIBE[name]}
                 due = len(denied_publish) + len(denied_subscribe)
-                await wait_until(lambda e=errors, n=due: len(e.seen) >= n, within=10.0)
+                await wait_until(partial(errors.reported, due), within=10.0)
                 refused_publish = {
                     p for p, subject in PROBES.items() if errors.violations("publish", subject)
                 }

@@ -101,9 +101,9 @@ async def test_each_message_type_goes_on_its_subject_with_its_bytes(
     # Each sealed: version, key id, sent, no deadline, MAC.
     for seal in raw.seals:
         assert seal is not None
-        version, kid, sent, deadline, mac = seal.split(".")
+        version, kid, sent_ms, deadline, mac = seal.split(".")
         assert (version, kid, deadline) == ("1", bus.auth.key_ids[0], "0")
-        assert int(sent) > 0
+        assert int(sent_ms) > 0
         assert len(mac) == 43
 
 
