@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -427,3 +428,119 @@ async def test_spawned_webhook_answers_do_not_wait_for_each_other(bus: Bus, nc: 
     assert not slow.done()
     release.set()
     assert (await slow).message == "slow"
+
+
+# ------------------------------------------------------------- the cluster key
+
+
+async def test_forged_and_moved_messages_never_reach_a_handler(
+    bus: Bus, nc: NatsClient, subjects: Subjects
+) -> None:
+    """Every kind the bus takes refuses a message sealed with another key, and a sealed
+    message copied (headers and all) to another subject: another queue, another gateway."""
+    got: list[object] = []
+    hints: list[str] = []
+    await bus.subscribe(cluster_pb2.Wake, got.append)
+    await bus.subscribe(cluster_pb2.Register, got.append)
+    await bus.subscribe(cluster_pb2.Done, got.append)
+    await bus.subscribe(cluster_pb2.Control, got.append)
+    await bus.subscribe(cluster_pb2.CancelBroadcast, got.append)
+    await bus.subscribe_promote(lambda: hints.append("promote"))
+    await bus.subscribe_watch(lambda: hints.append("watch"))
+    await bus.subscribe_owner_changed(hints.append)
+    await bus.subscribe_events(got.append)
+    await bus.serve_dispatch("gw-1", lambda r: cluster_pb2.DispatchReply(accepted=["x"]))
+    await nc.flush()
+    intruder = Bus(nc, subjects, cluster_auth(cluster_auth_key()))
+    for message in (
+        cluster_pb2.Wake(queue="mail"),
+        cluster_pb2.Register(gateway="g", queue="mail", closing=True),
+        cluster_pb2.Done(gateway="g", queue="mail", n=5),
+        cluster_pb2.Control(queue="mail", reason="forged"),
+        cluster_pb2.CancelBroadcast(task_id="t"),
+    ):
+        await intruder.publish(message)
+    await intruder.publish_promote()
+    await intruder.publish_watch()
+    await intruder.publish_owner_changed("mail")
+    await intruder.publish_events([event("t1", "mail")])
+    with pytest.raises(nats.errors.TimeoutError):
+        await intruder.dispatch("gw-1", cluster_pb2.DispatchRequest(queue="q"), within=0.2)
+    # A real seal, lifted onto another subject.
+    body = cluster_pb2.Register(gateway="g", queue="mail", closing=True).SerializeToString()
+    seal = bus.auth.seal(subjects.register("mail"), body)
+    await nc.publish(subjects.register("other"), body, headers=seal)
+    request = cluster_pb2.DispatchRequest(queue="q").SerializeToString()
+    seal = bus.auth.seal(subjects.dispatch("gw-2"), request, within=5.0)
+    with pytest.raises(nats.errors.TimeoutError):
+        await nc.request(subjects.dispatch("gw-1"), request, 0.3, headers=seal)
+    expected = {
+        "Wake": 1,
+        "Register": 2,
+        "Done": 1,
+        "Control": 1,
+        "CancelBroadcast": 1,
+        "promote": 1,
+        "watch": 1,
+        "owner": 1,
+        "TaskEvent": 1,
+        "DispatchRequest": 2,
+    }
+    await wait_until(lambda: bus.refusals.counts == expected, within=TIMEOUT)
+    assert got == []
+    assert hints == []
+
+
+async def test_a_forged_reply_is_ignored_and_the_real_one_answers(
+    bus: Bus, nc: NatsClient, subjects: Subjects
+) -> None:
+    """An intruder on the gateway's subject answers first (accepted=[], which would make
+    the dispatcher release tasks the gateway took): the dispatcher waits on for the
+    gateway's own reply."""
+    requests: list[Msg] = []
+
+    async def forge_and_hold(msg: Msg) -> None:
+        assert msg.reply
+        body = cluster_pb2.DispatchReply(accepted=[]).SerializeToString()
+        forger = cluster_auth(cluster_auth_key())
+        await nc.publish(msg.reply, body, headers=forger.seal(msg.reply, body))
+        await nc.publish(msg.reply, body)  # and unsealed
+        requests.append(msg)  # the gateway answers later
+
+    await nc.subscribe(subjects.dispatch("gw-1"), cb=forge_and_hold)
+    await nc.flush()
+    request = cluster_pb2.DispatchRequest(queue="mail")
+    request.tasks.add(id="a", queue="mail")
+    pending = asyncio.ensure_future(bus.dispatch("gw-1", request, within=TIMEOUT))
+    await wait_until(lambda: bus.refusals.counts.get("DispatchReply", 0) == 2, within=TIMEOUT)
+    assert not pending.done()
+    [msg] = requests
+    assert msg.reply
+    body = cluster_pb2.DispatchReply(accepted=["a"]).SerializeToString()
+    await nc.publish(msg.reply, body, headers=bus.auth.seal(msg.reply, body))
+    assert list((await pending).accepted) == ["a"]
+
+
+async def test_a_request_past_its_deadline_is_not_answered(
+    bus: Bus, nc: NatsClient, subjects: Subjects
+) -> None:
+    """A dispatch that arrives after its sender gave up (its clock says the deadline
+    passed) is refused: the dispatcher released its tasks already."""
+    seen: list[cluster_pb2.DispatchRequest] = []
+
+    def answer(request: cluster_pb2.DispatchRequest) -> cluster_pb2.DispatchReply:
+        seen.append(request)
+        return cluster_pb2.DispatchReply()
+
+    await bus.serve_dispatch("gw-1", answer)
+    await nc.flush()
+    # Sent 3 s ago with a 2 s deadline: it reaches the gateway 1 s late.
+    late = Bus(nc, subjects, cluster_auth(now=lambda: time.time() - 3.0))
+    with pytest.raises(nats.errors.TimeoutError):
+        await late.dispatch("gw-1", cluster_pb2.DispatchRequest(queue="q"), within=2.0)
+    assert seen == []
+    assert bus.refusals.counts == {"DispatchRequest": 1}
+    # In time, the same request is answered (and the reply, sealed with the requester's
+    # clock 3 s behind, is still within its age).
+    await late.dispatch("gw-1", cluster_pb2.DispatchRequest(queue="q"), within=5.0)
+    assert len(seen) == 1
