@@ -208,3 +208,16 @@ def test_bad_cluster_key_settings_are_refused_with_a_clear_message(
     both.write_text(generate_key())
     with pytest.raises(ValidationError, match="both set"):
         DispatcherSettings(cluster_key_file=str(both))
+
+
+@pytest.mark.parametrize("size", [32, 64, 100])
+def test_the_mac_is_hmac_sha256(size: int) -> None:
+    """Seals use HMAC-SHA256 with the key states computed once: the same MAC as the
+    standard library's, keys longer than a block included."""
+    import hmac
+
+    key = bytes(range(size))
+    auth = ClusterAuth([key], now=Clock())
+    _, _, sent, deadline, mac = auth.seal(SUBJECT, BODY)[SEAL_HEADER].split(".")
+    expected = hmac.digest(key, f"1\n{SUBJECT}\n{sent}\n{deadline}\n".encode() + BODY, "sha256")
+    assert mac == base64.urlsafe_b64encode(expected).rstrip(b"=").decode()

