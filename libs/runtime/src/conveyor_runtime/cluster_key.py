@@ -65,6 +65,8 @@ MAX_AGE = 30.0
 #: The shortest key accepted (HMAC-SHA256 gains nothing from a longer one).
 MIN_KEY_BYTES = 32
 _VERSION = "1"
+#: SHA-256's block size, the length an HMAC key is padded to.
+_BLOCK = 64
 
 
 class ClusterKeyError(ValueError):
@@ -98,10 +100,6 @@ class _Mac:
         outer = self._outer.copy()
         outer.update(inner.digest())
         return outer.digest()
-
-
-#: SHA-256's block size, the length an HMAC key is padded to.
-_BLOCK = 64
 
 
 def generate_key() -> str:
