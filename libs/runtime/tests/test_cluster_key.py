@@ -70,7 +70,7 @@ def test_unsealed_malformed_and_foreign_messages_are_refused() -> None:
     assert auth.check(SUBJECT, BODY, unsigned) == "no-mac"
     # A forger who knows the key id but not the key.
     kid = auth.key_ids[0]
-    assert auth.check(SUBJECT, BODY, {SEAL_HEADER: f"1.{kid}.1.0.{'A' * 43}"}) == "bad-mac"
+    assert auth.check(SUBJECT, BODY, {SEAL_HEADER: f"1.{kid}.1.0.{'a' * 32}"}) == "bad-mac"
 
 
 def test_an_old_message_is_refused_so_a_captured_one_cannot_be_replayed() -> None:
@@ -213,11 +213,11 @@ def test_bad_cluster_key_settings_are_refused_with_a_clear_message(
 @pytest.mark.parametrize("size", [32, 64, 100])
 def test_the_mac_is_hmac_sha256(size: int) -> None:
     """Seals use HMAC-SHA256 with the key states computed once: the same MAC as the
-    standard library's, keys longer than a block included."""
+    standard library's (its first 128 bits), keys longer than a block included."""
     import hmac
 
     key = bytes(range(size))
     auth = ClusterAuth([key], now=Clock())
     _, _, sent, deadline, mac = auth.seal(SUBJECT, BODY)[SEAL_HEADER].split(".")
     expected = hmac.digest(key, f"1\n{SUBJECT}\n{sent}\n{deadline}\n".encode() + BODY, "sha256")
-    assert mac == base64.urlsafe_b64encode(expected).rstrip(b"=").decode()
+    assert mac == expected[:16].hex()

@@ -8,8 +8,8 @@ neither forge a dispatch, a cancel, a callback or a registration nor replay one 
 
 A seal is one NATS header, ``Conveyor-Seal: 1.<key id>.<sent ms>.<deadline ms>.<mac>``:
 
-- ``mac`` is HMAC-SHA256 (unpadded base64url) under the key named by ``key id`` (the
-  first 8 characters of the base64url SHA-256 of the key) over the version, the subject,
+- ``mac`` is HMAC-SHA256, its first 128 bits in hex (truncated as RFC 4868 does), under
+  the key named by ``key id`` (8 characters of the key's SHA-256) over the version, the subject,
   both times and the body: a sealed message cannot move to another subject (another
   gateway, another queue), be altered, or change its times;
 - ``sent`` (Unix milliseconds): a receiver refuses a message sent more than
@@ -67,6 +67,8 @@ MIN_KEY_BYTES = 32
 _VERSION = "1"
 #: SHA-256's block size, the length an HMAC key is padded to.
 _BLOCK = 64
+#: Bytes of the MAC a seal carries: 128 bits leave a forger a 2**-128 chance per try.
+_MAC_BYTES = 16
 
 
 class ClusterKeyError(ValueError):
@@ -233,7 +235,7 @@ class ClusterAuth:
             return {SEAL_HEADER: f"{_VERSION}..{sent}.{deadline}."}
         kid, mac_of = signing
         mac = mac_of.digest(f"{_VERSION}\n{subject}\n{sent}\n{deadline}\n".encode() + body)
-        return {SEAL_HEADER: f"{_VERSION}.{kid}.{sent}.{deadline}.{_b64(mac)}"}
+        return {SEAL_HEADER: f"{_VERSION}.{kid}.{sent}.{deadline}.{mac[:_MAC_BYTES].hex()}"}
 
     def check(self, subject: str, body: bytes, headers: Mapping[str, str] | None) -> str | None:
         """Why the message must be refused, or None when it may be acted on.
@@ -266,7 +268,7 @@ class ClusterAuth:
                 expected = mac_of.digest(
                     f"{_VERSION}\n{subject}\n{sent_text}\n{deadline_text}\n".encode() + body
                 )
-                if not hmac.compare_digest(mac, _b64(expected)):
+                if not hmac.compare_digest(mac, expected[:_MAC_BYTES].hex()):
                     return "bad-mac"
         elif not self._allow_unsigned:
             return "no-mac"
