@@ -4,6 +4,9 @@
   dropped afterwards (server from CONVEYOR_TEST_PG_DSN, default the local trust-auth one).
 - ``nats_server``: a private nats-server with JetStream on a free port (function scope,
   so a test may kill it); ``nats_url`` for tests that only need a URL (session scope).
+- The cluster key: every service a test configures or starts, and the ``bus`` fixture,
+  seal their NATS messages with one key per run (``conveyor_testkit.cluster_keys``, put
+  into ``CONVEYOR_CLUSTER_KEY`` here, before any test builds a settings object).
 - For service tests: ``nc`` (a connection to ``nats_url``), ``subjects`` (a prefix of the
   test's own), ``bus`` (the two together), ``clock`` (a FakeClock) and ``broker`` (memory,
   and Postgres on a fresh database, so sweeps see only the test's tasks).
@@ -25,7 +28,10 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.cluster_keys import cluster_auth, use_test_key
 from nats.aio.client import Client as NatsClient
+
+use_test_key()
 
 ADMIN_DSN = os.environ.get("CONVEYOR_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -100,7 +106,7 @@ def subjects() -> Subjects:
 @pytest.fixture
 def bus(nc: NatsClient, subjects: Subjects) -> Bus:
     """The typed messages of ``subjects`` on ``nc``."""
-    return Bus(nc, subjects)
+    return Bus(nc, subjects, cluster_auth())
 
 
 @pytest.fixture

@@ -11,22 +11,27 @@ import importlib.util
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import nats
 import pytest
 import yaml
 from click.testing import CliRunner
 from conveyor_broker.validation import MAX_HEADER_LEN, MAX_HEADERS
 from conveyor_cli.main import cli
+from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.embedded_nats import EmbeddedNats, find_nats_server
 from conveyor_runtime.nats_connect import NatsConnectError, NatsSecurity, close_nats, connect_nats
 from conveyor_runtime.settings import SERVICE_SETTINGS, ApiSettings, CommonSettings
 from conveyor_runtime.tls import client_context
 from conveyor_runtime.wire import DISPATCH_OVERHEAD
 from conveyor_testkit.certs import NATS_USERS
+from conveyor_testkit.polling import wait_until
 from cryptography import x509
+from nats import errors as nats_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -235,8 +240,14 @@ def test_tls_settings_agree_across_services() -> None:
     assert len(set(seeds.values())) == len(seeds), seeds
     assert {Path(seed).stem for seed in seeds.values()} == set(NATS_USERS) == set(services)
     nats_conf = (ROOT / "deploy" / "nats.conf").read_text()
-    users = set(re.findall(r"\{\s*nkey:\s*\$(\w+)_NKEY\s*\}", nats_conf))
-    assert {user.lower() for user in users} == set(NATS_USERS)
+    users = re.findall(
+        r"\{\s*nkey:\s*\$(\w+)_NKEY,\s*permissions:\s*\$(\w+)_PERMISSIONS", nats_conf
+    )
+    assert {user.lower() for user, _ in users} == set(NATS_USERS)
+    assert all(user == permissions for user, permissions in users), users
+    # The services share one cluster key, the file dev-certs writes.
+    keys = {env.get("CONVEYOR_CLUSTER_KEY_FILE") for env in services.values()}
+    assert keys == {"/tls/cluster.key"}, keys
     # Postgres serves TLS with the same CA's certificate, and refuses anything else.
     command = " ".join(SERVICES["postgres"]["command"])
     assert "ssl=on" in command
@@ -285,10 +296,14 @@ def test_each_service_accepts_its_tls_settings(
 ) -> None:
     """The fail-closed checks (no plaintext beyond loopback) pass with compose's settings,
     and every file they name exists once dev-certs ran."""
+    monkeypatch.delenv("CONVEYOR_CLUSTER_KEY")  # the test run's: compose names a file
     for var, value in _container_env(CONVEYOR[name], dev_certs).items():
         monkeypatch.setenv(var, value)
     settings = settings_for(CONVEYOR[name]["command"])()
     assert not settings.allow_plaintext
+    assert not settings.allow_unsigned
+    if name != "migrate":
+        assert ClusterAuth.from_settings(settings).signs
     if isinstance(settings, ApiSettings):
         assert settings.tls_cert
         assert settings.tls_key
@@ -339,6 +354,7 @@ async def test_compose_nats_admits_each_service_over_tls_and_no_one_else(
     # Run in ``etc``, so that the include resolves as it does in the container.
     with EmbeddedNats(store_dir=str(etc), config=text) as server:
         url = f"tls://127.0.0.1:{server.port}"  # the certificate names 127.0.0.1 as well as nats
+        monkeypatch.delenv("CONVEYOR_CLUSTER_KEY")  # the test run's: compose names a file
         for name in ("api", "dispatcher", "maintenance", "webhook"):
             env = _container_env(SERVICES[name], dev_certs)
             for var, value in env.items():
@@ -365,3 +381,195 @@ async def test_compose_nats_admits_each_service_over_tls_and_no_one_else(
                     tls=client_context(ca=None), nkey_seed=str(dev_certs / "api.nk")
                 ),
             )
+
+
+# ----------------------------------------------------------- NATS permissions
+
+#: What each service publishes and subscribes to (docs/architecture.md's subject table,
+#: as the code does it), as probes: a concrete subject each pattern covers.
+PROBES = {
+    "wake": "conveyor.q.mail.wake",
+    "register": "conveyor.q.mail.register",
+    "done": "conveyor.q.mail.done",
+    "control": "conveyor.q.mail.control",
+    "owner": "conveyor.q.mail.owner",
+    "dispatch": "conveyor.gw.gw-1.dispatch",
+    "cancel": "conveyor.cancel",
+    "promote": "conveyor.promote",
+    "watch": "conveyor.watch",
+    "callback": "conveyor.webhook.hooks.callback",
+    "events": "conveyor.events.mail.completed",
+    "resolve": "conveyor.resolve",
+    "other": "conveyor.something-else",
+    "owners kv": "$KV.conveyor_owners.mail",
+    "leaders kv": "$KV.conveyor_leaders.scheduler",
+    "owners stream delete": "$JS.API.STREAM.DELETE.KV_conveyor_owners",
+    "leaders stream purge": "$JS.API.STREAM.PURGE.KV_conveyor_leaders",
+    "inbox": "_INBOX.someone.1",
+}
+SUBSCRIBE_ONLY_PROBES = {"everything": "conveyor.>", "every dispatch": "conveyor.gw.*.dispatch"}
+MAY_PUBLISH = {
+    "api": {
+        "wake",
+        "register",
+        "done",
+        "control",
+        "cancel",
+        "promote",
+        "watch",
+        "callback",
+        "events",
+    },
+    "dispatcher": {"dispatch", "owner", "events", "owners kv"},
+    "maintenance": {"wake", "events", "leaders kv"},
+    "webhook": {"wake", "register", "done", "events", "leaders kv"},
+}
+MAY_SUBSCRIBE = {
+    "api": {"dispatch", "every dispatch", "owner", "cancel", "watch", "events", "inbox"},
+    "dispatcher": {"wake", "register", "done", "control", "owner", "watch", "inbox"},
+    "maintenance": {"promote", "watch", "inbox"},
+    "webhook": {"dispatch", "every dispatch", "owner", "cancel", "callback", "watch", "inbox"},
+}
+
+
+class Errors:
+    """The asynchronous errors of one connection (a permission violation is one)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def on_error(self, exc: Exception) -> None:
+        self.seen.append(str(exc).lower())
+
+    def reported(self, count: int) -> bool:
+        return len(self.seen) >= count
+
+    def violations(self, action: str, subject: str) -> int:
+        needle = f'permissions violation for {action} to "{subject.lower()}"'
+        return sum(needle in error for error in self.seen)
+
+
+async def _connect_as(name: str, url: str, dev_certs: Path, errors: Errors) -> Any:
+    security = NatsSecurity(
+        tls=client_context(ca=str(dev_certs / "ca.pem")), nkey_seed=str(dev_certs / f"{name}.nk")
+    )
+    return await nats.connect(
+        url,
+        name=name,
+        error_cb=errors.on_error,
+        allow_reconnect=False,
+        **security.connect_options(),
+    )
+
+
+@pytest.mark.nats
+async def test_each_service_user_may_use_exactly_its_own_subjects(
+    dev_certs: Path, tmp_path: Path
+) -> None:
+    """deploy/nats.conf, run for real: each service's user publishes and subscribes to
+    what the subject table gives it, and is refused everything else (forging a
+    dispatch, a cancel, a registration or a callback, reading every dispatch, touching
+    the other bucket or deleting one)."""
+    etc, text = _compose_nats_config(dev_certs, tmp_path)
+    with EmbeddedNats(store_dir=str(etc), config=text) as server:
+        url = f"tls://127.0.0.1:{server.port}"
+        for name in NATS_USERS:
+            errors = Errors()
+            nc = await _connect_as(name, url, dev_certs, errors)
+            try:
+                for subject in PROBES.values():
+                    await nc.publish(subject, b"probe")
+                subscribed = {**PROBES, **SUBSCRIBE_ONLY_PROBES}
+                for subject in subscribed.values():
+                    await nc.subscribe(subject)
+                await nc.flush()
+                # A violation comes back as an asynchronous error, not always before the
+                # flush's PONG: wait for as many as are due, then compare.
+                denied_publish = {p for p in PROBES if p not in MAY_PUBLISH[name]}
+                denied_subscribe = {p for p in subscribed if p not in MAY_SUBSCRIBE[name]}
+                due = len(denied_publish) + len(denied_subscribe)
+                await wait_until(partial(errors.reported, due), within=10.0)
+                refused_publish = {
+                    p for p, subject in PROBES.items() if errors.violations("publish", subject)
+                }
+                refused_subscribe = {
+                    p
+                    for p, subject in subscribed.items()
+                    if errors.violations("subscription", subject)
+                }
+                assert refused_publish == denied_publish, name
+                assert refused_subscribe == denied_subscribe, name
+                assert len(errors.seen) == due, errors.seen
+            finally:
+                await nc.close()
+        # A client without a service's key cannot subscribe to conveyor.> (or anything
+        # else): it is not let in at all.
+        intruder = Errors()
+        with pytest.raises(nats_errors.Error, match="Authorization Violation"):
+            await nats.connect(
+                url,
+                tls=client_context(ca=str(dev_certs / "ca.pem")),
+                error_cb=intruder.on_error,
+                allow_reconnect=False,
+            )
+
+
+@pytest.mark.nats
+async def test_the_services_do_their_work_under_their_permissions(
+    dev_certs: Path, tmp_path: Path
+) -> None:
+    """Request/reply (a dispatch from the dispatcher's user answered by the api's, a
+    webhook callback from the api's answered by the webhook's) and the KV leases of each
+    bucket work under the permissions; a user cannot open the other bucket."""
+    from conveyor_protos.v1 import cluster_pb2
+    from conveyor_runtime.bus import Bus
+    from conveyor_runtime.ownership import KeyLease, open_lease_bucket
+    from conveyor_runtime.subjects import Subjects
+    from conveyor_testkit.cluster_keys import cluster_auth
+
+    etc, text = _compose_nats_config(dev_certs, tmp_path)
+    subjects = Subjects()  # the default prefix, which nats.conf names
+    with EmbeddedNats(store_dir=str(etc), config=text) as server:
+        url = f"tls://127.0.0.1:{server.port}"
+        errors = {name: Errors() for name in NATS_USERS}
+        conns = {name: await _connect_as(name, url, dev_certs, errors[name]) for name in NATS_USERS}
+        try:
+            bus = {name: Bus(nc, subjects, cluster_auth()) for name, nc in conns.items()}
+            await bus["api"].serve_dispatch(
+                "gw-1", lambda r: cluster_pb2.DispatchReply(accepted=[t.id for t in r.tasks])
+            )
+
+            async def answer(cb: cluster_pb2.WebhookCallback) -> cluster_pb2.WebhookCallbackReply:
+                return cluster_pb2.WebhookCallbackReply(message=cb.task_id)
+
+            await bus["webhook"].serve_webhook_callbacks("hooks", answer)
+            await conns["api"].flush()
+            await conns["webhook"].flush()
+            request = cluster_pb2.DispatchRequest(queue="mail")
+            request.tasks.add(id="t1", queue="mail")
+            reply = await bus["dispatcher"].dispatch("gw-1", request, within=5.0)
+            assert list(reply.accepted) == ["t1"]
+            callback = cluster_pb2.WebhookCallback(worker="hooks", task_id="t2")
+            assert (await bus["api"].webhook_callback(callback, within=5.0)).message == "t2"
+
+            for name, bucket, key in (
+                ("dispatcher", subjects.owners_bucket, "mail"),
+                ("maintenance", subjects.leaders_bucket, "scheduler"),
+                ("webhook", subjects.leaders_bucket, "webhook-manager"),
+            ):
+                kv = await open_lease_bucket(conns[name], bucket, 2.0)
+                lease = KeyLease(kv, key, name)
+                assert await lease.claim(), name
+                assert await lease.refresh(), name
+                await lease.release()
+                assert (await lease.holder()) is None, name
+            with pytest.raises(Exception):  # noqa: B017,PT011 - a permission error, or a timeout
+                await open_lease_bucket(conns["maintenance"], subjects.owners_bucket, 2.0)
+            with pytest.raises(Exception):  # noqa: B017,PT011
+                await open_lease_bucket(conns["dispatcher"], subjects.leaders_bucket, 2.0)
+            await wait_until(lambda: errors["maintenance"].seen != [], within=5.0)
+            for name in ("api", "webhook"):
+                assert errors[name].seen == [], (name, errors[name].seen)
+        finally:
+            for nc in conns.values():
+                await nc.close()

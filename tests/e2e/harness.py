@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conveyor_runtime.cluster_key import generate_key
 from conveyor_runtime.embedded_nats import free_port
 from conveyor_testkit.polling import wait_until, wait_until_blocking
 from conveyor_testkit.webhooks import LOCAL_ENDPOINTS, WEBHOOK_KEY
@@ -123,19 +124,26 @@ class Proc:
 
 @dataclass
 class Cluster:
-    """The services of one end-to-end test: api(s), dispatcher(s), maintenance."""
+    """The services of one end-to-end test: api(s), dispatcher(s), maintenance.
+
+    They share ``cluster_key`` (the test run's, else a new one): a test's own bus seals
+    with it to speak as a service, or with another key to play an intruder."""
 
     dsn: str
     nats_url: str
     workdir: Path
     settings_env: dict[str, str] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
+    cluster_key: str = field(
+        default_factory=lambda: os.environ.get("CONVEYOR_CLUSTER_KEY") or generate_key()
+    )
 
     def _env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {
             "CONVEYOR_DSN": self.dsn,
             "CONVEYOR_NATS_URL": self.nats_url,
             "CONVEYOR_ALLOW_UNAUTHENTICATED": "true",
+            "CONVEYOR_CLUSTER_KEY": self.cluster_key,
             "CONVEYOR_LOG_LEVEL": "info",
             "PYTHONUNBUFFERED": "1",
             # The tests' webhook endpoints listen on 127.0.0.1, which the services refuse

@@ -301,7 +301,10 @@ async def test_concurrent_enqueues_share_commits_and_wakes(
 
     # A marker published after every response: everything before it has arrived. (By
     # hand: the bus would publish it on the marker queue's subject.)
-    await nc.publish(subjects.wake("burst"), cluster_pb2.Wake(queue="marker").SerializeToString())
+    marker = cluster_pb2.Wake(queue="marker").SerializeToString()
+    await nc.publish(
+        subjects.wake("burst"), marker, headers=bus.auth.seal(subjects.wake("burst"), marker)
+    )
     await wakes.wait_for(lambda m: m.queue == "marker")
     real = [m for m in wakes.messages if m.queue == "burst"]
     assert 1 <= len(real) <= len(broker.enqueue_batch_sizes)
@@ -349,7 +352,10 @@ async def test_wake_only_for_due_work(
     await enqueue(tasks, new(queue="now"))
     await wakes.wait_for(lambda m: m.queue == "now")
     # A marker on the subject of "later" (by hand: the bus would publish it on its own).
-    await nc.publish(subjects.wake("later"), cluster_pb2.Wake(queue="marker").SerializeToString())
+    marker = cluster_pb2.Wake(queue="marker").SerializeToString()
+    await nc.publish(
+        subjects.wake("later"), marker, headers=bus.auth.seal(subjects.wake("later"), marker)
+    )
     await wakes.wait_for(lambda m: m.queue == "marker")
     assert [m.queue for m in wakes.messages] == ["now", "marker"]
     await wakes.stop()

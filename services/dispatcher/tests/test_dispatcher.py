@@ -27,6 +27,7 @@ from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.cluster_keys import cluster_auth
 from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -52,7 +53,7 @@ class FakeGateway:
         self.id = f"gw-{uuid.uuid4().hex[:8]}"
         self.nc = nc
         self.subjects = subjects
-        self.bus = Bus(nc, subjects)
+        self.bus = Bus(nc, subjects, cluster_auth())
         self.queue = queue
         self.capacity = capacity
         self.weight = weight
@@ -132,7 +133,9 @@ class FakeGateway:
         )
         if self.finish_at_once and taken:
             await self.done(len(taken))
-        await msg.respond(reply.SerializeToString())
+        # Sealed for the dispatcher's inbox, as Bus.serve_dispatch would.
+        body = reply.SerializeToString()
+        await self.nc.publish(msg.reply, body, headers=self.bus.auth.seal(msg.reply, body))
 
 
 # ------------------------------------------------------------------ fixtures
@@ -196,7 +199,7 @@ async def count(broker: Broker, queue: str, state: TaskState) -> int:
 
 
 async def wake(nc: NatsClient, subjects: Subjects, queue: str) -> None:
-    await Bus(nc, subjects).publish(cluster_pb2.Wake(queue=queue))
+    await Bus(nc, subjects, cluster_auth()).publish(cluster_pb2.Wake(queue=queue))
     await nc.flush()
 
 
@@ -230,8 +233,10 @@ async def test_a_wake_dispatches_leased_tasks_to_a_registered_gateway(
         assert env.attempt == 1
     qd = d.queue(queue_name)
     assert qd is not None
+    # The gateway records a request before it replies: the dispatcher counts the tasks
+    # once the reply is in.
+    await wait_until(lambda: qd.dispatched == 3)
     assert qd.book.total == 7
-    assert qd.dispatched == 3
 
 
 async def test_a_starting_dispatcher_claims_queues_with_due_work_unprompted(
@@ -371,7 +376,9 @@ async def test_pause_stops_dispatch_and_resume_restarts_it(
     assert qd is not None
 
     async def control() -> None:
-        await Bus(nc, subjects).publish(cluster_pb2.Control(queue=queue_name, reason="test"))
+        await Bus(nc, subjects, cluster_auth()).publish(
+            cluster_pb2.Control(queue=queue_name, reason="test")
+        )
         await nc.flush()
 
     await broker.set_queue_paused(queue_name, True)
@@ -579,8 +586,13 @@ async def test_malformed_messages_are_ignored(
     queue_name: str,
 ) -> None:
     d = await dispatchers()
-    await nc.publish(subjects.register(queue_name), b"\xff\xff not a protobuf")
-    await nc.publish(subjects.done(queue_name), b"\xff\xff")
+    # Sealed, so that what is dropped is dropped for not decoding.
+    auth = cluster_auth()
+    for subject, body in (
+        (subjects.register(queue_name), b"\xff\xff not a protobuf"),
+        (subjects.done(queue_name), b"\xff\xff"),
+    ):
+        await nc.publish(subject, body, headers=auth.seal(subject, body))
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=1)
     await gw.start()
     await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
@@ -644,7 +656,7 @@ async def test_queues_woken_together_share_lease_round_trips(
         await enqueue(broker, queue, 2)
     asks = d.leaser.asks
     rounds = d.leaser.rounds
-    bus = Bus(nc, subjects)
+    bus = Bus(nc, subjects, cluster_auth())
     for queue in queues:
         await bus.publish(cluster_pb2.Wake(queue=queue))
     await nc.flush()

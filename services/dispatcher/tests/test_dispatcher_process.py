@@ -16,6 +16,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.cluster_keys import cluster_auth
 from conveyor_testkit.polling import wait_until
 
 pytestmark = pytest.mark.postgres
@@ -47,7 +48,7 @@ async def test_dispatcher_process_dispatches_and_hands_over_on_sigterm(
         )
     nc = await connect_nats(nats_url, name="process-test")
     broker: PostgresBroker | None = None
-    bus = Bus(nc, subjects)
+    bus = Bus(nc, subjects, cluster_auth())
     try:
         owner_changes: list[str] = []
         received: list[str] = []

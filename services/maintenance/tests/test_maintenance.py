@@ -24,6 +24,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import NatsClient
 from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.cluster_keys import cluster_auth
 from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
 
@@ -349,7 +350,7 @@ async def test_a_promote_hint_runs_the_scheduler_at_once(
     await wait_until(lambda: m.passes[SCHEDULER] >= 1)
     passes = m.passes[SCHEDULER]
     clock.advance(timedelta(seconds=5))
-    await Bus(nc, subjects).publish_promote()
+    await Bus(nc, subjects, cluster_auth()).publish_promote()
     await wait_until(lambda: wakes.count("hinted") >= 1)
     assert (await broker.get_task(task.id)).state is TaskState.PENDING
     assert m.passes[SCHEDULER] == passes + 1

@@ -16,6 +16,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.cluster_keys import cluster_auth
 from conveyor_testkit.polling import wait_until
 
 pytestmark = pytest.mark.postgres
@@ -29,7 +30,9 @@ async def test_maintenance_process_wakes_due_queues_and_stops_on_sigterm(
     broker = await PostgresBroker.connect(fresh_pg_dsn, max_size=2)
     nc = await connect_nats(nats_url, name="process-test")
     woken: list[str] = []
-    await Bus(nc, subjects).subscribe(cluster_pb2.Wake, lambda wake: woken.append(wake.queue))
+    await Bus(nc, subjects, cluster_auth()).subscribe(
+        cluster_pb2.Wake, lambda wake: woken.append(wake.queue)
+    )
     await nc.flush()
     # Due work nobody announced: the reaper's sweep must find it.
     await broker.enqueue(NewTask(queue="forgotten", type="t"))

@@ -25,6 +25,7 @@ from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import verify_delivery, verify_lease_token
 from conveyor_runtime.webhook_urls import AddressPolicy
+from conveyor_testkit.cluster_keys import cluster_auth
 from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
     dispatcher_fixture,
     endpoint_fixture,
@@ -550,7 +551,7 @@ async def test_a_gateway_that_fails_to_start_closes_what_it_opened(
         ),
         policy=AddressPolicy.from_networks([LOCAL_ENDPOINTS]),
     )
-    bus = Bus(gone, subjects)
+    bus = Bus(gone, subjects, cluster_auth())
     acks, wakes = AckBatcher(broker), WakePublisher(bus)
     gateway = WebhookGateway(worker, Wiring(broker, bus, config, acks, wakes))
 

@@ -8,17 +8,22 @@ with a real dispatcher, endpoint, broker and nats-server (the ``rig`` of
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import timedelta
 from typing import Any
 
+import nats.errors
 import pytest
 from conveyor_broker import Broker, FakeClock, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2
+from conveyor_runtime.bus import Bus
+from conveyor_runtime.cluster_key import generate_key
 from conveyor_runtime.nats_connect import NatsClient, close_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.webhook_auth import verify_lease_token
+from conveyor_testkit.cluster_keys import TEST_CLUSTER_KEY, cluster_auth
 from conveyor_testkit.fixtures import (  # noqa: F401  (pytest fixtures)
     dispatcher_fixture,
     endpoint_fixture,
@@ -354,3 +359,36 @@ async def test_stopping_while_a_gateway_starts_drains_the_half_started_gateway(
             await nc.request(dispatch, cluster_pb2.DispatchRequest().SerializeToString(), 1.0)
     finally:
         await close_nats(gated)
+
+
+@memory_only
+async def test_a_forged_callback_is_not_answered_and_the_task_stays_as_it_was(
+    rig: Rig, nc: NatsClient, subjects: Subjects
+) -> None:
+    """A client on NATS without the cluster key (or replaying what it captured a minute
+    ago) cannot complete a parked delivery that never finished: the webhook gateway does
+    not act on its callback, nor answer it."""
+    manager, gateway = await rig.start()
+    parked = await rig.park(gateway)
+    forged = cluster_pb2.WebhookCallback(
+        worker=NAME, task_id=parked.task_id, lease_id=parked.lease_id, queue=QUEUE
+    )
+    forged.result.CopyFrom(outcome(service_pb2.OUTCOME_SUCCESS, b"never ran"))
+    intruders = {
+        "another key": cluster_auth(generate_key()),
+        "replayed": cluster_auth(TEST_CLUSTER_KEY, now=lambda: time.time() - 60),
+    }
+    for how, auth in intruders.items():
+        with pytest.raises(nats.errors.TimeoutError):
+            await Bus(nc, subjects, auth).webhook_callback(forged, within=0.5)
+        assert await still_leased(rig, parked), how
+    subject = subjects.webhook_callback(NAME)
+    with pytest.raises(nats.errors.TimeoutError):
+        await nc.request(subject, forged.SerializeToString(), 1.0)  # unsealed
+    assert manager.bus.refusals.counts["WebhookCallback"] == 3
+    assert await still_leased(rig, parked)
+    assert gateway.parked == 1
+    # The same callback through the api's path (sealed with the cluster key) completes it.
+    done = await rig.callback(parked, outcome=outcome(service_pb2.OUTCOME_SUCCESS, b"ran"))
+    assert done.status == Reply.STATUS_OK, done.message
+    assert await rig.state_of(parked.task_id) == TaskState.COMPLETED

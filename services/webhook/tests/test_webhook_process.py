@@ -21,6 +21,7 @@ from conveyor_runtime.nats_connect import close_nats, connect_nats
 from conveyor_runtime.ownership import KeyLease, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
+from conveyor_testkit.cluster_keys import cluster_auth
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.webhooks import LOCAL_ENDPOINTS, WEBHOOK_KEY, Endpoint, register, rpc, submit
 from conveyor_webhook import ROLE
@@ -66,7 +67,7 @@ async def test_webhook_process_delivers_and_stops_on_sigterm(
                 stderr=log,
             )
         try:
-            task_id = await submit(broker, Bus(nc, subjects), "hooks")
+            task_id = await submit(broker, Bus(nc, subjects, cluster_auth()), "hooks")
 
             async def completed() -> bool:
                 task = await broker.get_task(task_id)

@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from conveyor_runtime import health
 from conveyor_runtime.broker_factory import PostgresConnectError, open_broker
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.cluster_key import ClusterAuth, ClusterKeyError
 from conveyor_runtime.events import EventGate, EventPublisher
 from conveyor_runtime.logging import configure_logging
 from conveyor_runtime.nats_connect import (
@@ -86,6 +87,7 @@ async def open_runtime(
     """
     clock = clock or SystemClock()
     subjects = Subjects(settings.subject_prefix)
+    auth = ClusterAuth.from_settings(settings)  # an unusable key fails before any link
     configure_tracing(name, settings.instance_id, settings.otlp_endpoint)
     broker = await open_broker(settings, clock)
     try:
@@ -94,7 +96,7 @@ async def open_runtime(
             name=f"{name}-{settings.instance_id}",
             security=NatsSecurity.from_settings(settings),
         )
-        bus = Bus(nc, subjects)
+        bus = Bus(nc, subjects, auth)
         events = EventPublisher(bus) if publish_events else None
         gate: EventGate | None = None
         try:
@@ -166,8 +168,9 @@ def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:
         uvloop.run(wrapper())
     except asyncio.CancelledError:
         return 1
-    except (NatsConnectError, PostgresConnectError) as exc:
-        # A refused link (credentials, TLS): one clear line, no traceback.
+    except (NatsConnectError, PostgresConnectError, ClusterKeyError) as exc:
+        # A refused link (credentials, TLS) or an unusable cluster key: one clear line,
+        # no traceback.
         logger.error("service.failed name=%s error=%s", name, exc)
         return 1
     except Exception:

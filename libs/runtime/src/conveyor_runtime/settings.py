@@ -17,6 +17,7 @@ from typing import Annotated, Literal, Self
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from conveyor_runtime.cluster_key import ClusterKeyError, parse_keys, read_key_file
 from conveyor_runtime.tls import check_links, check_server_tls
 from conveyor_runtime.tokens import Token, load_tokens
 from conveyor_runtime.webhook_secrets import SecretKeyring
@@ -36,7 +37,8 @@ class CommonSettings(BaseSettings):
         extra="forbid",
         cli_kebab_case=True,
         cli_implicit_flags=True,
-        # An error must not print what was given: passwords, tokens and keys are inputs.
+        # Settings hold secrets (the cluster key, tokens, passwords): an error names the
+        # setting and the problem, never the value.
         hide_input_in_errors=True,
     )
 
@@ -120,10 +122,46 @@ class CommonSettings(BaseSettings):
         None, description="Client certificate (PEM file) for Postgres certificate authentication"
     )
     db_sslkey: str | None = Field(None, description="Private key (PEM file) of db_sslcert")
+    cluster_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="The key the services seal their NATS messages with (base64, at least "
+        "32 bytes; the same on every service; `conveyor cluster-key` makes one); "
+        "comma-separated for a rotation: the first signs, every one verifies",
+    )
+    cluster_key_file: str | None = Field(
+        None,
+        description="File holding the cluster key(s) instead, one per line (the first "
+        "signs); read at start",
+    )
+    allow_unsigned: bool = Field(
+        False,
+        description="Knowingly run without a cluster key, or accept unsealed NATS messages "
+        "while a cluster key is rolled out (a wrong seal is refused all the same)",
+    )
+
+    @field_validator("cluster_key", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        # Environment variables carry a comma-separated list, not JSON.
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
 
     @model_validator(mode="after")
     def _links_fail_closed(self) -> Self:
         check_links(self)
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_keys_decode(self) -> Self:
+        if self.cluster_key and self.cluster_key_file:
+            raise ValueError(
+                "CONVEYOR_CLUSTER_KEY and CONVEYOR_CLUSTER_KEY_FILE are both set: set one"
+            )
+        if self.cluster_key_file:
+            parse_keys(read_key_file(self.cluster_key_file), source="CONVEYOR_CLUSTER_KEY_FILE")
+        else:
+            parse_keys(self.cluster_key)
         return self
 
     @property
@@ -139,7 +177,22 @@ class CommonSettings(BaseSettings):
         return cls(_cli_parse_args=list(argv))
 
 
-class WebhookAccessSettings(CommonSettings):
+class ServiceSettings(CommonSettings):
+    """Settings of a service that talks over NATS (every one but ``conveyor migrate``):
+    it needs the cluster key."""
+
+    @model_validator(mode="after")
+    def _cluster_key_fails_closed(self) -> Self:
+        if not self.cluster_key and not self.cluster_key_file and not self.allow_unsigned:
+            raise ClusterKeyError(
+                "no cluster key: set CONVEYOR_CLUSTER_KEY or CONVEYOR_CLUSTER_KEY_FILE (the "
+                "same on every service; `conveyor cluster-key` makes one) or, knowingly, "
+                "CONVEYOR_ALLOW_UNSIGNED=true"
+            )
+        return self
+
+
+class WebhookAccessSettings(ServiceSettings):
     """What the api (registrations, callbacks) and the webhook service (deliveries) both
     need to know about webhooks: where deliveries may go, and the keys of the secrets."""
 
@@ -286,7 +339,7 @@ class ApiSettings(WebhookAccessSettings):
         return self._tokens
 
 
-class DispatcherSettings(CommonSettings):
+class DispatcherSettings(ServiceSettings):
     """services/dispatcher: one dispatch loop per owned queue."""
 
     batch_max: int = Field(100, ge=1, le=1000, description="Most tasks leased in one round trip")
@@ -307,7 +360,7 @@ class DispatcherSettings(CommonSettings):
     )
 
 
-class MaintenanceSettings(CommonSettings):
+class MaintenanceSettings(ServiceSettings):
     """services/maintenance: scheduler and reaper (leader-elected)."""
 
     promote_tick: float = Field(

@@ -1,5 +1,5 @@
-"""A private certificate authority for development and tests, and the NATS keys of
-``compose.yaml``: what ``scripts/dev-certs`` writes.
+"""A private certificate authority for development and tests, and the NATS keys and the
+cluster key of ``compose.yaml``: what ``scripts/dev-certs`` writes.
 
 :class:`CertAuthority` makes a CA and issues server and client certificates (ECDSA P-256,
 SHA-256); :func:`write_dev_certs` writes every file the compose stack mounts. None of this
@@ -16,7 +16,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import nkeys
-from conveyor_runtime.webhook_secrets import generate_key
+from conveyor_runtime.cluster_key import generate_key
+from conveyor_runtime.webhook_secrets import generate_key as generate_secret_key
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -192,6 +193,8 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
     - ``<user>.nk``: each NATS user's nkey seed (``CONVEYOR_NATS_NKEY_SEED``);
     - ``webhook-secret.key``: the key that encrypts webhook secrets at rest
       (``CONVEYOR_WEBHOOK_SECRET_KEY_FILE`` of the api and the webhook service).
+    - ``cluster.key``: the cluster key every service seals its NATS messages with
+      (``CONVEYOR_CLUSTER_KEY_FILE``).
 
     Keys are readable by everyone (mode 0644): the containers run as users of their own,
     and these are throwaway development keys. Returns the paths written.
@@ -219,5 +222,6 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
         put(f"{user}.nk", seed + b"\n")
         lines.append(f'{user.upper()}_NKEY = "{public}"')
     put("nats-users.conf", ("\n".join(lines) + "\n").encode())
-    put("webhook-secret.key", (generate_key("dev") + "\n").encode())
+    put("webhook-secret.key", (generate_secret_key("dev") + "\n").encode())
+    put("cluster.key", (generate_key() + "\n").encode())
     return written

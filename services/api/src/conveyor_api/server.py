@@ -20,6 +20,7 @@ from conveyor_gateway import (
 )
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.events import EventGate
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
@@ -96,7 +97,7 @@ class ApiServer:
         self.nc = nc
         self.clock: Clock = clock or SystemClock()
         self.subjects = Subjects(settings.subject_prefix)
-        self.bus = Bus(nc, self.subjects)
+        self.bus = Bus(nc, self.subjects, ClusterAuth.from_settings(settings))
         self.port = 0
         self.registry = SessionRegistry()
         self.wakes = WakePublisher(self.bus)

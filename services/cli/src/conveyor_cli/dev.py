@@ -23,6 +23,7 @@ from typing import Any
 from conveyor_api.server import ApiServer
 from conveyor_dispatcher.dispatcher import Dispatcher
 from conveyor_maintenance.maintenance import Maintenance
+from conveyor_runtime.cluster_key import generate_key as generate_cluster_key
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.service import open_runtime
 from conveyor_runtime.settings import (
@@ -89,6 +90,12 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
             instance_id="dev",
             # The one place plaintext is the default: a local server for development.
             allow_plaintext=True,
+            # Every service runs in this process: a fresh key per run seals their messages
+            # all the same (an embedded nats-server on loopback is still reachable by
+            # anyone on the machine), and nothing has to be configured.
+            cluster_key=[generate_cluster_key()],
+            cluster_key_file=None,
+            allow_unsigned=False,
         )
         if options.dsn:
             base = base.model_copy(update={"dsn": options.dsn})

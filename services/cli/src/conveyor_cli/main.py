@@ -163,6 +163,15 @@ def dev(host: str, port: int, dsn: str | None, nats_url: str | None, lease_ttl: 
     sys.exit(run_service(main, CommonSettings(broker="memory", allow_plaintext=True), name="dev"))
 
 
+@cli.command("cluster-key")
+def cluster_key() -> None:
+    """Print a new random cluster key (base64): give the same one to every service, as
+    CONVEYOR_CLUSTER_KEY or in the file CONVEYOR_CLUSTER_KEY_FILE names."""
+    from conveyor_runtime.cluster_key import generate_key
+
+    click.echo(generate_key())
+
+
 @cli.command()
 @click.option("--file", "path", required=True, help="The service's --health-file")
 @click.option("--max-age", default=10.0, show_default=True, help="Seconds the file may be old")

@@ -26,6 +26,7 @@ from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.validation import check_queue
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
@@ -55,7 +56,7 @@ class Dispatcher:
         self.settings = settings
         self.instance_id = settings.instance_id
         self.subjects = Subjects(settings.subject_prefix)
-        self.bus = Bus(nc, self.subjects)
+        self.bus = Bus(nc, self.subjects, ClusterAuth.from_settings(settings))
         self._broker = broker
         #: Every owned queue leases through it, so their leases share round trips.
         self.leaser = LeaseBatcher(broker)

@@ -38,6 +38,7 @@ from conveyor_broker.types import (
 from conveyor_broker.validation import QUEUE_RE
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
@@ -82,7 +83,7 @@ class Maintenance:
         self.settings = settings
         self.instance_id = settings.instance_id
         self.subjects = Subjects(settings.subject_prefix)
-        self.bus = Bus(nc, self.subjects)
+        self.bus = Bus(nc, self.subjects, ClusterAuth.from_settings(settings))
         self._broker = broker
         self._nc = nc
         # The broker takes "now" from this clock; tick timers are process-local.

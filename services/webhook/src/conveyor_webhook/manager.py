@@ -51,6 +51,7 @@ from conveyor_broker.clock import Clock, SystemClock
 from conveyor_gateway import AckBatcher, GatewayConfig, WakePublisher
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
@@ -110,7 +111,7 @@ class WebhookManager:
         self.clock: Clock = clock or SystemClock()
         self._broker = broker
         self._nc = nc
-        self.bus = Bus(nc, self.subjects)
+        self.bus = Bus(nc, self.subjects, ClusterAuth.from_settings(settings))
         self.config = WebhookConfig(
             gateway=GatewayConfig(
                 lease_ttl=settings.lease_ttl_delta,
