@@ -50,6 +50,28 @@ class CommonSettings(BaseSettings):
         description="PostgreSQL DSN (postgres broker)",
     )
     db_pool_size: int = Field(10, ge=1, description="Postgres connection pool size")
+    db_statement_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a Postgres statement may run before the server cancels it "
+        "(the session's statement_timeout; storage upkeep's VACUUM is exempt; 0: none)",
+    )
+    db_command_timeout: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds to wait for Postgres to answer a call before the connection "
+        "is given up as wedged (canceled, else closed) and the call fails as unavailable; "
+        "keep it above db_statement_timeout (0: none)",
+    )
+    db_acquire_timeout: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds a call waits for a free pool connection before it fails as "
+        "unavailable (0: no limit)",
+    )
+    db_connect_timeout: float = Field(
+        10.0, gt=0, description="Seconds to open one Postgres connection"
+    )
     auto_migrate: bool = Field(
         True, description="Apply pending database migrations at start (postgres broker)"
     )
