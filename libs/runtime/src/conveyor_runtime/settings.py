@@ -78,6 +78,12 @@ class CommonSettings(BaseSettings):
     instance_id: str = Field(
         default_factory=default_instance_id, description="This process's name in the cluster"
     )
+    stop_grace: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a service may take to stop after SIGTERM/SIGINT before it is "
+        "cut short (exit code 1); start-up waits (for NATS, Postgres) end at once",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level")
     log_format: Literal["text", "json"] = Field("text", description="Log format")
     lease_ttl: float = Field(
