@@ -184,6 +184,25 @@ class ApiSettings(CommonSettings):
         "it and fails the attempt itself",
     )
     min_sdk_version: str = Field("0.1.0", description="Oldest worker SDK version accepted")
+    max_concurrent_rpcs: int = Field(
+        10000,
+        ge=0,
+        description="Most gRPC calls the api serves at once, worker sessions and event "
+        "watches included; one more is refused with RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    session_max_pending_frames: int = Field(
+        1000,
+        ge=1,
+        description="Most frames waiting to be written to one worker session; past it the "
+        "worker is taken as not reading: its session ends (RESOURCE_EXHAUSTED) and its "
+        "tasks are released",
+    )
+    session_write_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds one write to a worker session may stay blocked (the worker "
+        "not reading) before the session ends and its tasks are released",
+    )
     enqueue_batch_window: float = Field(
         0.002,
         ge=0,
