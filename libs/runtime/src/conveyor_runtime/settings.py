@@ -290,6 +290,13 @@ class DispatcherSettings(CommonSettings):
         description="Gateways' re-registration period; a registration not refreshed "
         "for 3 ticks is forgotten",
     )
+    progress_deadline: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds one round of a queue's lease cycle (lease, dispatch, release) "
+        "may take; past it (a wedged database connection, say) this instance gives the "
+        "queue up so that another dispatcher takes it over",
+    )
 
 
 class MaintenanceSettings(CommonSettings):
