@@ -136,3 +136,21 @@ async def test_an_exhausted_pool_fails_the_call_as_unavailable(fresh_pg_dsn: str
                 await broker.get_task("0" * 26)
     finally:
         await broker.close()
+
+
+@pytest.mark.postgres
+async def test_asyncpg_internal_state_errors_come_out_clean(fresh_pg_dsn: str) -> None:
+    # What asyncpg raises on a connection an outage left mid-operation.
+    internal = asyncpg.exceptions.InternalClientError(
+        "cannot switch to state 12; another operation (2) is in progress"
+    )
+    broker = await open_broker(CommonSettings(broker="postgres", dsn=fresh_pg_dsn))
+    try:
+        assert isinstance(broker, PostgresBroker)
+        with pytest.raises(DatabaseUnavailable) as caught:
+            async with broker._conn():
+                raise internal
+        assert str(caught.value) == "database unavailable (connection failed): retry"
+        assert caught.value.__cause__ is internal
+    finally:
+        await broker.close()
