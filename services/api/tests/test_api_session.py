@@ -4,6 +4,7 @@ over the private nats-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,12 +15,13 @@ import pytest
 from conveyor_api import ApiServer
 from conveyor_broker import FakeClock, NewTask, TaskState
 from conveyor_broker.ids import is_ulid
-from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
+from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
+from nats import errors as nats_errors
 
 TTL = timedelta(seconds=30)
 
@@ -599,3 +601,88 @@ async def test_a_hello_with_too_many_batch_types_is_refused(channel: grpc.aio.Ch
     await worker.send(service_pb2.WorkerFrame(hello=hello))
     assert await worker.status() == grpc.StatusCode.INVALID_ARGUMENT
     assert "101 batch_types; at most 100" in await worker.details()
+
+
+# ------------------------------------------------------------ slow readers
+
+
+async def _read_to_the_end(worker: WorkerStream) -> None:
+    while await worker.call.read() is not grpc.aio.EOF:
+        pass
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        pytest.param({"session_max_pending_frames": 4}, id="too-many-pending-frames"),
+        pytest.param({"session_write_timeout": 1.0}, id="write-stuck"),
+    ],
+)
+async def test_a_worker_that_stops_reading_is_disconnected_and_its_tasks_released(
+    make_api: MakeApi, broker: CountingBroker, bus: Bus, bounds: dict[str, Any]
+) -> None:
+    api = await make_api(**bounds)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
+        registers = await Recorder(cluster_pb2.Register).start(bus)
+        worker = WorkerStream(channel)
+        welcome = await worker.hello({"q": 1}, 200)
+        await registers.wait_for(lambda m: m.gateway == welcome.session_id)
+        # Far more than any flow-control window: the worker reads none of it.
+        payload = b"x" * (256 * 1024)
+        await broker.enqueue_batch([NewTask(queue="q", type="job", payload=payload)] * 60)
+        envs = [wire.task_to_envelope(t) for t in await broker.lease("q", 60, TTL)]
+        accepted: list[str] = []
+        for first in range(0, 60, 2):  # two at a time: one NATS message each
+            try:
+                reply = await dispatch(bus, welcome.session_id, "q", envs[first : first + 2])
+            except nats_errors.NoRespondersError:
+                break  # the session has already been ended
+            accepted += reply.accepted
+        assert len(accepted) >= 6
+
+        async def released() -> bool:
+            # The worker still heartbeats all along: only not reading gives it away.
+            if not worker.call.done():
+                # A write can still race the server's end of the stream.
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await worker.send(service_pb2.WorkerFrame(heartbeat=service_pb2.Heartbeat()))
+            states = [await state_of(broker, task_id) for task_id in accepted]
+            return all(state is TaskState.PENDING for state in states)
+
+        await wait_until(released, within=20, message="tasks released")
+        # What the worker reads, once it reads: what got through, then the status.
+        # What the worker reads, once it reads: what got through, then the status.
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await _read_to_the_end(worker)
+        assert ended.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "not being read" in (ended.value.details() or "")
+        await registers.stop()
+
+
+async def test_calls_beyond_max_concurrent_rpcs_are_refused(make_api: MakeApi) -> None:
+    api = await make_api(max_concurrent_rpcs=2)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{api.port}") as channel:
+        first, second = WorkerStream(channel), WorkerStream(channel)
+        await first.hello({"q": 1}, 1)
+        await second.hello({"q": 1}, 1)
+        # Two sessions in progress: a third call of any kind is refused up front.
+        make_stub: Any = service_pb2_grpc.TaskServiceStub
+        stub = make_stub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.GetTask(service_pb2.GetTaskRequest(id="0" * 26))
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        third = WorkerStream(channel)
+        with pytest.raises(EOFError, match="RESOURCE_EXHAUSTED"):
+            await third.hello({"q": 1}, 1)
+        # Once a session ends its slot is free again.
+        first.cancel()
+
+        async def served() -> bool:
+            try:
+                await stub.GetTask(service_pb2.GetTaskRequest(id="0" * 26))
+            except grpc.aio.AioRpcError as exc:
+                return exc.code() is grpc.StatusCode.NOT_FOUND
+            return True
+
+        await wait_until(served, message="a call served after a session ended")
+        second.cancel()

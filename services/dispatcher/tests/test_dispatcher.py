@@ -13,11 +13,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
-from conveyor_broker.clock import FakeClock
+from conveyor_broker.clock import FakeClock, SystemClock
 from conveyor_broker.interface import Broker
 from conveyor_broker.memory import MemoryBroker
+from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_broker.types import NewTask, TaskListParams, TaskState
 from conveyor_dispatcher import Dispatcher
 from conveyor_protos.v1 import cluster_pb2, task_pb2
@@ -29,6 +31,7 @@ from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.cluster_keys import cluster_auth
 from conveyor_testkit.polling import wait_until
+from conveyor_testkit.proxy import WedgeProxy
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -697,3 +700,85 @@ async def test_a_task_too_big_to_dispatch_takes_no_credit(
         finally:
             await d.stop()
             await close_nats(nc)
+
+
+# ------------------------------------------------------ progress watchdog
+#
+# A dispatcher whose lease cycle is stuck on a wedged database connection gives its queue
+# up, and another dispatcher takes it over. Postgres sits behind a TCP proxy that stops
+# forwarding without closing (a half-open link).
+
+WEDGED_QUEUE = "wedged"
+
+
+def _via(dsn: str, port: int) -> str:
+    parts = urlsplit(dsn)
+    auth = parts.netloc.rpartition("@")[0]
+    return urlunsplit(
+        parts._replace(netloc=f"{auth}@127.0.0.1:{port}" if auth else f"127.0.0.1:{port}")
+    )
+
+
+@pytest.fixture
+async def migrated_dsn(fresh_pg_dsn: str) -> str:
+    await migrate(fresh_pg_dsn)
+    return fresh_pg_dsn
+
+
+@pytest.fixture
+async def wedge_proxy(migrated_dsn: str) -> AsyncIterator[WedgeProxy]:
+    parts = urlsplit(migrated_dsn)
+    async with WedgeProxy(parts.hostname or "127.0.0.1", parts.port or 5432) as p:
+        yield p
+
+
+@pytest.mark.postgres
+async def test_a_stuck_lease_cycle_hands_the_queue_to_another_dispatcher(
+    migrated_dsn: str, wedge_proxy: WedgeProxy, nc: NatsClient, subjects: Subjects, nats_url: str
+) -> None:
+    def settings(name: str) -> DispatcherSettings:
+        return DispatcherSettings(
+            nats_url=nats_url,
+            subject_prefix=subjects.prefix,
+            instance_id=name,
+            owner_ttl=30.0,  # long: the hand-over must not come from the key expiring
+            progress_deadline=1.0,
+        )
+
+    # The wedged one's broker: no client-side timeout to rescue it, only the watchdog.
+    wedged_broker = await PostgresBroker.connect(
+        _via(migrated_dsn, wedge_proxy.port), SystemClock(), max_size=2, command_timeout=None
+    )
+    healthy_broker = await PostgresBroker.connect(migrated_dsn, SystemClock(), max_size=2)
+    first = Dispatcher(settings("wedged"), wedged_broker, nc)
+    second = Dispatcher(settings("healthy"), healthy_broker, nc)
+    gateway = FakeGateway(nc, subjects, queue=WEDGED_QUEUE, capacity=10)
+    try:
+        await first.start()
+        await gateway.start()
+        await wait_until(lambda: WEDGED_QUEUE in first.owned, message="the first claims the queue")
+        await second.start()
+
+        wedge_proxy.wedge(new_connections=True)
+        ids = [
+            r.task.id
+            for r in await healthy_broker.enqueue_batch(
+                [NewTask(queue=WEDGED_QUEUE, type="t") for _ in range(3)]
+            )
+        ]
+        await wake(nc, subjects, WEDGED_QUEUE)
+        await wait_until(lambda: first.abandoned == 1, message="the stuck owner gives up")
+        await wait_until(lambda: WEDGED_QUEUE in second.owned, message="the other takes over")
+        # The tasks get through by the healthy dispatcher.
+        await wait_until(lambda: sorted(gateway.accepted_ids) == sorted(ids), within=20)
+        assert {r.dispatcher for r in gateway.requests} == {"healthy"}
+        for task_id in ids:
+            assert (await healthy_broker.get_task(task_id)).state is TaskState.ACTIVE
+        assert WEDGED_QUEUE not in first.owned
+    finally:
+        await gateway.stop_answering()
+        await second.stop()
+        await wedge_proxy.close()  # unwedges the first one's calls (they fail): it can stop
+        await first.stop()
+        await healthy_broker.close()
+        await wedged_broker.close()

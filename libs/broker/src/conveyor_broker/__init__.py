@@ -7,6 +7,7 @@ from conveyor_broker.clock import Clock, FakeClock, SystemClock
 from conveyor_broker.errors import (
     BrokerClosed,
     BrokerError,
+    DatabaseUnavailable,
     DuplicateTask,
     InvalidState,
     InvalidTask,
@@ -56,6 +57,7 @@ __all__ = [
     "BrokerError",
     "BrokerInfo",
     "Clock",
+    "DatabaseUnavailable",
     "DuplicateTask",
     "EnqueueResult",
     "EventSink",

@@ -66,3 +66,15 @@ class WebhookWorkerNotFound(BrokerError, LookupError):
     def __init__(self, name: str) -> None:
         super().__init__(f"no webhook worker named {name!r}")
         self.name = name
+
+
+class DatabaseUnavailable(ConnectionError):
+    """The database could not serve the call: unreachable, a connection lost or wedged
+    (no answer within the command timeout), the pool exhausted past its acquire timeout.
+
+    Not a :class:`BrokerError`: it is never the request's fault, and the call may be
+    retried as it is. It is a :class:`ConnectionError` so that whatever already treats
+    a lost link as transient (an ``OSError``) treats it so too. The message is a clean
+    sentence; the driver's own text (which can be internal, like asyncpg's "cannot
+    switch to state ...") is logged where it happens and kept as ``__cause__``.
+    """

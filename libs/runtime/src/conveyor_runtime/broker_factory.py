@@ -51,7 +51,9 @@ def _connect_error(settings: CommonSettings, exc: BaseException) -> PostgresConn
 async def postgres_connection(settings: CommonSettings) -> AsyncIterator[asyncpg.Connection]:
     """One connection to ``settings.dsn`` with the settings' TLS (for migrations)."""
     try:
-        conn = await asyncpg.connect(settings.dsn, ssl=postgres_ssl(settings))
+        conn = await asyncpg.connect(
+            settings.dsn, ssl=postgres_ssl(settings), timeout=settings.db_connect_timeout
+        )
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise _connect_error(settings, exc) from exc
     try:
@@ -85,13 +87,24 @@ async def open_broker(
         logger.info("broker.migrated applied=%s", applied)
     try:
         broker = await PostgresBroker.connect(
-            settings.dsn, clock, max_size=settings.db_pool_size, ssl=postgres_ssl(settings)
+            settings.dsn,
+            clock,
+            max_size=settings.db_pool_size,
+            ssl=postgres_ssl(settings),
+            statement_timeout=settings.db_statement_timeout,
+            command_timeout=settings.db_command_timeout,
+            acquire_timeout=settings.db_acquire_timeout,
+            connect_timeout=settings.db_connect_timeout,
         )
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise _connect_error(settings, exc) from exc
     logger.info(
-        "broker.opened driver=postgres pool=%d sslmode=%s",
+        "broker.opened driver=postgres pool=%d sslmode=%s statement_timeout=%s "
+        "command_timeout=%s acquire_timeout=%s",
         settings.db_pool_size,
         effective_sslmode(settings),
+        settings.db_statement_timeout,
+        settings.db_command_timeout,
+        settings.db_acquire_timeout,
     )
     return broker

@@ -277,7 +277,10 @@ class Bus:
         the NATS publish raises, and DecodeError for a reply that does not decode.
         """
         msg = await self._replies.request(
-            "DispatchReply", self.subjects.dispatch(gateway), request.SerializeToString(), within
+            "DispatchReply",
+            self.subjects.dispatch(gateway),
+            request.SerializeToString(),
+            within=within,
         )
         return cluster_pb2.DispatchReply.FromString(msg.data)
 
@@ -334,7 +337,7 @@ class Bus:
             "WebhookCallbackReply",
             self.subjects.webhook_callback(callback.worker),
             callback.SerializeToString(),
-            within,
+            within=within,
         )
         return cluster_pb2.WebhookCallbackReply.FromString(msg.data)
 
@@ -497,7 +500,7 @@ class _Replies:
                     self._prefix = prefix
         return self._prefix
 
-    async def request(self, kind: str, subject: str, body: bytes, within: float) -> Msg:
+    async def request(self, kind: str, subject: str, body: bytes, *, within: float) -> Msg:
         """Send ``body`` to ``subject`` (deadline ``within`` seconds) and wait for its
         first verified reply, ``within`` + :data:`REPLY_GRACE` seconds at most."""
         prefix = await self._subscribed()

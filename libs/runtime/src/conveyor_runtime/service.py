@@ -11,7 +11,10 @@ A service's ``__main__`` is a few lines::
 
     sys.exit(run_service(main, DispatcherSettings.from_args(sys.argv[1:]), name="dispatcher"))
 
-The first SIGTERM/SIGINT sets ``stop`` (graceful); a second one cancels the service.
+The first SIGTERM/SIGINT sets ``stop`` (graceful) and ends at once any start-up wait in
+:func:`open_runtime` (for NATS, Postgres): the process then exits with code 0. A service
+that has not stopped ``stop_grace`` seconds after that signal, or a second signal, cancels
+the service (exit code 1).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -51,7 +55,39 @@ from conveyor_runtime.tracing import configure_tracing, shutdown_tracing
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=CommonSettings)
+T = TypeVar("T")
 ServiceMain = Callable[[S, asyncio.Event], Coroutine[Any, Any, None]]
+
+
+#: The running service's stop event (set by :func:`run_service`): start-up waits end on it.
+_STOP: ContextVar[asyncio.Event | None] = ContextVar("conveyor_service_stop", default=None)
+
+
+class StartupAborted(Exception):
+    """A stop signal arrived while the service was still starting (waiting for NATS or
+    Postgres): the start-up was abandoned, which is a clean stop."""
+
+
+async def _until_stopped(step: Coroutine[Any, Any, T], what: str) -> T:
+    """``step``'s result, unless the service's stop event is set first: then ``step`` is
+    canceled and :class:`StartupAborted` raised. Outside :func:`run_service`, just
+    ``step``."""
+    stop = _STOP.get()
+    if stop is None:
+        return await step
+    if stop.is_set():
+        step.close()
+        raise StartupAborted(what)
+    work = asyncio.ensure_future(step)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if work.done():
+        return work.result()
+    await cancel_and_wait([work])
+    raise StartupAborted(what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +125,15 @@ async def open_runtime(
     subjects = Subjects(settings.subject_prefix)
     auth = ClusterAuth.from_settings(settings)  # an unusable key fails before any link
     configure_tracing(name, settings.instance_id, settings.otlp_endpoint)
-    broker = await open_broker(settings, clock)
+    broker = await _until_stopped(open_broker(settings, clock), "broker")
     try:
-        nc = await connect_nats(
-            settings.nats_url,
-            name=f"{name}-{settings.instance_id}",
-            security=NatsSecurity.from_settings(settings),
+        nc = await _until_stopped(
+            connect_nats(
+                settings.nats_url,
+                name=f"{name}-{settings.instance_id}",
+                security=NatsSecurity.from_settings(settings),
+            ),
+            "nats",
         )
         bus = Bus(nc, subjects, auth)
         events = EventPublisher(bus) if publish_events else None
@@ -132,8 +171,10 @@ async def open_runtime(
 def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:
     """Run ``main(settings, stop)`` on uvloop until it returns; the process exit code.
 
-    Logging is configured from the settings first. SIGTERM/SIGINT set ``stop``; a second
-    signal cancels ``main``. An exception out of ``main`` is logged and gives exit code 1.
+    Logging is configured from the settings first. SIGTERM/SIGINT set ``stop`` (and end
+    a start-up wait in :func:`open_runtime` at once: exit code 0); a second signal, or
+    ``main`` still running ``settings.stop_grace`` seconds later, cancels ``main`` (exit
+    code 1). An exception out of ``main`` is logged and gives exit code 1.
     """
     configure_logging(settings.log_level, settings.log_format)
 
@@ -157,11 +198,24 @@ def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:
             logger.info("service.stopping name=%s signal=%s", name, sig.name)
             first_signal_at.append(loop.time())
             stop.set()
+            loop.call_later(settings.stop_grace, out_of_grace)
+
+        def out_of_grace() -> None:
+            logger.warning(
+                "service.forced_stop name=%s reason=stop_grace grace=%s", name, settings.stop_grace
+            )
+            if task is not None:
+                task.cancel()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+        _STOP.set(stop)
         logger.info("service.starting name=%s instance=%s", name, settings.instance_id)
-        await main(settings, stop)
+        try:
+            await main(settings, stop)
+        except StartupAborted as exc:
+            logger.info("service.stopped name=%s during=start-up waiting_for=%s", name, exc)
+            return
         logger.info("service.stopped name=%s", name)
 
     try:

@@ -56,11 +56,39 @@ class CommonSettings(BaseSettings):
         description="PostgreSQL DSN (postgres broker)",
     )
     db_pool_size: int = Field(10, ge=1, description="Postgres connection pool size")
+    db_statement_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a Postgres statement may run before the server cancels it "
+        "(the session's statement_timeout; storage upkeep's VACUUM is exempt; 0: none)",
+    )
+    db_command_timeout: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds to wait for Postgres to answer a call before the connection "
+        "is given up as wedged (canceled, else closed) and the call fails as unavailable; "
+        "keep it above db_statement_timeout (0: none)",
+    )
+    db_acquire_timeout: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds a call waits for a free pool connection before it fails as "
+        "unavailable (0: no limit)",
+    )
+    db_connect_timeout: float = Field(
+        10.0, gt=0, description="Seconds to open one Postgres connection"
+    )
     auto_migrate: bool = Field(
         True, description="Apply pending database migrations at start (postgres broker)"
     )
     instance_id: str = Field(
         default_factory=default_instance_id, description="This process's name in the cluster"
+    )
+    stop_grace: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a service may take to stop after SIGTERM/SIGINT before it is "
+        "cut short (exit code 1); start-up waits (for NATS, Postgres) end at once",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level")
     log_format: Literal["text", "json"] = Field("text", description="Log format")
@@ -271,6 +299,25 @@ class ApiSettings(WebhookAccessSettings):
         "it and fails the attempt itself",
     )
     min_sdk_version: str = Field("0.1.0", description="Oldest worker SDK version accepted")
+    max_concurrent_rpcs: int = Field(
+        10000,
+        ge=0,
+        description="Most gRPC calls the api serves at once, worker sessions and event "
+        "watches included; one more is refused with RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    session_max_pending_frames: int = Field(
+        1000,
+        ge=1,
+        description="Most frames waiting to be written to one worker session; past it the "
+        "worker is taken as not reading: its session ends (RESOURCE_EXHAUSTED) and its "
+        "tasks are released",
+    )
+    session_write_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds one write to a worker session may stay blocked (the worker "
+        "not reading) before the session ends and its tasks are released",
+    )
     enqueue_batch_window: float = Field(
         0.002,
         ge=0,
@@ -357,6 +404,13 @@ class DispatcherSettings(ServiceSettings):
         gt=0,
         description="Gateways' re-registration period; a registration not refreshed "
         "for 3 ticks is forgotten",
+    )
+    progress_deadline: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds one round of a queue's lease cycle (lease, dispatch, release) "
+        "may take; past it (a wedged database connection, say) this instance gives the "
+        "queue up so that another dispatcher takes it over",
     )
 
 

@@ -9,6 +9,7 @@ import grpc
 from conveyor_broker import (
     BrokerClosed,
     BrokerError,
+    DatabaseUnavailable,
     DuplicateTask,
     InvalidState,
     InvalidTask,
@@ -60,11 +61,15 @@ async def abort_with_broker_error(
 async def abort_for_error(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:
     """End the call for any error a handler caught.
 
-    Broker errors map as in :func:`status_code_of`. A lost connection (OSError, timeout)
-    is UNAVAILABLE, which clients retry; anything else is a bug here and INTERNAL.
+    Broker errors map as in :func:`status_code_of`. An unavailable database, a lost
+    connection (OSError, timeout) is UNAVAILABLE, which clients retry; anything else is a bug here and INTERNAL.
     """
     if isinstance(exc, BrokerError):
         await abort_with_broker_error(context, exc)
+    if isinstance(exc, DatabaseUnavailable):
+        # Its message is clean (the driver's text was logged where it happened).
+        logger.warning("rpc.failed error=%s", exc)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     logger.exception("rpc.failed error=%r", exc)
     if isinstance(exc, OSError | TimeoutError):
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"temporarily unavailable: {exc!r}")

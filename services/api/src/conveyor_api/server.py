@@ -159,7 +159,10 @@ class ApiServer:
         """Bind the port, start serving, and listen for cancel broadcasts."""
         settings = self.settings
         server = grpc.aio.server(
-            interceptors=self._interceptors(), options=server_options(settings)
+            interceptors=self._interceptors(),
+            options=server_options(settings),
+            # Past it grpc refuses a call with RESOURCE_EXHAUSTED before any handler runs.
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs or None,
         )
         defaults = TaskDefaults(
             max_retry=settings.default_max_retry,
@@ -193,6 +196,8 @@ class ApiServer:
                 min_sdk_version=settings.min_sdk_version,
                 make_gateway=self._make_gateway,
                 hello_timeout=self._hello_timeout,
+                max_pending_frames=settings.session_max_pending_frames,
+                write_timeout=settings.session_write_timeout,
             ),
         )
         self._admin = AdminService(

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 #: A Hello must arrive this soon after the stream opens.
 HELLO_TIMEOUT = 10.0
+#: Defaults of the frame writer's bounds (ApiSettings: session_max_pending_frames,
+#: session_write_timeout).
+MAX_PENDING_FRAMES = 1000
+WRITE_TIMEOUT = 60.0
 #: Most queues one session may serve (each costs the gateway NATS subscriptions).
 MAX_QUEUES = 1000
 #: The largest weight of one queue (as for webhook workers).
@@ -68,6 +72,12 @@ FIRST_FRAME_MUST_BE_HELLO = "first frame must be Hello"
 MALFORMED_FRAME = malformed_message(service_pb2.WorkerFrame.DESCRIPTOR.full_name)
 #: How ``_serve`` says the session ended on a frame that does not parse.
 _ENDED_BY_MALFORMED = "malformed frame"
+#: How ``_serve`` says the session ended on a worker that does not read its stream.
+_ENDED_BY_SLOW_READER = "slow reader"
+#: The RESOURCE_EXHAUSTED message then.
+SLOW_READER = (
+    "the session's frames were not being read: session ended, its tasks released; reconnect"
+)
 
 
 class HelloRejected(Exception):
@@ -161,23 +171,75 @@ def hello_problem(hello: service_pb2.Hello) -> str | None:
     return None
 
 
+class SlowReader(Exception):
+    """The worker is not reading its stream: too many frames wait to be written to it, or
+    one write has been stuck too long. The session ends and its tasks are released."""
+
+
 class FrameWriter:
     """The one coroutine that writes to a session's stream, and the session's
     :class:`~conveyor_gateway.transport.Transport`: ``batches`` when the worker takes a
-    dispatch's tasks in one Dispatches frame."""
+    dispatch's tasks in one Dispatches frame.
 
-    def __init__(self, context: _Context, *, batches: bool = False) -> None:
+    Bounded: a worker that keeps its stream open (and heartbeats) but stops reading would
+    otherwise pin its tasks and an ever longer queue of frames here. More than
+    ``max_pending`` frames waiting, or one write blocked (the stream's flow-control window
+    full) for ``write_timeout`` seconds, ends :attr:`task` with :class:`SlowReader`.
+    """
+
+    def __init__(
+        self,
+        context: _Context,
+        *,
+        batches: bool = False,
+        max_pending: int = MAX_PENDING_FRAMES,
+        write_timeout: float = WRITE_TIMEOUT,
+    ) -> None:
         self._context = context
         self._batches = batches
         self._frames: deque[service_pb2.ServerFrame] = deque()
         self._ready = asyncio.Event()
-        self.task = asyncio.get_running_loop().create_task(self._run())
+        self._max_pending = max_pending
+        self._write_timeout = write_timeout
+        #: When the write in progress began (loop time); None between writes.
+        self._writing_since: float | None = None
+        self._failure: SlowReader | None = None
+        loop = asyncio.get_running_loop()
+        self.task = loop.create_task(self._run())
         self.task.add_done_callback(_consume_exception)
+        # A timer rather than a timeout around each write: the write is the hot path.
+        self._watch = loop.call_later(write_timeout / 2, self._check_stuck)
+        self.task.add_done_callback(lambda _: self._watch.cancel())
+
+    @property
+    def slow_reader(self) -> bool:
+        """True once the writer gave the session up for not reading."""
+        return self._failure is not None
 
     def send(self, frame: service_pb2.ServerFrame) -> None:
         """Queue ``frame``; frames go out in the order they were sent."""
+        if self.task.done():
+            return  # the session is ending: nothing more reaches the worker
         self._frames.append(frame)
         self._ready.set()
+        if len(self._frames) > self._max_pending:
+            self._give_up(f"{len(self._frames)} frames wait to be written")
+
+    def _check_stuck(self) -> None:
+        loop = asyncio.get_running_loop()
+        since = self._writing_since
+        if since is not None and loop.time() - since >= self._write_timeout:
+            self._give_up(f"a write has waited {loop.time() - since:.1f} s")
+            return
+        self._watch = loop.call_later(self._write_timeout / 2, self._check_stuck)
+
+    def _give_up(self, why: str) -> None:
+        if self.task.done():
+            return
+        logger.warning("session.slow_reader why=%s: ending the session", why)
+        self._frames.clear()
+        self._failure = SlowReader(why)
+        self.task.cancel()
 
     def dispatch(self, tasks: Sequence[task_pb2.TaskEnvelope]) -> None:
         """Queue the tasks of one dispatch offer: in Dispatches frames of at most
@@ -202,11 +264,19 @@ class FrameWriter:
         # A dispatch queues a burst of frames at once: write them back to back, waking
         # only when the queue runs dry (an asyncio.Queue costs a future per frame).
         frames = self._frames
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            while frames:
-                await self._context.write(_next_frame(frames))
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                while frames:
+                    self._writing_since = loop.time()
+                    await self._context.write(_next_frame(frames))
+                    self._writing_since = None
+        except asyncio.CancelledError:
+            if self._failure is not None:
+                raise self._failure from None
+            raise
 
 
 #: The most bytes of tasks in one Dispatches frame (a single bigger task goes alone), so
@@ -311,7 +381,11 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
         min_sdk_version: str,
         make_gateway: Callable[[str, WorkerSpec, FrameWriter], Gateway],
         hello_timeout: float = HELLO_TIMEOUT,
+        max_pending_frames: int = MAX_PENDING_FRAMES,
+        write_timeout: float = WRITE_TIMEOUT,
     ) -> None:
+        self._max_pending_frames = max_pending_frames
+        self._write_timeout = write_timeout
         self._registry = registry
         self._clock = clock
         self._config = config
@@ -360,7 +434,12 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
             logger.info("session.rejected code=%s reason=%s", exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)
         session_id = new_id(self._clock.now())
-        writer = FrameWriter(context, batches=hello.accepts_dispatches)
+        writer = FrameWriter(
+            context,
+            batches=hello.accepts_dispatches,
+            max_pending=self._max_pending_frames,
+            write_timeout=self._write_timeout,
+        )
         writer.send(self._welcome(session_id))
         gateway = self._make_gateway(session_id, spec, writer)
         stop = self._registry.add(gateway)
@@ -385,6 +464,8 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server shutting down; reconnect")
         if ended_by == "error":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "session could not start; reconnect")
+        if ended_by == _ENDED_BY_SLOW_READER:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, SLOW_READER)
         if ended_by == _ENDED_BY_MALFORMED:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED_FRAME)
 
@@ -411,7 +492,7 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
         if stopper in done:
             return "server"
         if writer.task in done:
-            return "broken stream"
+            return _ENDED_BY_SLOW_READER if writer.slow_reader else "broken stream"
         if reader in done and reader.exception() is None and reader.result():
             return _ENDED_BY_MALFORMED
         return "worker"

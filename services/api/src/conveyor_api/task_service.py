@@ -12,6 +12,7 @@ from conveyor_broker import (
     MAX_BATCH,
     Broker,
     BrokerError,
+    DatabaseUnavailable,
     DuplicateTask,
     EnqueueResult,
     InvalidTask,
@@ -117,8 +118,15 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
             else:
                 # Not the item's fault (the broker is down, say): fail the whole call so
                 # the producer retries it rather than reading a partial answer.
+                # Only DatabaseUnavailable's own text is fit for a client; any other
+                # error's (a driver's internals) stays in the log.
                 logger.error("enqueue_batch.failed error=%r", outcome)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"enqueue failed: {outcome}")
+                reason = (
+                    str(outcome)
+                    if isinstance(outcome, DatabaseUnavailable)
+                    else "database unavailable: retry"
+                )
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"enqueue failed: {reason}")
         return service_pb2.EnqueueBatchResponse(results=[i for i in items if i is not None])
 
     async def EnqueueTx(

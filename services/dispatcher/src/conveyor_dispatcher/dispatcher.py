@@ -71,15 +71,20 @@ class Dispatcher:
             dispatch_timeout=settings.dispatch_timeout,
             register_ttl=settings.register_tick * REGISTER_TICKS_TO_EXPIRE,
             idle_timeout=settings.idle_timeout,
+            progress_deadline=settings.progress_deadline,
         )
         # After a refused claim, the queue is not tried again for this long (unless its
         # owner announces a change), so that wakes do not hammer the KV bucket.
         self._claim_retry = settings.owner_ttl / 2
-        self._housekeeping_tick = min(1.0, settings.register_tick, settings.idle_timeout / 2)
+        self._housekeeping_tick = min(
+            1.0, settings.register_tick, settings.idle_timeout / 2, settings.progress_deadline / 2
+        )
         self._queues: dict[str, QueueDispatcher] = {}
         # Queue -> registrations that arrived while its claim was in flight.
         self._claiming: dict[str, list[cluster_pb2.Register]] = {}
         self._refused_until: dict[str, float] = {}
+        #: Queues this instance gave up as stuck, and until when it leaves them alone.
+        self._abandoned_until: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
         self._keeper: LeaseKeeper | None = None
@@ -87,6 +92,8 @@ class Dispatcher:
         self._running = False
         #: Claims that found the queue owned elsewhere (or NATS not answering).
         self.claims_refused = 0
+        #: Queues given up because their lease cycle was stuck.
+        self.abandoned = 0
 
     # -------------------------------------------------------------- lifecycle
 
@@ -236,10 +243,15 @@ class Dispatcher:
         return asyncio.get_running_loop().time()
 
     def _may_claim(self, queue: str) -> bool:
-        """False while ``queue`` is owned here, being claimed, or was refused a moment ago."""
+        """False while ``queue`` is owned here, being claimed, was refused a moment ago, or
+        was given up here as stuck a moment ago."""
         if not self._running or queue in self._queues or queue in self._claiming:
             return False
-        return self._refused_until.get(queue, 0.0) <= self._now()
+        now = self._now()
+        return (
+            self._refused_until.get(queue, 0.0) <= now
+            and self._abandoned_until.get(queue, 0.0) <= now
+        )
 
     def _want(self, queue: str, reg: cluster_pb2.Register | None) -> None:
         """Try to claim ``queue`` in the background, unless a claim is in flight or was
@@ -304,17 +316,44 @@ class Dispatcher:
             await self._keeper.release(queue)
         logger.info("dispatcher.queue_released queue=%s reason=idle", queue)
 
+    async def _abandon(self, queue: str, spent: float) -> None:
+        """Give up a queue whose cycle is stuck: cancel the cycle, release the key, and
+        announce it, so that another instance claims it at once. This one does not claim
+        it back for a progress deadline."""
+        qd = self._queues.pop(queue, None)
+        if qd is None:
+            return
+        logger.warning(
+            "dispatcher.queue_abandoned queue=%s instance=%s reason=stuck seconds=%.1f",
+            queue,
+            self.instance_id,
+            spent,
+        )
+        qd.abandon()
+        self.abandoned += 1
+        # Not _refused_until: an owner change (our own announcement, first of all)
+        # clears that, and this instance, still stuck, would win the queue back.
+        self._abandoned_until[queue] = self._now() + self.settings.progress_deadline
+        if self._keeper is not None:
+            await self._keeper.release(queue)
+        await self.bus.publish_owner_changed(queue)
+
     async def _housekeep(self) -> None:
         while True:
             await asyncio.sleep(self._housekeeping_tick)
             try:
                 for queue, qd in list(self._queues.items()):
+                    spent = qd.stuck()
+                    if spent is not None:
+                        await self._abandon(queue, spent)
+                        continue
                     qd.expire_registrations()
                     if qd.idle():
                         await self._give_up(queue)
                 now = self._now()
-                for queue, until in list(self._refused_until.items()):
-                    if until <= now:
-                        del self._refused_until[queue]
+                for pauses in (self._refused_until, self._abandoned_until):
+                    for queue, until in list(pauses.items()):
+                        if until <= now:
+                            del pauses[queue]
             except Exception:
                 logger.exception("dispatcher.housekeeping_failed")

@@ -45,6 +45,9 @@ class QueueConfig:
     register_ttl: float
     #: The queue is given up after this long with no work and no registrations.
     idle_timeout: float
+    #: A lease cycle stuck in one round (lease, dispatch, release) for this long makes
+    #: the instance give the queue up (see :meth:`QueueDispatcher.stuck`).
+    progress_deadline: float = 30.0
 
 
 class QueueDispatcher:
@@ -71,6 +74,8 @@ class QueueDispatcher:
         self._dirty = False
         self._cycle: asyncio.Task[None] | None = None
         self._last_active = asyncio.get_running_loop().time()
+        #: When the running cycle's current round began (loop time); None between cycles.
+        self._round_since: float | None = None
         # Counters, for logs and tests.
         self.wakes = 0
         self.dispatched = 0
@@ -157,6 +162,24 @@ class QueueDispatcher:
         current request and releases whatever it leased but did not send."""
         self._closed = True
 
+    def stuck(self) -> float | None:
+        """Seconds the running cycle has spent in its current round, when that is past
+        the progress deadline (a broker call or a dispatch that does not come back: a
+        wedged database connection, say); else None. The owner then gives the queue up
+        (:meth:`abandon`) so that another dispatcher, whose links work, takes it over."""
+        since = self._round_since
+        if since is None or not self.cycling:
+            return None
+        spent = self._now() - since
+        return spent if spent >= self._config.progress_deadline else None
+
+    def abandon(self) -> None:
+        """Stop dispatching now and cancel the cycle in flight (stuck): what it leased and
+        did not send comes back when its lease expires (the reaper)."""
+        self._closed = True
+        if self._cycle is not None:
+            self._cycle.cancel()
+
     async def wait_closed(self) -> None:
         """Wait for the cycle in flight, if any, to end."""
         if self._cycle is not None:
@@ -197,6 +220,7 @@ class QueueDispatcher:
     async def _run(self) -> None:
         try:
             while not self._stopped():
+                self._round_since = self._now()
                 self._dirty = False
                 want = min(self.book.total, self._config.batch_max)
                 if want <= 0:
@@ -227,6 +251,8 @@ class QueueDispatcher:
                     break
         except Exception:
             logger.exception("dispatcher.cycle_failed queue=%s", self.queue)
+        finally:
+            self._round_since = None
 
     async def _dispatch(self, tasks: Sequence[Task]) -> tuple[int, int]:
         """Send ``tasks`` to gateways by weight; release what nobody accepted.

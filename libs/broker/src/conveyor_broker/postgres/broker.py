@@ -16,7 +16,8 @@ by the width of the race.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from ssl import SSLContext
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,6 +26,7 @@ import asyncpg
 
 from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
+    DatabaseUnavailable,
     DuplicateTask,
     InvalidState,
     InvalidTask,
@@ -134,9 +136,11 @@ class PostgresBroker(Broker):
         *,
         max_payload: int = MAX_PAYLOAD,
         default_max_retry: int = DEFAULT_MAX_RETRY,
+        acquire_timeout: float | None = None,
     ) -> None:
         super().__init__(clock, max_payload=max_payload, default_max_retry=default_max_retry)
         self._pool = pool
+        self._acquire_timeout = acquire_timeout
         self._owns_pool = False
         self._upkeep = upkeep.TableUpkeep()
 
@@ -153,20 +157,77 @@ class PostgresBroker(Broker):
         ssl: SSLContext
         | Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
         | None = None,
+        statement_timeout: float | None = None,
+        command_timeout: float | None = None,
+        acquire_timeout: float | None = None,
+        connect_timeout: float = 60.0,
     ) -> PostgresBroker:
         """Open a pool on ``dsn`` and return a broker that closes it on :meth:`close`.
 
         ``ssl`` is asyncpg's: an ``ssl.SSLContext`` (TLS is then mandatory and the context
         verifies the server) or an sslmode name; None follows the DSN's ``sslmode``.
+
+        Timeouts, in seconds (None or 0: none). ``statement_timeout`` is the server's: it
+        becomes every pool connection's session default, and a statement that runs longer
+        is canceled by Postgres. ``command_timeout`` is the client's, for a connection
+        that does not answer at all (a half-open TCP link, a frozen server): the call
+        fails with :class:`DatabaseUnavailable` and asyncpg cancels the statement, ending
+        the connection when even the cancel gets no answer, so the pool opens a fresh one.
+        Keep it above ``statement_timeout`` so that a slow statement is the server's to
+        cancel. ``acquire_timeout`` bounds the wait for a free pool connection.
         """
+        server_settings: dict[str, str] = {}
+        if statement_timeout:
+            server_settings["statement_timeout"] = str(max(1, round(statement_timeout * 1000)))
         pool = await asyncpg.create_pool(
-            dsn, min_size=min_size, max_size=max_size, reset=_keep_session, ssl=ssl
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            reset=_keep_session,
+            ssl=ssl,
+            server_settings=server_settings,
+            command_timeout=command_timeout or None,
+            timeout=connect_timeout,
         )
-        broker = cls(pool, clock, max_payload=max_payload, default_max_retry=default_max_retry)
+        broker = cls(
+            pool,
+            clock,
+            max_payload=max_payload,
+            default_max_retry=default_max_retry,
+            acquire_timeout=acquire_timeout or None,
+        )
         broker._owns_pool = True
         return broker
 
     # ------------------------------------------------------------------ plumbing
+
+    @asynccontextmanager
+    async def _conn(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy[asyncpg.Record]]:
+        """A pool connection, waited for at most the acquire timeout; a failure of the
+        link (not of the statement) comes out as :class:`DatabaseUnavailable`."""
+        try:
+            async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
+                yield conn
+        except _LINK_ERRORS as exc:
+            if isinstance(exc, ValueError):
+                raise  # a value asyncpg could not encode: the caller's, not the link's
+            raise _unavailable(exc) from exc
+
+    async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        async with self._conn() as conn:
+            return await conn.fetch(query, *args)
+
+    async def _fetchrow(self, query: str, *args: Any) -> asyncpg.Record | None:
+        async with self._conn() as conn:
+            return await conn.fetchrow(query, *args)
+
+    async def _fetchval(self, query: str, *args: Any) -> Any:
+        async with self._conn() as conn:
+            return await conn.fetchval(query, *args)
+
+    async def _execute(self, query: str, *args: Any) -> str:
+        async with self._conn() as conn:
+            return await conn.execute(query, *args)
 
     def _event(self, task: Task, previous: TaskState | None, at: datetime) -> TaskEvent:
         error = task.last_error if task.state in (TaskState.RETRY, TaskState.ARCHIVED) else None
@@ -178,7 +239,7 @@ class PostgresBroker(Broker):
         now = self._clock.now()
         plan = enqueue.plan_ids(tasks, now)
         try:
-            async with self._pool.acquire() as conn:
+            async with self._conn() as conn:
                 if enqueue.needs_transaction(tasks):
                     results = await enqueue.enqueue_checked(
                         conn, tasks, plan, now, self._default_max_retry
@@ -205,7 +266,7 @@ class PostgresBroker(Broker):
     async def _lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
         now = self._clock.now()
         lease_ids = new_ids(now, limit)
-        rows = await self._pool.fetch(LEASE, queue, now, limit, lease_ids, now + ttl)
+        rows = await self._fetch(LEASE, queue, now, limit, lease_ids, now + ttl)
         return self._leased(rows, now)
 
     def _leased(self, rows: Iterable[asyncpg.Record], now: datetime) -> list[Task]:
@@ -223,7 +284,7 @@ class PostgresBroker(Broker):
         # One statement for every queue.
         now = self._clock.now()
         lease_ids = new_ids(now, sum(limit for _, limit in wants))
-        rows = await self._pool.fetch(
+        rows = await self._fetch(
             LEASE_MANY,
             [queue for queue, _ in wants],
             [limit for _, limit in wants],
@@ -238,7 +299,7 @@ class PostgresBroker(Broker):
 
     async def _extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
         now = self._clock.now()
-        expires: datetime | None = await self._pool.fetchval(
+        expires: datetime | None = await self._fetchval(
             EXTEND_LEASE, task_id, lease_id, now + ttl, now
         )
         if expires is None:
@@ -248,7 +309,7 @@ class PostgresBroker(Broker):
     async def _extend_leases(self, leases: Sequence[LeaseRef], ttl: timedelta) -> list[LeaseRef]:
         now = self._clock.now()
         ordered = sorted(leases, key=lambda ref: ref.task_id)  # lock order: see ack_batch
-        rows = await self._pool.fetch(
+        rows = await self._fetch(
             EXTEND_LEASES,
             [ref.task_id for ref in ordered],
             [ref.lease_id for ref in ordered],
@@ -260,7 +321,7 @@ class PostgresBroker(Broker):
 
     async def _set_progress(self, task_id: str, lease_id: str, progress: bytes) -> None:
         now = self._clock.now()
-        if await self._pool.fetchval(SET_PROGRESS, task_id, lease_id, progress, now) is None:
+        if await self._fetchval(SET_PROGRESS, task_id, lease_id, progress, now) is None:
             raise LeaseLost(task_id, lease_id)
 
     # ------------------------------------------------------------------ outcomes
@@ -268,7 +329,7 @@ class PostgresBroker(Broker):
     async def _lease_scoped(
         self, query: str, task_id: str, lease_id: str, now: datetime, *args: Any
     ) -> Task:
-        row = await self._pool.fetchrow(query, task_id, lease_id, *args)
+        row = await self._fetchrow(query, task_id, lease_id, *args)
         if row is None:
             raise LeaseLost(task_id, lease_id)
         task = task_from_row(row)
@@ -288,7 +349,7 @@ class PostgresBroker(Broker):
         # In id order, like every multi-row update, so concurrent batches lock rows in
         # the same order and cannot deadlock.
         sent = sorted(unique.values(), key=lambda item: item.task_id)
-        rows = await self._pool.fetch(
+        rows = await self._fetch(
             ACK_BATCH,
             [item.task_id for item in sent],
             [item.lease_id for item in sent],
@@ -324,9 +385,7 @@ class PostgresBroker(Broker):
 
     async def _reap_expired_leases(self, params: LeaseReapParams) -> list[ReapedTask]:
         now = self._clock.now()
-        rows = await self._pool.fetch(
-            REAP_EXPIRED_LEASES, now, params.limit, now + params.retry_delay
-        )
+        rows = await self._fetch(REAP_EXPIRED_LEASES, now, params.limit, now + params.retry_delay)
         rows = sorted(rows, key=lambda row: (row["lease_expires_at"], row["id"]))
         reaped = [ReapedTask(row["id"], row["queue"], TaskState(row["state"])) for row in rows]
         self._emit(
@@ -347,7 +406,7 @@ class PostgresBroker(Broker):
 
     async def _promote_scheduled(self, limit: int) -> dict[str, int]:
         now = self._clock.now()
-        rows = await self._pool.fetch(PROMOTE_SCHEDULED, now, limit)
+        rows = await self._fetch(PROMOTE_SCHEDULED, now, limit)
         promoted: dict[str, int] = {}
         for row in rows:
             promoted[row["queue"]] = promoted.get(row["queue"], 0) + 1
@@ -362,7 +421,7 @@ class PostgresBroker(Broker):
     async def _purge_terminal(self, params: TerminalPurgeParams) -> int:
         # Lapsed unique claims are freed on the way (housekeeping).
         now = self._clock.now()
-        async with self._pool.acquire() as conn:
+        async with self._conn() as conn:
             purged = await conn.fetchval(
                 PURGE_TERMINAL,
                 now,
@@ -375,7 +434,7 @@ class PostgresBroker(Broker):
 
     async def _archive_expired(self, limit: int) -> list[Task]:
         now = self._clock.now()
-        rows = await self._pool.fetch(ARCHIVE_EXPIRED, now, limit, EXPIRED_ERROR)
+        rows = await self._fetch(ARCHIVE_EXPIRED, now, limit, EXPIRED_ERROR)
         pairs = sorted(
             ((task_from_row(row), TaskState(row["previous_state"])) for row in rows),
             key=lambda pair: (pair[0].expires_at or now, pair[0].id),
@@ -388,21 +447,21 @@ class PostgresBroker(Broker):
     async def _pending_count(self, queue: str | None) -> dict[str, int]:
         now = self._clock.now()
         if queue is None:
-            rows = await self._pool.fetch(PENDING_COUNT, now)
+            rows = await self._fetch(PENDING_COUNT, now)
             return {row["queue"]: row["n"] for row in rows}
-        count: int = await self._pool.fetchval(PENDING_COUNT_QUEUE, now, queue)
+        count: int = await self._fetchval(PENDING_COUNT_QUEUE, now, queue)
         return {queue: count} if count else {}
 
     async def _due_queues(self, after: str | None, limit: int) -> list[str]:
         # One index probe or two per queue that has PENDING or RETRY rows.
-        rows = await self._pool.fetch(DUE_QUEUES, self._clock.now(), after or "", limit)
+        rows = await self._fetch(DUE_QUEUES, self._clock.now(), after or "", limit)
         return [row["queue"] for row in rows]
 
     async def _queue_stats(self, queue: str | None) -> list[QueueStats]:
         if queue is None:
-            rows = await self._pool.fetch(QUEUE_STATS)
+            rows = await self._fetch(QUEUE_STATS)
         else:
-            rows = await self._pool.fetch(QUEUE_STATS_QUEUE, queue)
+            rows = await self._fetch(QUEUE_STATS_QUEUE, queue)
         counts: dict[str, dict[TaskState, int]] = {}
         paused: dict[str, bool] = {}
         for row in rows:
@@ -417,7 +476,7 @@ class PostgresBroker(Broker):
         return [QueueStats(name, paused.get(name, False), counts[name]) for name in sorted(counts)]
 
     async def _get_task(self, task_id: str) -> Task:
-        row = await self._pool.fetchrow(GET_TASK, task_id)
+        row = await self._fetchrow(GET_TASK, task_id)
         if row is None:
             raise TaskNotFound(task_id)
         return task_from_row(row)
@@ -427,13 +486,13 @@ class PostgresBroker(Broker):
         budget = params.max_bytes if params.max_bytes is not None else _NO_BUDGET
         page = (params.cursor or "", limit + 1, budget, params.omit_payloads)
         if queue is None and state is None:
-            rows = await self._pool.fetch(LIST_TASKS, *page)
+            rows = await self._fetch(LIST_TASKS, *page)
         elif state is None:
-            rows = await self._pool.fetch(LIST_TASKS_BY_QUEUE, *page, queue)
+            rows = await self._fetch(LIST_TASKS_BY_QUEUE, *page, queue)
         elif queue is None:
-            rows = await self._pool.fetch(LIST_TASKS_BY_STATE, *page, TaskState(state).value)
+            rows = await self._fetch(LIST_TASKS_BY_STATE, *page, TaskState(state).value)
         else:
-            rows = await self._pool.fetch(
+            rows = await self._fetch(
                 LIST_TASKS_BY_QUEUE_AND_STATE, *page, queue, TaskState(state).value
             )
         tasks = [task_from_row(row) for row in rows[:limit]]
@@ -442,7 +501,7 @@ class PostgresBroker(Broker):
         return TaskPage(tasks, next_cursor)
 
     async def _list_queues(self, after: str | None, limit: int) -> QueuePage:
-        rows = await self._pool.fetch(LIST_QUEUES, after or "", limit + 1)
+        rows = await self._fetch(LIST_QUEUES, after or "", limit + 1)
         counts: dict[str, dict[TaskState, int]] = {}
         paused: dict[str, bool] = {}
         for row in rows:
@@ -457,7 +516,7 @@ class PostgresBroker(Broker):
 
     async def _admin(self, query: str, task_id: str, operation: str, *args: Any) -> Task:
         now = self._clock.now()
-        row = await self._pool.fetchrow(query, task_id, now, *args)
+        row = await self._fetchrow(query, task_id, now, *args)
         if row is None:
             raise TaskNotFound(task_id)
         previous = TaskState(row["previous_state"])
@@ -473,7 +532,7 @@ class PostgresBroker(Broker):
 
     async def _delete_task(self, task_id: str) -> None:
         now = self._clock.now()
-        row = await self._pool.fetchrow(DELETE_TASK, task_id)
+        row = await self._fetchrow(DELETE_TASK, task_id)
         if row is None:
             raise TaskNotFound(task_id)
         if not row["deleted"]:
@@ -502,25 +561,25 @@ class PostgresBroker(Broker):
                 assert task.unique_key is not None
                 if attempt == 0:
                     # The index may still hold a claim that has lapsed: free it and retry.
-                    await self._pool.execute(
+                    await self._execute(
                         FREE_LAPSED_CLAIMS, [task.queue], [task.unique_key], self._clock.now()
                     )
                     continue
-                holder = await self._pool.fetchval(
+                holder = await self._fetchval(
                     UNIQUE_HOLDER, task.queue, task.unique_key, self._clock.now()
                 )
                 raise DuplicateTask(task.queue, task.unique_key, holder or "") from None
         raise AssertionError("unreachable")
 
     async def _set_queue_paused(self, queue: str, paused: bool) -> None:
-        await self._pool.execute(SET_QUEUE_PAUSED, queue, paused, self._clock.now())
+        await self._execute(SET_QUEUE_PAUSED, queue, paused, self._clock.now())
 
     async def _queue_paused(self, queue: str) -> bool:
-        return bool(await self._pool.fetchval(QUEUE_PAUSED, queue))
+        return bool(await self._fetchval(QUEUE_PAUSED, queue))
 
     async def _info(self) -> BrokerInfo:
         # The driver name, this package's version and the applied schema version.
-        async with self._pool.acquire() as conn:
+        async with self._conn() as conn:
             version = await schema_version(conn)
         return BrokerInfo(DRIVER, package_version(), version)
 
@@ -531,7 +590,7 @@ class PostgresBroker(Broker):
 
     async def _upsert_webhook_worker(self, spec: WebhookWorkerSpec) -> WebhookWorker:
         now = self._clock.now()
-        row = await self._pool.fetchrow(
+        row = await self._fetchrow(
             UPSERT_WEBHOOK_WORKER,
             spec.name,
             spec.url,
@@ -546,26 +605,24 @@ class PostgresBroker(Broker):
         return webhook_worker_from_row(row)
 
     async def _get_webhook_worker(self, name: str) -> WebhookWorker:
-        row = await self._pool.fetchrow(GET_WEBHOOK_WORKER, name)
+        row = await self._fetchrow(GET_WEBHOOK_WORKER, name)
         if row is None:
             raise WebhookWorkerNotFound(name)
         return webhook_worker_from_row(row)
 
     async def _list_webhook_workers(self) -> list[WebhookWorker]:
         # By name in byte order.
-        rows = await self._pool.fetch(LIST_WEBHOOK_WORKERS)
+        rows = await self._fetch(LIST_WEBHOOK_WORKERS)
         return [webhook_worker_from_row(row) for row in rows]
 
     async def _set_webhook_worker_paused(self, name: str, paused: bool) -> WebhookWorker:
-        row = await self._pool.fetchrow(
-            SET_WEBHOOK_WORKER_PAUSED, name, bool(paused), self._clock.now()
-        )
+        row = await self._fetchrow(SET_WEBHOOK_WORKER_PAUSED, name, bool(paused), self._clock.now())
         if row is None:
             raise WebhookWorkerNotFound(name)
         return webhook_worker_from_row(row)
 
     async def _delete_webhook_worker(self, name: str) -> None:
-        if await self._pool.fetchval(DELETE_WEBHOOK_WORKER, name) is None:
+        if await self._fetchval(DELETE_WEBHOOK_WORKER, name) is None:
             raise WebhookWorkerNotFound(name)
 
     async def _replace_webhook_secrets(
@@ -585,6 +642,34 @@ class PostgresBroker(Broker):
         self._closed = True
         if self._owns_pool:
             await self._pool.close()
+
+
+#: What a lost, wedged or unreachable database raises through asyncpg (as opposed to a
+#: statement the server refused): an ended or unusable connection (InterfaceError; and
+#: InternalClientError, asyncpg's "cannot switch to state ...; another operation is in
+#: progress" on a connection left mid-operation by an outage), the server shutting down or refusing connections,
+#: a socket error, and a timeout (command or acquire).
+_LINK_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    OSError,
+    TimeoutError,
+)
+
+
+def _unavailable(exc: BaseException) -> DatabaseUnavailable:
+    """A clean :class:`DatabaseUnavailable` for a link failure; the driver's text (which
+    can be internal) is logged here, once."""
+    if isinstance(exc, DatabaseUnavailable):
+        return exc
+    logger.warning("postgres.unavailable error=%r", exc)
+    reason = "timed out" if isinstance(exc, TimeoutError) else "connection failed"
+    return DatabaseUnavailable(f"database unavailable ({reason}): retry")
 
 
 async def _keep_session(conn: asyncpg.Connection[asyncpg.Record]) -> None:

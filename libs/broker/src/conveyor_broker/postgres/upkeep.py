@@ -90,6 +90,9 @@ WHERE c.oid = '{TABLE}'::regclass
 ANALYZE = f"ANALYZE (SKIP_LOCKED) {TABLE}"
 VACUUM = f"VACUUM (SKIP_LOCKED) {TABLE}"
 VACUUM_ANALYZE = f"VACUUM (ANALYZE, SKIP_LOCKED) {TABLE}"
+#: The client-side timeout of the upkeep statement: a day (asyncpg has no "none" per
+#: call once the pool sets a command timeout).
+UNTIMED = 86400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +222,9 @@ async def _run(pool: Pool, statement: str) -> TableStats | None:
         try:
             await conn.execute("SET statement_timeout = 0")
             try:
-                await conn.execute(statement)
+                # Clear of the client's command timeout as well: a VACUUM of a big
+                # table may rightly run for longer than any statement should.
+                await conn.execute(statement, timeout=UNTIMED)
             finally:
                 await conn.execute("RESET statement_timeout")
             return await read_stats(conn)
