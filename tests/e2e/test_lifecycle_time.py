@@ -121,9 +121,11 @@ async def check_server_enforces_bounds(
 async def check_expiry_and_unique_keys(
     stack: Stack, client: AsyncClient, admin: AsyncAdminClient
 ) -> None:
-    # expires_at: a task still waiting past it is archived and never runs.
+    # expires_at: a task still waiting past it is archived and never runs. It waits on a
+    # queue no worker serves: a pause takes effect when the queue's dispatcher hears of it,
+    # and a task enqueued in between may still be dispatched.
     await admin.pause_queue("ttl")
-    stale = await client.enqueue("e2e.noop", {}, queue="ttl", expires_at=soon(1))
+    stale = await client.enqueue("e2e.noop", {}, queue="ttl-unserved", expires_at=soon(1))
     fresh = await client.enqueue("e2e.noop", {}, queue="ttl", expires_at=soon(3600))
     expired = await wait_state(admin, stale.id, X)
     assert expired.last_error == EXPIRED_ERROR
