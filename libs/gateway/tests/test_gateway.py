@@ -155,6 +155,25 @@ async def test_a_task_dispatched_again_drops_its_old_lease_on_the_worker(parts: 
     assert not gateway.holds_lease(lease_of(task))
 
 
+async def test_an_offer_with_times_protobuf_refuses_is_refused_alone(parts: Parts) -> None:
+    # Found by the fuzz suite: a forged offer whose deadline had nanos out of range made
+    # accept raise (a ValueError from protobuf), so the gateway never answered and what it
+    # had taken before it in the offer was held but never sent to the worker.
+    gateway, transport = parts.gateway(concurrency=4)
+    tasks = await parts.leased(4)
+    envelopes = [task_to_envelope(t) for t in tasks]
+    envelopes[1].deadline.nanos = -5
+    envelopes[2].timeout.seconds = 2**62
+    envelopes[3].deadline.seconds = 2**40
+
+    accepted = gateway.accept(cluster_pb2.DispatchRequest(queue="q", tasks=envelopes))
+
+    assert accepted == [tasks[0].id]
+    assert transport.dispatched == [accepted]
+    assert (gateway.in_flight, gateway.free("q")) == (1, 3)
+    assert not any(gateway.holds(t.id) for t in tasks[1:])
+
+
 # ------------------------------------------------------------- results
 
 

@@ -40,6 +40,23 @@ def test_text_lines_carry_event_and_fields() -> None:
 
 
 @pytest.mark.usefixtures("restore_root_logger")
+def test_text_lines_escape_control_characters() -> None:
+    # Found by the fuzz suite: a worker's Credit frame for queue "x\nERROR ..." wrote a
+    # second, forged line into the api's log, and "\x1b[31m" drove the reader's terminal.
+    out = io.StringIO()
+    configure_logging("info", "text", stream=out)
+    log = logging.getLogger("conveyor_test")
+    log.warning("gateway.credit_unknown_queue queue=%s", "x\n2030-01-01 ERROR forged\x1b[31m")
+    log.info("peer.said", extra={"text": "a\x00b\x85c", "tab": "a\tb"})
+    log.info("unicode queue=%s", "caf\u00e9 \U0001f600")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3
+    assert lines[0].endswith("queue=x\\n2030-01-01 ERROR forged\\x1b[31m")
+    assert lines[1].endswith("text=a\\x00b\\x85c tab=a\tb")
+    assert lines[2].endswith("unicode queue=caf\u00e9 \U0001f600")
+
+
+@pytest.mark.usefixtures("restore_root_logger")
 def test_json_lines_parse_and_include_exceptions() -> None:
     out = io.StringIO()
     configure_logging("debug", "json", stream=out)

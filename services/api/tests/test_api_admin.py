@@ -20,6 +20,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.events import EventPublisher
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
+from google.protobuf.timestamp_pb2 import Timestamp
 
 TTL = timedelta(seconds=30)
 TOKEN = "s3cret-token-of-the-tests"
@@ -298,6 +299,41 @@ async def test_batch_task_action(admin: Any, broker: CountingBroker, clock: Fake
     ):
         await expect_code(admin.BatchTaskAction, request, grpc.StatusCode.INVALID_ARGUMENT)
     assert (await broker.queue_stats("b"))[0].count(TaskState.PENDING) == 1
+
+
+#: Timestamps protobuf will not turn into a datetime (found by the fuzz suite: they were
+#: UNKNOWN "Unexpected ValueError" from the api).
+INVALID_TIMESTAMPS = (
+    Timestamp(seconds=0, nanos=-(2**31)),
+    Timestamp(seconds=0, nanos=1_000_000_000),
+    Timestamp(seconds=2**62),
+    Timestamp(seconds=-(2**62)),
+    Timestamp(seconds=253402300800),
+)
+
+
+@pytest.mark.parametrize("when", INVALID_TIMESTAMPS, ids=lambda t: f"{t.seconds}s{t.nanos}ns")
+async def test_reschedule_to_an_invalid_timestamp_is_invalid_argument(
+    admin: Any, broker: CountingBroker, when: Timestamp
+) -> None:
+    task = await put(broker, "r")
+    details = await expect_code(
+        admin.RescheduleTask,
+        service_pb2.RescheduleTaskRequest(id=task.id, process_at=when),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert "process_at is not a valid Timestamp" in details
+    details = await expect_code(
+        admin.BatchTaskAction,
+        service_pb2.BatchTaskActionRequest(
+            action=service_pb2.TASK_ACTION_RESCHEDULE,
+            selector=service_pb2.TaskSelector(ids=[task.id]),
+            process_at=when,
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
+    assert "process_at is not a valid Timestamp" in details
+    assert await broker.get_task(task.id) == task
 
 
 # ------------------------------------------------------------------ events

@@ -33,6 +33,7 @@ from conveyor_webhook.response import (
     parse_response,
     transport_failure,
 )
+from google.protobuf.timestamp_pb2 import Timestamp
 
 TASK = "01J00000000000000000000001"
 LEASE = "01J0000000000000000000000L"
@@ -105,6 +106,16 @@ def test_a_deadline_is_an_rfc3339_utc_timestamp() -> None:
     )
     assert json.loads(body)["params"]["deadline"] == "2030-01-02T03:04:05.600000Z"
     assert rfc3339(datetime(2030, 1, 1, 1, tzinfo=UTC) + timedelta(hours=1)).endswith("02:00:00Z")
+
+
+def test_times_protobuf_refuses_are_sent_as_null() -> None:
+    # Found by the fuzz suite: a forged dispatch offer whose lease_expires_at had nanos out
+    # of range crashed the delivery (a ValueError from protobuf) after the gateway took it.
+    env = envelope(deadline=Timestamp(seconds=2**40))
+    env.lease_expires_at.nanos = -5
+    body, _ = delivery_body(env, worker="w", secret="s", callback="")
+    params = json.loads(body)["params"]
+    assert (params["lease_expires_at"], params["deadline"]) == (None, None)
 
 
 def test_headers_sign_the_exact_body_with_the_given_secret() -> None:

@@ -186,7 +186,19 @@ class Credits:
                 if old is not None:
                     self._transport.cancel(old.task_id, old.lease_id, REDELIVERED_REASON)
                     room = self.free(queue)
-            hold(env, queue)
+            try:
+                hold(env, queue)
+            except (ValueError, OverflowError) as exc:
+                # A timeout or deadline that is no valid Duration or Timestamp (protobuf
+                # refuses to convert it): only a broken or forged offer carries one.
+                logger.warning(
+                    "gateway.bad_envelope gateway=%s task=%r lease=%r error=%r",
+                    self._id,
+                    env.id,
+                    env.lease_id,
+                    exc,
+                )
+                continue
             envelopes.append(env)
             accepted.append(env.id)
             room -= 1

@@ -55,6 +55,20 @@ def split_event(message: str) -> tuple[str, dict[str, str]]:
     return event, fields
 
 
+#: Control characters (C0 but tab, DEL, C1). A text line shows them escaped ("\\n",
+#: "\\x1b"): the text of a log line often comes from a peer (a queue name a worker sent,
+#: a task id in a frame), and a raw newline would let it forge log lines, an escape
+#: sequence drive the reader's terminal.
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def _escape_controls(text: str) -> str:
+    """``text`` with its control characters escaped (see :data:`_CONTROL_RE`)."""
+    if text.isprintable():  # the common case, a C loop; tab and a few others fall through
+        return text
+    return _CONTROL_RE.sub(lambda found: found.group().encode("unicode_escape").decode(), text)
+
+
 def _text_value(value: Any) -> str:
     text = str(value)
     # Quote values a key=value parser would otherwise split.
@@ -64,12 +78,13 @@ def _text_value(value: Any) -> str:
 
 
 class TextFormatter(logging.Formatter):
-    """``<ts> <LEVEL> <logger> <event> key=value ...`` on one line."""
+    """``<ts> <LEVEL> <logger> <event> key=value ...`` on one line (an exception's
+    traceback on the lines after it); control characters in the line are escaped."""
 
     def format(self, record: logging.LogRecord) -> str:
         parts = [_timestamp(record), record.levelname, record.name, record.getMessage()]
         parts.extend(f"{k}={_text_value(v)}" for k, v in _extra_fields(record).items())
-        line = " ".join(parts)
+        line = _escape_controls(" ".join(parts))
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

@@ -35,6 +35,7 @@ from conveyor_runtime.bus import Bus, Published
 from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate
 from conveyor_runtime.webhook_secrets import SecretKeyError, SecretKeyring
 from conveyor_runtime.webhook_urls import AddressPolicy, UrlGuard
+from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.subscription import Subscription
 
 from conveyor_api.broker_status import abort_for_error
@@ -379,7 +380,10 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         """Move a waiting task to ``process_at``."""
         if not request.HasField("process_at"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "process_at is required")
-        when = wire.from_timestamp(request.process_at)
+        try:
+            when = _process_at(request.process_at)
+        except InvalidTask as exc:
+            await abort_for_error(context, exc)
         return await self._single(service_pb2.TASK_ACTION_RESCHEDULE, request.id, context, when)
 
     async def BatchTaskAction(
@@ -502,7 +506,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         if action == service_pb2.TASK_ACTION_RESCHEDULE:
             if not request.HasField("process_at"):
                 raise InvalidTask("RESCHEDULE needs process_at")
-            process_at = wire.from_timestamp(request.process_at)
+            process_at = _process_at(request.process_at)
         selector = request.selector
         if selector.ids:
             if selector.queue or selector.state:
@@ -531,6 +535,16 @@ _ACTION_NAMES: dict[int, str] = {
     for name, value in service_pb2.TaskAction.items()
     if value != service_pb2.TASK_ACTION_UNSPECIFIED
 }
+
+
+def _process_at(value: Timestamp) -> datetime:
+    """A request's ``process_at``; InvalidTask when it is no valid Timestamp (seconds
+    beyond years 1-9999, nanos outside 0-999,999,999), which protobuf refuses with a
+    ValueError."""
+    try:
+        return wire.from_timestamp(value)
+    except (ValueError, OverflowError) as exc:
+        raise InvalidTask(f"process_at is not a valid Timestamp: {exc}") from None
 
 
 def _action_name(action: int) -> str:

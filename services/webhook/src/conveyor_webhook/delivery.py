@@ -37,6 +37,17 @@ def rfc3339(value: datetime) -> str:
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
+def _time(env: task_pb2.TaskEnvelope, name: str) -> str | None:
+    """The Timestamp field ``name`` of ``env`` in RFC 3339; None when it is unset, or not
+    a valid Timestamp (only a forged offer carries one; protobuf refuses to convert it)."""
+    if not env.HasField(name):
+        return None
+    try:
+        return rfc3339(wire.from_timestamp(getattr(env, name)))
+    except (ValueError, OverflowError):
+        return None
+
+
 def delivery_body(
     env: task_pb2.TaskEnvelope, *, worker: str, secret: str, callback: str
 ) -> tuple[bytes, str]:
@@ -54,14 +65,8 @@ def delivery_body(
         "attempt": env.attempt,
         "max_retry": env.max_retry,
         "lease_token": token,
-        "lease_expires_at": (
-            rfc3339(wire.from_timestamp(env.lease_expires_at))
-            if env.HasField("lease_expires_at")
-            else None
-        ),
-        "deadline": (
-            rfc3339(wire.from_timestamp(env.deadline)) if env.HasField("deadline") else None
-        ),
+        "lease_expires_at": _time(env, "lease_expires_at"),
+        "deadline": _time(env, "deadline"),
         "callback": callback,
     }
     call = {"jsonrpc": "2.0", "id": env.lease_id, "method": METHOD, "params": params}
