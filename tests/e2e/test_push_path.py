@@ -186,7 +186,13 @@ async def test_graceful_stop_releases_tasks_to_another_worker_at_once(
         message="three tasks running",
     )
     assert stopping.terminate(timeout=20) == 0
-    assert await count_state(store, TaskState.PENDING) == 3
+
+    async def released() -> bool:
+        return await count_state(store, TaskState.PENDING) == 3
+
+    # The worker's releases commit as its session ends (the api applies them after the
+    # stream closes): within seconds, not at lease expiry five minutes away.
+    await wait_until(released, within=5, interval=POLL_INTERVAL, message="three tasks released")
     cluster.start_worker(target, queues={"jobs": 1}, concurrency=3, record=record)
 
     async def all_done() -> bool:
