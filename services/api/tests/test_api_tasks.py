@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
+from conveyor_api.broker_status import MAX_STATUS_MESSAGE, status_message
 from conveyor_api.task_service import YIELD_EVERY
 from conveyor_broker import FakeClock, TaskState
 from conveyor_broker.ids import new_id
@@ -121,6 +122,46 @@ async def test_bad_input_is_invalid_argument_and_stores_nothing(
     assert text in (info.value.details() or "")
     assert await stored_count(broker) == 1
     assert (await broker.get_task(before.task.id)).state is TaskState.PENDING
+
+
+#: A name far past every limit: an error quoting it whole would not fit in a gRPC trailer.
+HUGE = "x" * 70_000
+
+
+async def test_errors_quoting_a_huge_input_are_cut_to_fit_a_status(
+    tasks: Any, admin: Any, broker: CountingBroker
+) -> None:
+    # Found by the fuzz suite: the status message quoted the whole name, so the client got
+    # RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit"), not the status.
+    for call, request in [
+        (tasks.Enqueue, service_pb2.EnqueueRequest(task=new(queue=HUGE))),
+        (tasks.GetTask, service_pb2.GetTaskRequest(id=HUGE)),
+        (admin.CancelTask, service_pb2.TaskActionRequest(id=HUGE)),
+        (admin.GetWebhookWorker, service_pb2.GetWebhookWorkerRequest(name=HUGE)),
+        (admin.ListQueues, service_pb2.ListQueuesRequest(cursor=HUGE)),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        details = info.value.details() or ""
+        assert len(details.encode()) <= MAX_STATUS_MESSAGE
+        assert details.endswith(" characters)"), details[-100:]
+    batch = await tasks.EnqueueBatch(
+        service_pb2.EnqueueBatchRequest(tasks=[new(queue=HUGE), new(type="\u00e9" * 70_000)])
+    )
+    for item in batch.results:
+        assert item.error_code == "INVALID_ARGUMENT"
+        assert len(item.error.encode()) <= MAX_STATUS_MESSAGE
+    assert await stored_count(broker) == 0
+
+
+def test_status_message_cuts_at_a_character_boundary() -> None:
+    assert status_message("short") == "short"
+    text = "\u00e9" * 2000  # two bytes each
+    cut = status_message(text)
+    assert len(cut.encode()) <= MAX_STATUS_MESSAGE
+    assert cut.startswith("\u00e9" * 400)
+    assert cut.endswith("... (cut: 2000 characters)")
 
 
 #: Options whose feature is not built: each must be refused, never stored to wait forever.

@@ -23,6 +23,21 @@ logger = logging.getLogger(__name__)
 
 #: Trailing-metadata key carrying the id of the live task that holds a unique key.
 EXISTING_ID_KEY = "conveyor-existing-id"
+#: The most UTF-8 bytes of a status message (and of an EnqueueBatch item's error). gRPC
+#: sends the message percent-encoded in a trailer, and a client refuses trailers past 16
+#: KiB: a message quoting a huge input (a queue name of 70,000 characters) reached the
+#: client as RESOURCE_EXHAUSTED "metadata size exceeds hard limit" instead of its status.
+MAX_STATUS_MESSAGE = 1024
+
+
+def status_message(text: str) -> str:
+    """``text``, cut to MAX_STATUS_MESSAGE bytes of UTF-8 (saying how long it was)."""
+    data = text.encode(errors="replace")
+    if len(data) <= MAX_STATUS_MESSAGE:
+        return text
+    kept = data[: MAX_STATUS_MESSAGE - 40].decode(errors="ignore")
+    return f"{kept}... (cut: {len(text)} characters)"
+
 
 _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (InvalidTask, grpc.StatusCode.INVALID_ARGUMENT),
@@ -55,7 +70,7 @@ async def abort_with_broker_error(
     trailers: tuple[tuple[str, str], ...] = ()
     if isinstance(exc, DuplicateTask):
         trailers = ((EXISTING_ID_KEY, exc.existing_id),)
-    await context.abort(status_code_of(exc), str(exc), trailing_metadata=trailers)
+    await context.abort(status_code_of(exc), status_message(str(exc)), trailing_metadata=trailers)
 
 
 async def abort_for_error(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:

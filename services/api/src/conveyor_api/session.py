@@ -37,6 +37,7 @@ from conveyor_gateway import Gateway, GatewayConfig, WorkerSpec
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime.wire import duration
 
+from conveyor_api.broker_status import status_message
 from conveyor_api.decoding import Undecodable, malformed_message
 from conveyor_api.semver import at_least
 
@@ -432,7 +433,7 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
             spec = check_hello(hello, self._server_version, self._min_sdk_version)
         except HelloRejected as exc:
             logger.info("session.rejected code=%s reason=%s", exc.code.name, exc.message)
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, status_message(exc.message))
         session_id = new_id(self._clock.now())
         writer = FrameWriter(
             context,

@@ -25,7 +25,7 @@ from conveyor_gateway import EnqueueCommitter, WakePublisher
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc
 from conveyor_runtime.wire import TaskDefaults, new_task_from_request, task_to_proto
 
-from conveyor_api.broker_status import abort_for_error, status_code_of
+from conveyor_api.broker_status import abort_for_error, status_code_of, status_message
 
 logger = logging.getLogger(__name__)
 
@@ -156,5 +156,5 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
 def _item_error(exc: BrokerError) -> service_pb2.EnqueueItemResult:
     existing = exc.existing_id if isinstance(exc, DuplicateTask) else ""
     return service_pb2.EnqueueItemResult(
-        error_code=status_code_of(exc).name, error=str(exc), existing_id=existing
+        error_code=status_code_of(exc).name, error=status_message(str(exc)), existing_id=existing
     )
