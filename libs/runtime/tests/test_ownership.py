@@ -7,10 +7,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 import nats.js.errors
+import nats.js.kv
 import pytest
 from conveyor_runtime.embedded_nats import EmbeddedNats
+from conveyor_runtime.health import Health
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
-from conveyor_runtime.ownership import KeyLease, LeaseKeeper, open_lease_bucket
+from conveyor_runtime.ownership import HEALTH_TTLS, KeyLease, LeaseKeeper, open_lease_bucket
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.polling import wait_until
 
@@ -227,3 +229,189 @@ async def test_claim_survives_the_key_expiring_while_the_client_checks_it() -> N
     kv = _RacingKv(_bad_request(10058))
     with pytest.raises(nats.js.errors.BadRequestError):
         await KeyLease(kv, "q", "me").claim()  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------- nats-server restarts
+
+
+async def _restarted(nc: NatsClient, server: EmbeddedNats, *, keep_store: bool) -> None:
+    """Kill ``server`` and start it again on the same port, with its store or without;
+    return once ``nc`` is connected again."""
+    server.kill()
+    if not keep_store:
+        server.clear_store()
+    await wait_until(lambda: not nc.is_connected, within=TIMEOUT)
+    server.start()
+    await wait_until(lambda: nc.is_connected, within=TIMEOUT)
+
+
+@pytest.mark.parametrize("keep_store", [True, False], ids=["same-store", "empty-store"])
+async def test_a_held_key_survives_a_nats_server_restart(
+    nats_server: EmbeddedNats, keep_store: bool
+) -> None:
+    nc = await connect_nats(nats_server.url, name="restarted", reconnect_wait=0.1)
+    other = None
+    try:
+        ttl = 30.0
+        kv = await open_lease_bucket(nc, "restart_owners", ttl=ttl)
+        lost: list[str] = []
+        keeper = LeaseKeeper(kv, "node-a", ttl, lost.append)
+        assert await keeper.claim("q")
+
+        await _restarted(nc, nats_server, keep_store=keep_store)
+
+        async def kept() -> bool:
+            # JetStream may take a moment after the server listens: refresh until a
+            # pass gets through (as the keeper's loop would).
+            await keeper.refresh_now()
+            return await KeyLease(kv, "q", "x").holder() == "node-a"
+
+        await wait_until(kept, within=TIMEOUT)
+        assert keeper.holds("q")
+        assert lost == []
+        # On disk, the bucket came back with the server; without its store, the first
+        # call that missed it created it again.
+        assert kv.recreated == (0 if keep_store else 1)
+        # The key is really held: another process cannot claim it.
+        other = await connect_nats(nats_server.url, name="other")
+        again = await open_lease_bucket(other, "restart_owners", ttl=ttl)
+        assert not await KeyLease(again, "q", "node-b").claim()
+        # ... and new claims work as before.
+        assert await keeper.claim("r")
+        await keeper.stop()
+        assert await KeyLease(again, "q", "node-b").claim()
+    finally:
+        if other is not None:
+            await close_nats(other, drain=False)
+        await close_nats(nc, drain=False)
+
+
+async def test_a_bucket_lost_under_a_claim_is_created_again(nats_server: EmbeddedNats) -> None:
+    nc = await connect_nats(nats_server.url, name="restarted", reconnect_wait=0.1)
+    try:
+        kv = await open_lease_bucket(nc, "restart_leaders", ttl=30)
+        keeper = LeaseKeeper(kv, "node-a", 30, lambda _key: None)
+        await _restarted(nc, nats_server, keep_store=False)
+
+        async def claimed() -> bool:
+            return await keeper.claim("reaper")
+
+        await wait_until(claimed, within=TIMEOUT)
+        assert kv.recreated == 1
+        assert await KeyLease(kv, "reaper", "x").holder() == "node-a"
+    finally:
+        await close_nats(nc, drain=False)
+
+
+async def test_a_refresh_whose_answer_was_lost_is_not_a_loss(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=30)
+    lost: list[str] = []
+    keeper = LeaseKeeper(kv, "node-a", 30, lost.append)
+    assert await keeper.claim("q")
+    # A write of ours the keeper never heard back from (it landed after a timeout): the
+    # key has moved on to a revision the keeper does not know, but it is still ours.
+    await kv.put("q", b"node-a")
+    await keeper.refresh_now()
+    assert keeper.holds("q")
+    assert lost == []
+    # Someone else's write is a loss, as before.
+    await kv.put("q", b"node-b")
+    await keeper.refresh_now()
+    assert not keeper.holds("q")
+    assert lost == ["q"]
+
+
+class _Kv:
+    """An in-memory stand-in for a lease bucket whose answers can be lost: the write
+    lands, and the caller gets a timeout."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, tuple[bytes, int]] = {}
+        self.seq = 0
+        self.lose_answers = 0
+        self.gets = 0
+
+    def _write(self, key: str, value: bytes) -> int:
+        self.seq += 1
+        self.keys[key] = (value, self.seq)
+        if self.lose_answers:
+            self.lose_answers -= 1
+            raise TimeoutError("answer lost")
+        return self.seq
+
+    async def create(self, key: str, value: bytes) -> int:
+        if key in self.keys:
+            raise nats.js.errors.KeyWrongLastSequenceError()
+        return self._write(key, value)
+
+    async def update(self, key: str, value: bytes, last: int | None = None) -> int:
+        if self.keys.get(key, (b"", 0))[1] != last:
+            raise nats.js.errors.KeyWrongLastSequenceError()
+        return self._write(key, value)
+
+    async def get(self, key: str) -> nats.js.kv.KeyValue.Entry:
+        self.gets += 1
+        if key not in self.keys:
+            raise nats.js.errors.KeyNotFoundError()
+        value, revision = self.keys[key]
+        return nats.js.kv.KeyValue.Entry("b", key, value, revision, None, None, None)
+
+
+async def test_a_claim_whose_answer_was_lost_is_taken_on_the_next_claim() -> None:
+    kv = _Kv()
+    keeper = LeaseKeeper(kv, "node-a", 30, lambda _key: None)  # type: ignore[arg-type]
+    kv.lose_answers = 1
+    # NATS did not answer, but the key was written with our name.
+    assert not await keeper.claim("q")
+    assert kv.keys["q"][0] == b"node-a"
+    # The next claim finds it ours and takes it instead of waiting for it to expire.
+    assert await keeper.claim("q")
+    assert keeper.holds("q")
+    assert kv.keys["q"] == (b"node-a", 2)
+    # A key someone else holds costs a refused create only (no look at who holds it).
+    kv.keys["r"] = (b"node-b", 10)
+    gets = kv.gets
+    assert not await keeper.claim("r")
+    assert kv.gets == gets
+    assert kv.keys["r"] == (b"node-b", 10)
+
+
+async def test_a_bucket_nats_cannot_serve_makes_the_process_unhealthy(
+    nats_server: EmbeddedNats,
+) -> None:
+    nc = await connect_nats(nats_server.url, name="no-jetstream", reconnect_wait=0.1)
+    now = [0.0]
+    health = Health(now=lambda: now[0])
+    ttl = 2.0
+    try:
+        kv = await open_lease_bucket(nc, "unhealthy_leaders", ttl=ttl, health=health)
+        keeper = LeaseKeeper(kv, "node-a", ttl, lambda _key: None)
+        assert await keeper.claim("reaper")
+        # The server comes back without JetStream: connected, but no bucket can be made.
+        nats_server.kill()
+        await wait_until(lambda: not nc.is_connected, within=TIMEOUT)
+        nats_server.jetstream = False
+        nats_server.start()
+        await wait_until(lambda: nc.is_connected, within=TIMEOUT)
+        assert not await keeper.claim("scheduler")
+        assert health.problems() == []  # one failure is no problem yet
+        now[0] += HEALTH_TTLS * ttl
+        assert not await keeper.claim("scheduler")
+        (problem,) = health.problems()
+        assert problem.startswith("kv bucket unhealthy_leaders failing for 6s")
+        # JetStream back: the bucket is made again and the problem is gone.
+        nats_server.kill()
+        await wait_until(lambda: not nc.is_connected, within=TIMEOUT)
+        nats_server.jetstream = True
+        nats_server.start()
+        await wait_until(lambda: nc.is_connected, within=TIMEOUT)
+
+        async def claimed() -> bool:
+            return await keeper.claim("scheduler")
+
+        await wait_until(claimed, within=TIMEOUT)
+        assert health.problems() == []
+    finally:
+        await close_nats(nc, drain=False)

@@ -52,8 +52,13 @@ class EmbeddedNats:
         *,
         max_payload: int = MAX_PAYLOAD,
         config: str = "",
+        jetstream: bool = True,
     ) -> None:
+        """``jetstream=False`` runs a server without JetStream (a misconfigured one, for
+        tests); ``store_dir`` is where JetStream keeps its streams (None: a new temporary
+        directory, removed by :meth:`stop`)."""
         self.port = port or free_port()
+        self.jetstream = jetstream
         self.max_payload = max_payload
         #: More nats-server configuration (TLS, users...), appended to the file it reads.
         self.config = config
@@ -87,9 +92,7 @@ class EmbeddedNats:
                 "127.0.0.1",
                 "-p",
                 str(self.port),
-                "-js",
-                "-sd",
-                self.store_dir,
+                *(["-js", "-sd", self.store_dir] if self.jetstream else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -114,6 +117,14 @@ class EmbeddedNats:
             os.kill(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
         self._proc = None
+
+    def clear_store(self) -> None:
+        """Empty the store directory of a server that is not running: it comes back
+        without any stream, like a server whose disk was lost."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError("clear_store: the server is running")
+        shutil.rmtree(self.store_dir, ignore_errors=True)
+        Path(self.store_dir).mkdir(parents=True)
 
     def stop(self) -> None:
         """Stop the server gracefully and remove a store directory it created."""

@@ -9,14 +9,20 @@ someone else took it), and gives it up with a compare-and-set delete. The bucket
 Ownership is a hint too: two owners for a moment during a handover is harmless, because
 the broker's leases prevent double delivery. What matters is that a loser notices fast,
 which is what :class:`LeaseKeeper` is for.
+
+The bucket outlives a nats-server restart: it is kept on disk, and when it is gone anyway
+(a store lost) the next call that misses it creates it again (:class:`LeaseBucket`) and
+the holders take their keys back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -24,6 +30,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import StorageType
 from nats.js.kv import KeyValue
 
+from conveyor_runtime.health import Health
 from conveyor_runtime.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -40,29 +47,186 @@ _STREAM_NAME_IN_USE = 10058
 _WRONG_LAST_SEQUENCE = 10071
 
 
-async def open_lease_bucket(nc: NatsClient, bucket: str, ttl: float) -> KeyValue:
+#: Keep the buckets on disk (see :func:`open_lease_bucket`).
+STORAGE = StorageType.FILE
+#: A service is unhealthy once its bucket's calls have gone unanswered this many TTLs.
+HEALTH_TTLS = 3.0
+#: Least seconds between two attempts to create a missing bucket again.
+RECREATE_GAP = 0.5
+_STREAM_NOT_FOUND = 10059
+
+T = TypeVar("T")
+
+
+def bucket_missing(exc: BaseException) -> bool:
+    """True when ``exc`` says the bucket's stream is not there: nats-server restarted
+    without it (an empty store, or a bucket kept in memory) or someone deleted it."""
+    if isinstance(exc, nats.js.errors.NoStreamResponseError | nats.js.errors.BucketNotFoundError):
+        return True
+    # KeyNotFoundError is a NotFoundError without the attributes of one.
+    code = getattr(exc, "err_code", None)
+    return isinstance(exc, nats.js.errors.NotFoundError) and code == _STREAM_NOT_FOUND
+
+
+def answered(exc: BaseException) -> bool:
+    """True when ``exc`` is NATS's answer about a key (taken, wrong revision, not found),
+    as opposed to no answer: a timeout, a lost connection, JetStream unavailable, a
+    missing bucket."""
+    return (
+        isinstance(exc, nats.js.errors.APIError)
+        and not isinstance(exc, nats.js.errors.ServiceUnavailableError)
+        and not bucket_missing(exc)
+    )
+
+
+class LeaseBucket:
+    """A KV bucket of leases that is created again when NATS lost it.
+
+    It offers what :class:`KeyLease` uses of a ``KeyValue`` (``create``, ``update``,
+    ``delete``, ``get``, ``put``). A call that finds the bucket's stream gone creates the
+    bucket again (once for all the calls that found it gone together, and at most every
+    :data:`RECREATE_GAP` seconds) and is tried once more. With ``health``, the bucket
+    keeps a :class:`~conveyor_runtime.health.Streak`: calls NATS did not answer for
+    :data:`HEALTH_TTLS` TTLs in a row make the process unhealthy.
+    """
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        bucket: str,
+        ttl: float,
+        *,
+        replicas: int = 1,
+        health: Health | None = None,
+    ) -> None:
+        self.name = bucket
+        self.ttl = ttl
+        self.replicas = replicas
+        self._js = nc.jetstream(timeout=max(1.0, ttl / 3))
+        self._kv: KeyValue | None = None
+        self._lock = asyncio.Lock()
+        self._last_attempt = -math.inf
+        #: How many times the bucket was found missing and created again.
+        self.recreated = 0
+        self.streak = (
+            health.streak(f"kv bucket {bucket}", HEALTH_TTLS * ttl) if health is not None else None
+        )
+
+    async def open(self) -> None:
+        """Create the bucket, or bind to it when it exists."""
+        async with self._lock:
+            self._kv = await self._create()
+
+    async def _create(self) -> KeyValue:
+        try:
+            return await self._js.create_key_value(
+                bucket=self.name,
+                ttl=self.ttl,
+                history=1,
+                storage=STORAGE,
+                replicas=self.replicas,
+            )
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != _STREAM_NAME_IN_USE:
+                raise
+            logger.warning(
+                "ownership.bucket_config_differs bucket=%s wanted_ttl=%s wanted_replicas=%s "
+                "wanted_storage=%s",
+                self.name,
+                self.ttl,
+                self.replicas,
+                STORAGE.value,
+            )
+            return await self._js.key_value(self.name)
+
+    async def _recreate(self, failed: KeyValue | None, exc: BaseException) -> KeyValue:
+        """The bucket after a call through ``failed`` found it missing (``exc``)."""
+        async with self._lock:
+            if self._kv is not None and self._kv is not failed:
+                return self._kv  # another call created it again meanwhile
+            if time.monotonic() - self._last_attempt < RECREATE_GAP:
+                raise exc
+            logger.warning("ownership.bucket_missing bucket=%s error=%r", self.name, exc)
+            self._last_attempt = time.monotonic()
+            self._kv = await self._create()
+            self.recreated += 1
+            logger.info("ownership.bucket_recreated bucket=%s", self.name)
+            return self._kv
+
+    async def _call(self, op: Callable[[KeyValue], Awaitable[T]]) -> T:
+        kv = self._kv
+        try:
+            if kv is None:
+                kv = await self._recreate(None, nats.js.errors.BucketNotFoundError())
+            try:
+                result = await op(kv)
+            except Exception as exc:
+                if not bucket_missing(exc):
+                    raise
+                result = await op(await self._recreate(kv, exc))
+        except Exception as exc:
+            self._note(exc)
+            raise
+        self._note(None)
+        return result
+
+    def _note(self, exc: BaseException | None) -> None:
+        if self.streak is None:
+            return
+        if exc is None or answered(exc):
+            self.streak.succeeded()
+        else:
+            self.streak.failed(exc)
+
+    async def create(self, key: str, value: bytes) -> int:
+        """``KeyValue.create``: write ``key`` unless it exists; its revision."""
+        return await self._call(lambda kv: kv.create(key, value))
+
+    async def update(self, key: str, value: bytes, last: int | None = None) -> int:
+        """``KeyValue.update``: write ``key`` if its revision is ``last``; the new one."""
+        return await self._call(lambda kv: kv.update(key, value, last=last))
+
+    async def put(self, key: str, value: bytes) -> int:
+        """``KeyValue.put``: write ``key`` whatever it holds; its revision."""
+        return await self._call(lambda kv: kv.put(key, value))
+
+    async def delete(self, key: str, last: int | None = None) -> bool:
+        """``KeyValue.delete``: delete ``key`` (if its revision is ``last``, when given)."""
+        return await self._call(lambda kv: kv.delete(key, last=last))
+
+    async def get(self, key: str) -> KeyValue.Entry:
+        """``KeyValue.get``: the latest entry of ``key`` (KeyNotFoundError: none)."""
+        return await self._call(lambda kv: kv.get(key))
+
+
+async def open_lease_bucket(
+    nc: NatsClient,
+    bucket: str,
+    ttl: float,
+    *,
+    replicas: int = 1,
+    health: Health | None = None,
+) -> LeaseBucket:
     """Create (or bind to) the KV bucket ``bucket`` whose entries live ``ttl`` seconds.
 
-    The bucket keeps one revision per key in memory: ownership is rebuilt by the owners'
-    refreshes if NATS restarts. When the bucket already exists with another TTL (another
-    process configured differently), that bucket is used as it is, with a warning.
+    The bucket keeps one revision per key, on disk (file storage) in ``replicas``
+    copies: a nats-server that restarts with its store keeps every lease as it was, so
+    holders go on refreshing theirs and nobody waits for a claim. A bucket that is gone
+    anyway (a store lost, a new cluster) is created again by the next call that misses it
+    (see :class:`LeaseBucket`), and holders claim their keys again. When the bucket
+    already exists with another configuration (a TTL, storage or replica count set
+    differently elsewhere, or by an older release), that bucket is used as it is, with a
+    warning.
     """
-    js = nc.jetstream(timeout=max(1.0, ttl / 3))
-    try:
-        return await js.create_key_value(
-            bucket=bucket, ttl=ttl, history=1, storage=StorageType.MEMORY
-        )
-    except nats.js.errors.BadRequestError as exc:
-        if exc.err_code != _STREAM_NAME_IN_USE:
-            raise
-        logger.warning("ownership.bucket_config_differs bucket=%s wanted_ttl=%s", bucket, ttl)
-        return await js.key_value(bucket)
+    leases = LeaseBucket(nc, bucket, ttl, replicas=replicas, health=health)
+    await leases.open()
+    return leases
 
 
 class KeyLease:
     """One key of a lease bucket, held (or not) by ``owner``."""
 
-    def __init__(self, kv: KeyValue, key: str, owner: str) -> None:
+    def __init__(self, kv: LeaseBucket, key: str, owner: str) -> None:
         self.kv = kv
         self.key = key
         self.owner = owner
@@ -123,6 +287,29 @@ class KeyLease:
             return False
         return True
 
+    async def adopt(self) -> bool:
+        """Hold the key again after our revision of it turned out stale: take it back when
+        it still holds our name (a write of ours whose answer was lost still landed), or
+        claim it when it is free (it expired, or its bucket was created anew). False when
+        someone else holds it.
+
+        Raises a transport error when NATS does not answer.
+        """
+        self._revision = None
+        try:
+            entry = await self.kv.get(self.key)
+        except nats.js.errors.KeyNotFoundError:
+            return await self.claim()
+        if entry.value != self.owner.encode() or entry.revision is None:
+            return False
+        try:
+            self._revision = await self.kv.update(
+                self.key, self.owner.encode(), last=entry.revision
+            )
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
+            return False
+        return True
+
     async def release(self) -> None:
         """Delete the key if it is still ours, so the next claimer need not wait for the TTL.
 
@@ -153,11 +340,18 @@ class LeaseKeeper:
     """Holds many keys of one bucket for one owner, refreshing each every ``ttl / 3``.
 
     A key is reported lost through ``on_lost`` (and dropped) as soon as a refresh is
-    refused, or when NATS has not answered for so long that the key may have expired
-    before the next refresh could land.
+    refused and the key turns out to be someone else's, or when NATS has not answered for
+    so long that the key may have expired before the next refresh could land.
+
+    A refused refresh is not always a loss: a refresh whose answer was lost may still
+    have landed (the key then holds a newer revision of ours), and a nats-server that
+    restarted without its store comes back with an empty bucket. The keeper takes such a
+    key back (:meth:`KeyLease.adopt`) instead of reporting it lost. Likewise a claim that
+    finds a key holding our own name (a claim, or a key dropped while NATS did not
+    answer, whose write landed after all) takes it, instead of waiting for it to expire.
     """
 
-    def __init__(self, kv: KeyValue, owner: str, ttl: float, on_lost: LossCallback) -> None:
+    def __init__(self, kv: LeaseBucket, owner: str, ttl: float, on_lost: LossCallback) -> None:
         if ttl <= 0:
             raise ValueError("ttl must be > 0")
         self.kv = kv
@@ -168,6 +362,9 @@ class LeaseKeeper:
         self._leases: dict[str, KeyLease] = {}
         # Monotonic time of each key's last confirmed write.
         self._confirmed: dict[str, float] = {}
+        # Keys whose last write of ours may have landed unanswered (a claim or refresh
+        # NATS did not answer): monotonic time of that write. Past a TTL it has expired.
+        self._uncertain: dict[str, float] = {}
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -209,9 +406,13 @@ class LeaseKeeper:
             started = time.monotonic()
             try:
                 claimed = await lease.claim()
+                if not claimed and self._may_be_ours(key):
+                    claimed = await lease.adopt()
             except TRANSPORT_ERRORS as exc:
                 logger.warning("ownership.claim_failed key=%s error=%r", key, exc)
+                self._uncertain[key] = started
                 return False
+            self._uncertain.pop(key, None)
             if claimed:
                 self._leases[key] = lease
                 self._confirmed[key] = started
@@ -241,12 +442,27 @@ class LeaseKeeper:
             ]
             self._drop(lost)
 
+    def _may_be_ours(self, key: str) -> bool:
+        since = self._uncertain.get(key)
+        return since is not None and time.monotonic() - since < self.ttl
+
     async def _refresh(self, lease: KeyLease) -> bool:
         started = time.monotonic()
-        ok = await lease.refresh()
+        try:
+            ok = await lease.refresh() or await self._adopt(lease)
+        except TRANSPORT_ERRORS:
+            self._uncertain[lease.key] = started
+            raise
+        self._uncertain.pop(lease.key, None)
         if ok:
             self._confirmed[lease.key] = started
         return ok
+
+    async def _adopt(self, lease: KeyLease) -> bool:
+        if not await lease.adopt():
+            return False
+        logger.info("ownership.kept key=%s owner=%s", lease.key, self.owner)
+        return True
 
     def _given_up(self, key: str, outcome: object) -> bool:
         if outcome is False:
@@ -257,7 +473,7 @@ class LeaseKeeper:
         # NATS did not answer. The key may still be ours; give it up only when it could
         # expire before the next refresh gets a chance.
         age = time.monotonic() - self._confirmed.get(key, 0.0)
-        logger.warning("ownership.refresh_unanswered key=%s age=%.2f", key, age)
+        logger.warning("ownership.refresh_unanswered key=%s age=%.2f error=%r", key, age, outcome)
         return age + self.interval >= self.ttl
 
     def _drop(self, leases: Iterable[KeyLease]) -> None:
@@ -276,6 +492,10 @@ class LeaseKeeper:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
+            now = time.monotonic()
+            for key, since in list(self._uncertain.items()):
+                if now - since >= self.ttl:
+                    del self._uncertain[key]
             try:
                 await self.refresh_now()
             except Exception:

@@ -26,7 +26,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import uvloop
@@ -40,6 +40,7 @@ from conveyor_runtime.broker_factory import PostgresConnectError, open_broker
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth, ClusterKeyError
 from conveyor_runtime.events import EventGate, EventPublisher
+from conveyor_runtime.health import Health
 from conveyor_runtime.logging import configure_logging
 from conveyor_runtime.nats_connect import (
     NatsConnectError,
@@ -104,6 +105,9 @@ class Runtime:
     events: EventPublisher | None
     #: Attaches ``events`` to the broker while someone watches (``events = on_demand``).
     gate: EventGate | None = None
+    #: The process's health signals: give it to what can fail without NATS or the broker
+    #: noticing (the KV buckets); the health file stays fresh only while it is clean.
+    health: Health = field(default_factory=Health)
 
 
 @asynccontextmanager
@@ -125,6 +129,7 @@ async def open_runtime(
     subjects = Subjects(settings.subject_prefix)
     auth = ClusterAuth.from_settings(settings)  # an unusable key fails before any link
     configure_tracing(name, settings.instance_id, settings.otlp_endpoint)
+    signals = Health()
     broker = await _until_stopped(open_broker(settings, clock), "broker")
     try:
         nc = await _until_stopped(
@@ -147,12 +152,12 @@ async def open_runtime(
                     gate = EventGate(broker, events, bus)
                     await gate.start()
             beat = (
-                asyncio.create_task(health.beat(settings.health_file, nc, broker))
+                asyncio.create_task(health.beat(settings.health_file, nc, broker, health=signals))
                 if settings.health_file
                 else None
             )
             try:
-                yield Runtime(settings, broker, nc, clock, subjects, bus, events, gate)
+                yield Runtime(settings, broker, nc, clock, subjects, bus, events, gate, signals)
             finally:
                 if beat is not None:
                     await cancel_and_wait([beat])

@@ -43,7 +43,17 @@ class CommonSettings(BaseSettings):
     )
 
     nats_url: str = Field(
-        "nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated"
+        "nats://127.0.0.1:4222",
+        description="NATS server URL(s), comma-separated (a cluster's nodes: the client "
+        "fails over between them)",
+    )
+    nats_replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="Copies of the ownership and leaders KV buckets a NATS cluster keeps "
+        "(3 on a 3-node JetStream cluster, so a bucket outlives a node; 1 on a single "
+        "server); applies when a bucket is created",
     )
     subject_prefix: str = Field(
         "conveyor", description="Prefix of every NATS subject and KV bucket"

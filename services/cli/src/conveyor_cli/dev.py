@@ -113,8 +113,12 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
         )
         async with open_runtime(base, name="dev") as rt:
             api = ApiServer(api_settings, rt.broker, rt.nc, rt.clock, event_gate=rt.gate)
-            dispatcher = Dispatcher(DispatcherSettings(**common), rt.broker, rt.nc, rt.clock)
-            maintenance = Maintenance(MaintenanceSettings(**common), rt.broker, rt.nc, rt.clock)
+            dispatcher = Dispatcher(
+                DispatcherSettings(**common), rt.broker, rt.nc, rt.clock, health=rt.health
+            )
+            maintenance = Maintenance(
+                MaintenanceSettings(**common), rt.broker, rt.nc, rt.clock, health=rt.health
+            )
             await dispatcher.start()
             await maintenance.start()
             await api.start()
@@ -125,6 +129,7 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
                 rt.broker,
                 rt.nc,
                 rt.clock,
+                health=rt.health,
             )
             await webhook.start()
             broker = f"postgres ({options.dsn})" if options.dsn else "memory (nothing is kept)"

@@ -18,7 +18,7 @@ from conveyor_dispatcher.dispatcher import Dispatcher
 async def serve(settings: DispatcherSettings, stop: asyncio.Event) -> None:
     """Run a Dispatcher until ``stop`` is set."""
     async with open_runtime(settings, name="dispatcher") as rt:
-        dispatcher = Dispatcher(settings, rt.broker, rt.nc, rt.clock)
+        dispatcher = Dispatcher(settings, rt.broker, rt.nc, rt.clock, health=rt.health)
         await dispatcher.start()
         try:
             await stop.wait()

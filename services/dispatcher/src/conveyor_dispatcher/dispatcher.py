@@ -27,6 +27,7 @@ from conveyor_broker.validation import check_queue
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
+from conveyor_runtime.health import Health
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
@@ -52,8 +53,12 @@ class Dispatcher:
         broker: Broker,
         nc: NatsClient,
         clock: Clock | None = None,
+        *,
+        health: Health | None = None,
     ) -> None:
+        """``health``: the process's signals (the ownership bucket reports to them)."""
         self.settings = settings
+        self._health = health
         self.instance_id = settings.instance_id
         self.subjects = Subjects(settings.subject_prefix)
         self.bus = Bus(nc, self.subjects, ClusterAuth.from_settings(settings))
@@ -110,7 +115,13 @@ class Dispatcher:
         """Open the ownership bucket and subscribe; returns once subscriptions are live."""
         if self._running:
             return
-        kv = await open_lease_bucket(self._nc, self.subjects.owners_bucket, self.settings.owner_ttl)
+        kv = await open_lease_bucket(
+            self._nc,
+            self.subjects.owners_bucket,
+            self.settings.owner_ttl,
+            replicas=self.settings.nats_replicas,
+            health=self._health,
+        )
         self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.owner_ttl, self._on_lost)
         await self._keeper.start()
         self._running = True

@@ -18,7 +18,7 @@ from conveyor_maintenance.maintenance import Maintenance
 async def serve(settings: MaintenanceSettings, stop: asyncio.Event) -> None:
     """Run a Maintenance instance until ``stop`` is set."""
     async with open_runtime(settings, name="maintenance") as rt:
-        maintenance = Maintenance(settings, rt.broker, rt.nc, rt.clock)
+        maintenance = Maintenance(settings, rt.broker, rt.nc, rt.clock, health=rt.health)
         await maintenance.start()
         try:
             await stop.wait()

@@ -39,6 +39,7 @@ from conveyor_broker.validation import QUEUE_RE
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
+from conveyor_runtime.health import Health
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import MaintenanceSettings
 from conveyor_runtime.subjects import Subjects
@@ -79,8 +80,12 @@ class Maintenance:
         broker: Broker,
         nc: NatsClient,
         clock: Clock | None = None,
+        *,
+        health: Health | None = None,
     ) -> None:
+        """``health``: the process's signals (the leaders bucket reports to them)."""
         self.settings = settings
+        self._health = health
         self.instance_id = settings.instance_id
         self.subjects = Subjects(settings.subject_prefix)
         self.bus = Bus(nc, self.subjects, ClusterAuth.from_settings(settings))
@@ -107,7 +112,11 @@ class Maintenance:
         if self._keeper is not None:
             return
         kv = await open_lease_bucket(
-            self._nc, self.subjects.leaders_bucket, self.settings.leader_ttl
+            self._nc,
+            self.subjects.leaders_bucket,
+            self.settings.leader_ttl,
+            replicas=self.settings.nats_replicas,
+            health=self._health,
         )
         self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
         await self._keeper.start()

@@ -18,7 +18,7 @@ from conveyor_webhook.manager import WebhookManager
 async def serve(settings: WebhookSettings, stop: asyncio.Event) -> None:
     """Run a WebhookManager until ``stop`` is set, then drain its gateways."""
     async with open_runtime(settings, name="webhook") as rt:
-        manager = WebhookManager(settings, rt.broker, rt.nc, rt.clock)
+        manager = WebhookManager(settings, rt.broker, rt.nc, rt.clock, health=rt.health)
         await manager.start()
         try:
             await stop.wait()

@@ -52,6 +52,7 @@ from conveyor_gateway import AckBatcher, GatewayConfig, WakePublisher
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
+from conveyor_runtime.health import Health
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import WebhookSettings
 from conveyor_runtime.subjects import Subjects
@@ -101,10 +102,13 @@ class WebhookManager:
         clock: Clock | None = None,
         *,
         resolver: ResolverFactory | None = None,
+        health: Health | None = None,
     ) -> None:
         """``resolver`` makes the resolver of each gateway's HTTP session (None: aiohttp's
-        own; tests give their own)."""
+        own; tests give their own); ``health``: the process's signals (the leaders bucket
+        reports to them)."""
         self.settings = settings
+        self._health = health
         self.keyring = settings.secret_keyring()
         self.instance_id = settings.instance_id
         self.subjects = Subjects(settings.subject_prefix)
@@ -189,7 +193,11 @@ class WebhookManager:
         )
         try:
             kv = await open_lease_bucket(
-                self._nc, self.subjects.leaders_bucket, self.settings.leader_ttl
+                self._nc,
+                self.subjects.leaders_bucket,
+                self.settings.leader_ttl,
+                replicas=self.settings.nats_replicas,
+                health=self._health,
             )
             self._cancel_sub = await self.bus.subscribe(
                 cluster_pb2.CancelBroadcast, self._on_cancel_broadcast
