@@ -53,6 +53,9 @@ STORAGE = StorageType.FILE
 HEALTH_TTLS = 3.0
 #: Least seconds between two attempts to create a missing bucket again.
 RECREATE_GAP = 0.5
+#: Seconds between two log lines about failing claims of one keeper (the next line
+#: counts those in between): a NATS without JetStream must not flood the logs.
+FAILURE_LOG_PERIOD = 5.0
 _STREAM_NOT_FOUND = 10059
 
 T = TypeVar("T")
@@ -106,6 +109,8 @@ class LeaseBucket:
         self._kv: KeyValue | None = None
         self._lock = asyncio.Lock()
         self._last_attempt = -math.inf
+        # True from a failed attempt to create the bucket to the next that succeeds.
+        self._create_failing = False
         #: How many times the bucket was found missing and created again.
         self.recreated = 0
         self.streak = (
@@ -146,9 +151,22 @@ class LeaseBucket:
                 return self._kv  # another call created it again meanwhile
             if time.monotonic() - self._last_attempt < RECREATE_GAP:
                 raise exc
-            logger.warning("ownership.bucket_missing bucket=%s error=%r", self.name, exc)
+            if not self._create_failing:
+                logger.warning("ownership.bucket_missing bucket=%s error=%r", self.name, exc)
             self._last_attempt = time.monotonic()
-            self._kv = await self._create()
+            try:
+                self._kv = await self._create()
+            except Exception as failure:
+                if not self._create_failing:
+                    # Logged once until it works: the health check says how long.
+                    logger.warning(
+                        "ownership.bucket_create_failed bucket=%s error=%r: retrying",
+                        self.name,
+                        failure,
+                    )
+                self._create_failing = True
+                raise
+            self._create_failing = False
             self.recreated += 1
             logger.info("ownership.bucket_recreated bucket=%s", self.name)
             return self._kv
@@ -365,6 +383,9 @@ class LeaseKeeper:
         # Keys whose last write of ours may have landed unanswered (a claim or refresh
         # NATS did not answer): monotonic time of that write. Past a TTL it has expired.
         self._uncertain: dict[str, float] = {}
+        # Claims NATS did not answer since the last line logged about them, and when.
+        self._claims_failed = 0
+        self._claim_failure_logged = -math.inf
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -409,7 +430,7 @@ class LeaseKeeper:
                 if not claimed and self._may_be_ours(key):
                     claimed = await lease.adopt()
             except TRANSPORT_ERRORS as exc:
-                logger.warning("ownership.claim_failed key=%s error=%r", key, exc)
+                self._claim_failed(key, exc)
                 self._uncertain[key] = started
                 return False
             self._uncertain.pop(key, None)
@@ -441,6 +462,17 @@ class LeaseKeeper:
                 if ok is not True and self._given_up(lease.key, ok)
             ]
             self._drop(lost)
+
+    def _claim_failed(self, key: str, exc: BaseException) -> None:
+        self._claims_failed += 1
+        now = time.monotonic()
+        if now - self._claim_failure_logged < FAILURE_LOG_PERIOD:
+            return
+        logger.warning(
+            "ownership.claim_failed key=%s error=%r count=%d", key, exc, self._claims_failed
+        )
+        self._claims_failed = 0
+        self._claim_failure_logged = now
 
     def _may_be_ours(self, key: str) -> bool:
         since = self._uncertain.get(key)
