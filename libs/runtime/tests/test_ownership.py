@@ -12,7 +12,13 @@ import pytest
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.health import Health
 from conveyor_runtime.nats_connect import NatsClient, close_nats, connect_nats
-from conveyor_runtime.ownership import HEALTH_TTLS, KeyLease, LeaseKeeper, open_lease_bucket
+from conveyor_runtime.ownership import (
+    HEALTH_TTLS,
+    BucketError,
+    KeyLease,
+    LeaseKeeper,
+    open_lease_bucket,
+)
 from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.polling import wait_until
 
@@ -415,3 +421,37 @@ async def test_a_bucket_nats_cannot_serve_makes_the_process_unhealthy(
         assert health.problems() == []
     finally:
         await close_nats(nc, drain=False)
+
+
+async def test_a_bucket_nats_cannot_make_yet_is_made_on_first_use(
+    nats_server: EmbeddedNats,
+) -> None:
+    # A service may start before JetStream can make buckets (a cluster still electing
+    # its leader): it starts all the same, and the first claim that can makes the bucket.
+    nats_server.kill()
+    nats_server.jetstream = False
+    nats_server.start()
+    nc = await connect_nats(nats_server.url, name="early", reconnect_wait=0.1)
+    try:
+        kv = await open_lease_bucket(nc, "early_owners", ttl=30)
+        keeper = LeaseKeeper(kv, "node-a", 30, lambda _key: None)
+        assert not await keeper.claim("q")
+        nats_server.kill()
+        await wait_until(lambda: not nc.is_connected, within=TIMEOUT)
+        nats_server.jetstream = True
+        nats_server.start()
+        await wait_until(lambda: nc.is_connected, within=TIMEOUT)
+
+        async def claimed() -> bool:
+            return await keeper.claim("q")
+
+        await wait_until(claimed, within=TIMEOUT)
+        assert await KeyLease(kv, "q", "x").holder() == "node-a"
+    finally:
+        await close_nats(nc, drain=False)
+
+
+async def test_a_bucket_nats_refuses_is_a_clear_error_at_start(nc: NatsClient) -> None:
+    # Three replicas on a single server: a configuration error, not something to wait out.
+    with pytest.raises(BucketError, match=r"replicas > 1 not supported.*CONVEYOR_NATS_REPLICAS"):
+        await open_lease_bucket(nc, f"r3_{uuid.uuid4().hex[:8]}", ttl=5, replicas=3)

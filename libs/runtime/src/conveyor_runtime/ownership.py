@@ -61,6 +61,11 @@ _STREAM_NOT_FOUND = 10059
 T = TypeVar("T")
 
 
+class BucketError(RuntimeError):
+    """NATS refused to create a lease bucket (at start): a configuration problem that
+    waiting will not heal."""
+
+
 def bucket_missing(exc: BaseException) -> bool:
     """True when ``exc`` says the bucket's stream is not there: nats-server restarted
     without it (an empty store, or a bucket kept in memory) or someone deleted it."""
@@ -118,9 +123,35 @@ class LeaseBucket:
         )
 
     async def open(self) -> None:
-        """Create the bucket, or bind to it when it exists."""
+        """Create the bucket, or bind to it when it exists.
+
+        When NATS does not answer (JetStream still starting, a cluster still electing
+        its leader), the bucket is created by the first call that needs it, and the
+        failure counts toward the health signal; an answer that refuses the bucket (a
+        replica count the cluster cannot hold, say) is raised.
+        """
         async with self._lock:
-            self._kv = await self._create()
+            self._last_attempt = time.monotonic()
+            try:
+                self._kv = await self._create()
+            except Exception as exc:
+                self._note(exc)
+                if answered(exc):
+                    why = getattr(exc, "description", None) or repr(exc)
+                    raise BucketError(
+                        f"cannot create the KV bucket {self.name} ({self.replicas} "
+                        f"replica(s), {STORAGE.value} storage): {why} (check "
+                        "CONVEYOR_NATS_REPLICAS against the NATS cluster, and the "
+                        "service's NATS permissions)"
+                    ) from exc
+                self._create_failing = True
+                logger.warning(
+                    "ownership.bucket_unavailable bucket=%s error=%r: created on first use",
+                    self.name,
+                    exc,
+                )
+                return
+            self._note(None)
 
     async def _create(self) -> KeyValue:
         try:

@@ -48,6 +48,7 @@ from conveyor_runtime.nats_connect import (
     close_nats,
     connect_nats,
 )
+from conveyor_runtime.ownership import BucketError
 from conveyor_runtime.settings import CommonSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tasks import cancel_and_wait
@@ -227,9 +228,9 @@ def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:
         uvloop.run(wrapper())
     except asyncio.CancelledError:
         return 1
-    except (NatsConnectError, PostgresConnectError, ClusterKeyError) as exc:
-        # A refused link (credentials, TLS) or an unusable cluster key: one clear line,
-        # no traceback.
+    except (NatsConnectError, PostgresConnectError, ClusterKeyError, BucketError) as exc:
+        # A refused link (credentials, TLS), an unusable cluster key or a KV bucket NATS
+        # will not create: one clear line, no traceback.
         logger.error("service.failed name=%s error=%s", name, exc)
         return 1
     except Exception:
