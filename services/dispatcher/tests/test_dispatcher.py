@@ -72,6 +72,8 @@ class FakeGateway:
         self.returned = 0
         self.requests: list[cluster_pb2.DispatchRequest] = []
         self.received: list[task_pb2.TaskEnvelope] = []
+        #: Owner hints heard (each makes it register again).
+        self.owner_hints = 0
         self._subs: list[Subscription] = []
 
     async def start(self) -> None:
@@ -116,6 +118,7 @@ class FakeGateway:
         return [env.id for env in self.received]
 
     async def _on_owner(self, queue: str) -> None:
+        self.owner_hints += 1
         await self.register()
 
     async def _on_dispatch(self, msg: Msg) -> None:
@@ -782,3 +785,85 @@ async def test_a_stuck_lease_cycle_hands_the_queue_to_another_dispatcher(
         await first.stop()
         await healthy_broker.close()
         await wedged_broker.close()
+
+
+async def test_after_a_nats_reconnect_the_gateways_of_owned_queues_register_again(
+    nats_server: EmbeddedNats, subjects: Subjects, queue_name: str
+) -> None:
+    """Dones and registrations in flight through a nats-server that went away are lost,
+    and the gateways' credits with them: once its link is back, the dispatcher asks the
+    gateways of every queue it still owns to register again (an owner hint)."""
+    broker = MemoryBroker(FakeClock())
+    d_nc = await connect_nats(nats_server.url, name="dispatcher", reconnect_wait=0.1)
+    gw_nc = await connect_nats(nats_server.url, name="gateway", reconnect_wait=0.1)
+    settings = DispatcherSettings(
+        nats_url=nats_server.url,
+        subject_prefix=subjects.prefix,
+        broker="memory",
+        instance_id="disp-reconnects",
+        owner_ttl=30.0,
+    )
+    d = Dispatcher(settings, broker, d_nc, FakeClock())
+    try:
+        await d.start()
+        gw = FakeGateway(gw_nc, subjects, queue=queue_name)
+        await gw.start()
+        await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+        qd = d.queue(queue_name)
+        hints = gw.owner_hints
+
+        nats_server.kill()
+        await wait_until(lambda: not d_nc.is_connected and not gw_nc.is_connected)
+        nats_server.start()
+        await wait_until(lambda: d_nc.is_connected and gw_nc.is_connected, within=TIMEOUT)
+        await wait_until(lambda: gw.owner_hints > hints, within=TIMEOUT)
+        # Still the same owner (the key is on disk): the hint came from the reconnect.
+        assert d.queue(queue_name) is qd
+    finally:
+        await d.stop()
+        await close_nats(gw_nc, drain=False)
+        await close_nats(d_nc, drain=False)
+
+
+async def test_a_dispatch_lost_with_the_nats_link_does_not_block_the_gateway(
+    nats_server: EmbeddedNats, subjects: Subjects, queue_name: str
+) -> None:
+    """A request in flight when the dispatcher's nats-server went away times out, but
+    the gateway did nothing wrong: it keeps its credits (a timeout on a steady link
+    would leave it none until it registers again)."""
+    broker = MemoryBroker(FakeClock())
+    d_nc = await connect_nats(nats_server.url, name="dispatcher", reconnect_wait=0.1)
+    gw_nc = await connect_nats(nats_server.url, name="gateway", reconnect_wait=0.1)
+    settings = DispatcherSettings(
+        nats_url=nats_server.url,
+        subject_prefix=subjects.prefix,
+        broker="memory",
+        instance_id="disp-lost",
+        owner_ttl=30.0,
+        dispatch_timeout=2.0,
+        register_tick=60.0,
+    )
+    d = Dispatcher(settings, broker, d_nc, FakeClock())
+    try:
+        await d.start()
+        gw = FakeGateway(gw_nc, subjects, queue=queue_name, capacity=4)
+        await gw.start()
+        await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+        qd = d.queue(queue_name)
+        assert qd is not None
+        gw.silent = True  # the request reaches it and is never answered...
+        await enqueue(broker, queue_name, 2)
+        await wake(gw_nc, subjects, queue_name)
+        await wait_until(lambda: len(gw.requests) == 1)
+        nats_server.kill()  # ... because the server went away
+        await wait_until(lambda: not d_nc.is_connected)
+        nats_server.start()
+        await wait_until(lambda: d_nc.is_connected and gw_nc.is_connected, within=TIMEOUT)
+        gw.silent = False
+        # The request times out; the tasks go back and are offered again to the same
+        # gateway at once (with no new registration: the test's register tick is 60 s).
+        await wait_until(lambda: len(gw.received) == 2, within=TIMEOUT)
+    finally:
+        await d.stop()
+        await close_nats(gw_nc, drain=False)
+        await close_nats(d_nc, drain=False)

@@ -94,6 +94,8 @@ class Dispatcher:
         self._subs: list[Subscription] = []
         self._keeper: LeaseKeeper | None = None
         self._housekeeper: asyncio.Task[None] | None = None
+        # The NATS connection's reconnect count when housekeeping last looked.
+        self._reconnects = 0
         self._running = False
         #: Claims that found the queue owned elsewhere (or NATS not answering).
         self.claims_refused = 0
@@ -124,6 +126,7 @@ class Dispatcher:
         )
         self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.owner_ttl, self._on_lost)
         await self._keeper.start()
+        self._reconnects = int(self._nc.stats.get("reconnects", 0))
         self._running = True
         bus = self.bus
         self._subs += [
@@ -349,10 +352,27 @@ class Dispatcher:
             await self._keeper.release(queue)
         await self.bus.publish_owner_changed(queue)
 
+    async def _after_reconnect(self) -> None:
+        """Ask the gateways of every owned queue to register again when the NATS link was
+        re-established: the Dones and registrations in flight through the server that
+        went away are lost, and without them the gateways' credits stay spent until the
+        next register tick."""
+        reconnects = int(self._nc.stats.get("reconnects", 0))
+        if reconnects == self._reconnects:
+            return
+        self._reconnects = reconnects
+        queues = list(self._queues)
+        logger.info(
+            "dispatcher.nats_reconnected instance=%s queues=%d", self.instance_id, len(queues)
+        )
+        for queue in queues:
+            await self.bus.publish_owner_changed(queue)
+
     async def _housekeep(self) -> None:
         while True:
             await asyncio.sleep(self._housekeeping_tick)
             try:
+                await self._after_reconnect()
                 for queue, qd in list(self._queues.items()):
                     spent = qd.stuck()
                     if spent is not None:

@@ -314,6 +314,7 @@ class QueueDispatcher:
             dispatcher=self._config.instance_id,
             tasks=[envelope for _, envelope in piece],
         )
+        reconnects = self._bus.nc.stats["reconnects"]
         try:
             reply = await self._bus.dispatch(gateway, request, within=self._config.dispatch_timeout)
         except nats.errors.NoRespondersError:
@@ -321,6 +322,16 @@ class QueueDispatcher:
             self.book.forget(gateway)
             return batch
         except TimeoutError:  # nats.errors.TimeoutError is one too
+            if self._bus.nc.stats["reconnects"] != reconnects:
+                # Lost with our own NATS link (a request or reply in flight through a
+                # server that went away): the gateway is not to blame. It refuses the
+                # request if it arrives now, past its deadline.
+                logger.warning(
+                    "dispatcher.dispatch_lost queue=%s gateway=%s reason=nats_reconnected",
+                    self.queue,
+                    gateway,
+                )
+                return batch
             # Slow or dead: send it nothing more until it registers again.
             logger.warning("dispatcher.dispatch_timeout queue=%s gateway=%s", self.queue, gateway)
             self.book.block(gateway)
