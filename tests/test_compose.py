@@ -23,20 +23,50 @@ from click.testing import CliRunner
 from conveyor_broker.validation import MAX_HEADER_LEN, MAX_HEADERS
 from conveyor_cli.main import cli
 from conveyor_runtime.cluster_key import ClusterAuth
-from conveyor_runtime.embedded_nats import EmbeddedNats, find_nats_server
+from conveyor_runtime.embedded_nats import EmbeddedNats, find_nats_server, free_port
 from conveyor_runtime.nats_connect import NatsConnectError, NatsSecurity, close_nats, connect_nats
+from conveyor_runtime.ownership import TRANSPORT_ERRORS
 from conveyor_runtime.settings import SERVICE_SETTINGS, ApiSettings, CommonSettings
 from conveyor_runtime.tls import client_context
 from conveyor_runtime.wire import DISPATCH_OVERHEAD
-from conveyor_testkit.certs import NATS_USERS
+from conveyor_testkit.certs import NATS_CLUSTER_NODES, NATS_USERS
 from conveyor_testkit.polling import wait_until
 from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from nats import errors as nats_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
 CONVEYOR = {name: svc for name, svc in SERVICES.items() if svc.get("image") == "conveyor:dev"}
+
+
+#: What the top of compose.yaml says to set for the nats-cluster profile.
+CLUSTER_ENV = {
+    "COMPOSE_PROFILES": "nats-cluster",
+    "CONVEYOR_NATS_URL": "tls://nats-1:4222,tls://nats-2:4222,tls://nats-3:4222",
+    "CONVEYOR_NATS_REPLICAS": "3",
+}
+NATS_NODES = {
+    name: svc for name, svc in SERVICES.items() if "nats-cluster" in svc.get("profiles", [])
+}
+
+
+def interpolate(value: object, env: dict[str, str]) -> str:
+    """``value`` as compose gives it to a container, with ``env`` as the operator's
+    environment: ``${VAR:-default}``, ``${VAR:?message}`` (required) and ``${VAR}``."""
+
+    def one(match: re.Match[str]) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3)
+        if env.get(name):
+            return env[name]
+        if op == ":-":
+            return arg or ""
+        if op == ":?":
+            raise KeyError(f"{name} is required: {arg}")
+        return ""
+
+    return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", one, str(value))
 
 
 def settings_for(command: list[str]) -> type[CommonSettings]:
@@ -124,7 +154,8 @@ def test_services_reach_postgres_and_nats_by_their_compose_names() -> None:
         env = service["environment"]
         assert "@postgres:5432/" in env["CONVEYOR_DSN"], name
         if name != "migrate":
-            assert env["CONVEYOR_NATS_URL"] == "tls://nats:4222", name
+            assert interpolate(env["CONVEYOR_NATS_URL"], {}) == "tls://nats:4222", name
+            assert interpolate(env["CONVEYOR_NATS_REPLICAS"], {}) == "1", name
 
 
 def test_webhook_endpoints_call_back_the_api() -> None:
@@ -187,6 +218,8 @@ def _tls_paths() -> list[tuple[str, str]]:
         paths += [(name, found) for text in texts for found in pattern.findall(text)]
     nats_conf = (ROOT / "deploy" / "nats.conf").read_text()
     paths += [("nats.conf", found) for found in pattern.findall(nats_conf)]
+    cluster_conf = (ROOT / "deploy" / "nats-cluster.conf").read_text()
+    paths += [("nats-cluster.conf", found) for found in pattern.findall(cluster_conf)]
     [include] = re.findall(r'include\s+"([^"]+)"', nats_conf)
     paths.append(("nats.conf include", f"/etc/nats/{include}"))
     return paths
@@ -194,7 +227,7 @@ def _tls_paths() -> list[tuple[str, str]]:
 
 def test_compose_mounts_the_folder_dev_certs_writes() -> None:
     folder = _dev_certs_folder()
-    for name in ("postgres", "nats", *CONVEYOR):
+    for name in ("postgres", "nats", *NATS_NODES, *CONVEYOR):
         mounts = {t: s for t, s in _mounts(SERVICES[name]).items() if t in TLS_MOUNTS}
         assert list(mounts.values()) == [folder], f"{name} mounts {mounts}, not {folder}"
     ignored = (ROOT / ".gitignore").read_text().splitlines()
@@ -230,7 +263,7 @@ def test_tls_settings_agree_across_services() -> None:
     for variable in ("CONVEYOR_DB_SSLMODE", "CONVEYOR_DB_SSLROOTCERT"):
         assert migrate[variable] == api[variable], variable
     assert api["CONVEYOR_DB_SSLMODE"] == "verify-full"
-    assert api["CONVEYOR_NATS_URL"].startswith("tls://")
+    assert interpolate(api["CONVEYOR_NATS_URL"], {}).startswith("tls://")
     # The api and the services trust one CA, the one that signed the servers' certificates.
     assert api["CONVEYOR_NATS_TLS_CA"] == api["CONVEYOR_DB_SSLROOTCERT"] == "/tls/ca.pem"
     assert api["CONVEYOR_TLS_CERT"]
@@ -266,7 +299,7 @@ def _sans(path: Path) -> set[str]:
 
 def test_certificates_name_the_hosts_services_connect_to(dev_certs: Path) -> None:
     env = SERVICES["api"]["environment"]
-    nats_host = urlsplit(env["CONVEYOR_NATS_URL"]).hostname
+    nats_host = urlsplit(interpolate(env["CONVEYOR_NATS_URL"], {})).hostname
     pg_host = urlsplit(env["CONVEYOR_DSN"]).hostname
     callback = urlsplit(SERVICES["webhook"]["environment"]["CONVEYOR_CALLBACK_ADDRESS"])
     assert nats_host in _sans(dev_certs / "nats.pem")
@@ -278,16 +311,17 @@ def test_certificates_name_the_hosts_services_connect_to(dev_certs: Path) -> Non
 OPERATOR_TOKENS = "ops:admin:0123456789abcdef0123"
 
 
-def _container_env(service: dict[str, Any], dev_certs: Path) -> dict[str, str]:
-    """A service's environment with its /tls paths pointing into ``dev_certs`` and compose's
-    required ``${VAR:?...}`` values filled in as the operator would."""
-    env = {
-        var: str(value).replace("/tls/", f"{dev_certs}/")
+def _container_env(
+    service: dict[str, Any], dev_certs: Path, operator: dict[str, str] | None = None
+) -> dict[str, str]:
+    """A service's environment as compose gives it, with the operator's environment
+    ``operator`` (their tokens, which compose requires, in any case), and its /tls paths
+    pointing into ``dev_certs``."""
+    given = {"CONVEYOR_AUTH_TOKENS": OPERATOR_TOKENS, **(operator or {})}
+    return {
+        var: interpolate(value, given).replace("/tls/", f"{dev_certs}/")
         for var, value in (service.get("environment") or {}).items()
     }
-    if "CONVEYOR_AUTH_TOKENS" in env:
-        env["CONVEYOR_AUTH_TOKENS"] = OPERATOR_TOKENS
-    return env
 
 
 @pytest.mark.parametrize("name", sorted(CONVEYOR))
@@ -454,7 +488,7 @@ async def _connect_as(name: str, url: str, dev_certs: Path, errors: Errors) -> A
         tls=client_context(ca=str(dev_certs / "ca.pem")), nkey_seed=str(dev_certs / f"{name}.nk")
     )
     return await nats.connect(
-        url,
+        url.split(","),
         name=name,
         error_cb=errors.on_error,
         allow_reconnect=False,
@@ -523,7 +557,7 @@ async def test_the_services_do_their_work_under_their_permissions(
     bucket work under the permissions; a user cannot open the other bucket."""
     from conveyor_protos.v1 import cluster_pb2
     from conveyor_runtime.bus import Bus
-    from conveyor_runtime.ownership import TRANSPORT_ERRORS, KeyLease, open_lease_bucket
+    from conveyor_runtime.ownership import KeyLease, open_lease_bucket
     from conveyor_runtime.subjects import Subjects
     from conveyor_testkit.cluster_keys import cluster_auth
 
@@ -578,3 +612,147 @@ async def test_the_services_do_their_work_under_their_permissions(
         finally:
             for nc in conns.values():
                 await nc.close()
+
+
+# ---------------------------------------------------------- the nats-cluster profile
+
+
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_the_nats_cluster_profile_runs_three_nodes_routed_to_each_other() -> None:
+    assert sorted(NATS_NODES) == ["nats-1", "nats-2", "nats-3"]
+    assert set(NATS_CLUSTER_NODES) == set(NATS_NODES)
+    cluster_conf = (ROOT / "deploy" / "nats-cluster.conf").read_text()
+    routes = set(re.findall(r"nats-route://([\w-]+):6222", cluster_conf))
+    assert routes == set(NATS_NODES)
+    assert re.search(r"listen:\s*0\.0\.0\.0:6222", cluster_conf)
+    assert 'include "conveyor.conf"' in cluster_conf
+    volumes = set()
+    for name, node in NATS_NODES.items():
+        command = node["command"]
+        assert _flag(command, "--server_name") == name
+        assert _flag(command, "-c") == "/etc/nats/cluster.conf"
+        assert "-js" in command
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in node["volumes"]}
+        assert mounts["/etc/nats/cluster.conf"] == "./deploy/nats-cluster.conf"
+        assert mounts["/etc/nats/conveyor.conf"] == "./deploy/nats.conf"
+        volumes.add(mounts[_flag(command, "-sd")])
+        assert node["healthcheck"] == SERVICES["nats"]["healthcheck"]
+        assert node["restart"] == "unless-stopped"
+    assert len(volumes) == 3, "each node keeps its own store"
+    assert volumes <= set(COMPOSE["volumes"])
+    # Every other service runs in both set-ups.
+    for name, service in SERVICES.items():
+        if name not in NATS_NODES:
+            assert "profiles" not in service, name
+
+
+def test_the_services_point_at_every_node_with_three_replicas() -> None:
+    """What the top of compose.yaml says to set reaches every service as a setting that
+    names each node once, with a bucket replica on each."""
+    text = (ROOT / "compose.yaml").read_text()
+    for var, value in CLUSTER_ENV.items():
+        assert f"{var}={value}" in text, var
+    for name, service in CONVEYOR.items():
+        if name == "migrate":
+            continue
+        operator = {**CLUSTER_ENV, "CONVEYOR_AUTH_TOKENS": OPERATOR_TOKENS}
+        env = {var: interpolate(v, operator) for var, v in service["environment"].items()}
+        hosts = [urlsplit(url).hostname for url in env["CONVEYOR_NATS_URL"].split(",")]
+        assert sorted(hosts) == sorted(NATS_NODES), name
+        assert all(url.startswith("tls://") for url in env["CONVEYOR_NATS_URL"].split(","))
+        assert int(env["CONVEYOR_NATS_REPLICAS"]) == len(NATS_NODES), name
+
+
+def test_certificates_name_the_cluster_nodes(dev_certs: Path) -> None:
+    # The services reach any node by its name; the nodes route to each other.
+    assert set(NATS_NODES) <= _sans(dev_certs / "nats.pem")
+    assert set(NATS_NODES) <= _sans(dev_certs / "nats-route.pem")
+    route = x509.load_pem_x509_certificate((dev_certs / "nats-route.pem").read_bytes())
+    usage = route.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usage)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CONVEYOR if n != "migrate"))
+def test_each_service_accepts_the_cluster_settings(
+    name: str, dev_certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CONVEYOR_CLUSTER_KEY")  # the test run's: compose names a file
+    for var, value in _container_env(CONVEYOR[name], dev_certs, CLUSTER_ENV).items():
+        monkeypatch.setenv(var, value)
+    settings = settings_for(CONVEYOR[name]["command"])()
+    assert settings.nats_replicas == 3
+    assert settings.nats_url == CLUSTER_ENV["CONVEYOR_NATS_URL"]
+
+
+def _cluster_node_configs(dev_certs: Path, tmp_path: Path) -> list[tuple[Path, str, list[str]]]:
+    """deploy/nats-cluster.conf for three local nodes, as compose runs them, each node
+    name turned into a port of localhost: (folder, configuration, extra arguments) each."""
+    route_ports = {name: free_port() for name in sorted(NATS_NODES)}
+    nodes = []
+    for name in sorted(NATS_NODES):
+        (tmp_path / name).mkdir()
+        etc, conveyor_conf = _compose_nats_config(dev_certs, tmp_path / name)
+        (etc / "conveyor.conf").write_text(conveyor_conf)
+        text = (ROOT / "deploy" / "nats-cluster.conf").read_text().replace("/etc/nats/", f"{etc}/")
+        text = text.replace("0.0.0.0:6222", f"127.0.0.1:{route_ports[name]}")
+        for other, port in route_ports.items():
+            # A name, as in compose: a node takes a route only from a certificate that
+            # names one of its routes' hosts (dev-certs names localhost too).
+            text = text.replace(f"{other}:6222", f"localhost:{port}")
+        command = NATS_NODES[name]["command"]
+        nodes.append((etc, text, ["--server_name", _flag(command, "--server_name")]))
+    return nodes
+
+
+def test_nats_cluster_conf_is_valid_with_the_dev_certs(dev_certs: Path, tmp_path: Path) -> None:
+    etc, text, _ = _cluster_node_configs(dev_certs, tmp_path)[0]
+    config = etc / "cluster.conf"
+    config.write_text(text)
+    checked = subprocess.run(
+        [find_nats_server(), "-t", "-c", str(config)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stderr
+
+
+@pytest.mark.nats
+async def test_the_nats_cluster_forms_and_holds_replicated_buckets(
+    dev_certs: Path, tmp_path: Path
+) -> None:
+    """deploy/nats-cluster.conf run for real on three nodes with the dev certificates:
+    the routes' mutual TLS holds, JetStream elects its leaders, and the dispatcher's user
+    keeps leases in a bucket with a replica on every node."""
+    from conveyor_runtime.ownership import KeyLease, open_lease_bucket
+    from conveyor_runtime.subjects import Subjects
+
+    subjects = Subjects()
+    servers = []
+    for path, text, args in _cluster_node_configs(dev_certs, tmp_path):
+        servers.append(EmbeddedNats(store_dir=str(path), config=text, args=args))
+    try:
+        for server in servers:
+            server.start()
+        url = ",".join(f"tls://127.0.0.1:{server.port}" for server in servers)
+        errors = Errors()
+        nc = await _connect_as("dispatcher", url, dev_certs, errors)
+        try:
+
+            async def opened() -> Any:
+                try:
+                    kv = await open_lease_bucket(nc, subjects.owners_bucket, 5.0, replicas=3)
+                    return await KeyLease(kv, "mail", "d1").claim()
+                except TRANSPORT_ERRORS:
+                    return False
+
+            await wait_until(opened, within=60, interval=0.5, message="a bucket on 3 nodes")
+            info = await nc.jetstream().stream_info(f"KV_{subjects.owners_bucket}")
+            assert info.config.num_replicas == 3
+            assert info.cluster is not None
+            assert len(info.cluster.replicas or []) == 2  # and the leader
+        finally:
+            await nc.close()
+    finally:
+        for server in servers:
+            server.stop()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 #: nats-server's ``max_payload`` here (its default is 1 MB): a dispatch carries a task's
@@ -53,11 +54,13 @@ class EmbeddedNats:
         max_payload: int = MAX_PAYLOAD,
         config: str = "",
         jetstream: bool = True,
+        args: Sequence[str] = (),
     ) -> None:
         """``jetstream=False`` runs a server without JetStream (a misconfigured one, for
         tests); ``store_dir`` is where JetStream keeps its streams (None: a new temporary
-        directory, removed by :meth:`stop`)."""
+        directory, removed by :meth:`stop`); ``args``: more command-line arguments."""
         self.port = port or free_port()
+        self.args = list(args)
         self.jetstream = jetstream
         self.max_payload = max_payload
         #: More nats-server configuration (TLS, users...), appended to the file it reads.
@@ -93,6 +96,7 @@ class EmbeddedNats:
                 "-p",
                 str(self.port),
                 *(["-js", "-sd", self.store_dir] if self.jetstream else []),
+                *self.args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

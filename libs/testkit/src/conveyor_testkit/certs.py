@@ -25,6 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
     "COMPOSE_HOSTS",
+    "NATS_CLUSTER_NODES",
     "NATS_USERS",
     "CertAuthority",
     "Issued",
@@ -35,9 +36,12 @@ __all__ = [
 #: The compose services that present a server certificate, and the names they answer to.
 COMPOSE_HOSTS: Mapping[str, tuple[str, ...]] = {
     "api": ("api", "localhost", "127.0.0.1", "::1"),
-    "nats": ("nats", "localhost", "127.0.0.1", "::1"),
+    "nats": ("nats", "nats-1", "nats-2", "nats-3", "localhost", "127.0.0.1", "::1"),
     "postgres": ("postgres", "localhost", "127.0.0.1", "::1"),
 }
+#: The nodes of compose.yaml's nats-cluster profile: they route to each other with
+#: ``nats-route.pem`` (server and client certificate for these names).
+NATS_CLUSTER_NODES: tuple[str, ...] = ("nats-1", "nats-2", "nats-3")
 #: The NATS users of compose.yaml, one per Conveyor service (deploy/nats.conf names them).
 NATS_USERS: tuple[str, ...] = ("api", "dispatcher", "maintenance", "webhook")
 
@@ -186,6 +190,8 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
     - ``ca.pem``: the CA every client and server trusts;
     - ``<host>.pem`` / ``<host>.key`` for ``api``, ``nats`` and ``postgres``: server
       certificates for their compose names, ``localhost`` and the loopback addresses;
+    - ``nats-route.pem`` / ``nats-route.key``: what the nodes of the nats-cluster profile
+      present to each other on their routes (mutual TLS), for their names;
     - ``client.pem`` / ``client.key``: a client certificate (the CLI, the SDK, a webhook
       endpoint's callbacks) for an api that asks for one (mutual TLS);
     - ``nats-users.conf``: one variable per NATS user holding its public nkey
@@ -213,6 +219,11 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
         issued = ca.issue(host, hosts=names)
         put(f"{host}.pem", issued.cert)
         put(f"{host}.key", issued.key)
+    route = ca.issue(
+        "nats-route", hosts=(*NATS_CLUSTER_NODES, "localhost", "127.0.0.1", "::1"), client=True
+    )
+    put("nats-route.pem", route.cert)
+    put("nats-route.key", route.key)
     client = ca.issue("conveyor-client", server=False, client=True)
     put("client.pem", client.cert)
     put("client.key", client.key)
