@@ -660,7 +660,7 @@ def test_the_services_point_at_every_node_with_three_replicas() -> None:
             continue
         operator = {**CLUSTER_ENV, "CONVEYOR_AUTH_TOKENS": OPERATOR_TOKENS}
         env = {var: interpolate(v, operator) for var, v in service["environment"].items()}
-        hosts = [urlsplit(url).hostname for url in env["CONVEYOR_NATS_URL"].split(",")]
+        hosts = [urlsplit(url).hostname or "" for url in env["CONVEYOR_NATS_URL"].split(",")]
         assert sorted(hosts) == sorted(NATS_NODES), name
         assert all(url.startswith("tls://") for url in env["CONVEYOR_NATS_URL"].split(","))
         assert int(env["CONVEYOR_NATS_REPLICAS"]) == len(NATS_NODES), name
