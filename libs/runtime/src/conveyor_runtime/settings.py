@@ -112,8 +112,9 @@ class CommonSettings(BaseSettings):
     )
     health_file: str | None = Field(
         None,
-        description="Touch this file every few seconds while connected to NATS and the broker "
-        "(for `conveyor health`)",
+        description="Touch this file every few seconds while the service can do its job: "
+        "connected to NATS, its broker answering, and its ownership or leaders bucket not "
+        "failing for 3 TTLs (for `conveyor health`)",
     )
     events: Literal["on_demand", "always"] = Field(
         "on_demand",
