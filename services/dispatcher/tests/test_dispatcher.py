@@ -867,3 +867,37 @@ async def test_a_dispatch_lost_with_the_nats_link_does_not_block_the_gateway(
         await d.stop()
         await close_nats(gw_nc, drain=False)
         await close_nats(d_nc, drain=False)
+
+
+async def test_after_a_nats_outage_the_dispatcher_claims_queues_with_due_work_unprompted(
+    nats_server: EmbeddedNats, subjects: Subjects, queue_name: str
+) -> None:
+    """A queue given up while NATS did not answer, whose work came in meanwhile (its
+    wakes lost): once NATS is back the dispatcher finds it by its due work, as at start,
+    without a wake or a registration."""
+    broker = MemoryBroker(FakeClock())
+    d_nc = await connect_nats(nats_server.url, name="dispatcher", reconnect_wait=0.1)
+    gw_nc = await connect_nats(nats_server.url, name="gateway", reconnect_wait=0.1)
+    settings = DispatcherSettings(
+        nats_url=nats_server.url,
+        subject_prefix=subjects.prefix,
+        broker="memory",
+        instance_id="disp-outage",
+        owner_ttl=1.0,
+        register_tick=60.0,
+    )
+    d = Dispatcher(settings, broker, d_nc, FakeClock())
+    try:
+        await d.start()
+        gw = FakeGateway(gw_nc, subjects, queue=queue_name)
+        await gw.start()
+        await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+        nats_server.kill()
+        await wait_until(lambda: not d.owned, within=TIMEOUT)  # given up: NATS is silent
+        ids = await enqueue(broker, queue_name, 3)
+        nats_server.start()
+        await wait_until(lambda: sorted(gw.accepted_ids) == sorted(ids), within=TIMEOUT)
+    finally:
+        await d.stop()
+        await close_nats(gw_nc, drain=False)
+        await close_nats(d_nc, drain=False)

@@ -353,10 +353,12 @@ class Dispatcher:
         await self.bus.publish_owner_changed(queue)
 
     async def _after_reconnect(self) -> None:
-        """Ask the gateways of every owned queue to register again when the NATS link was
-        re-established: the Dones and registrations in flight through the server that
+        """When the NATS link was re-established: ask the gateways of every owned queue to
+        register again (the Dones and registrations in flight through the server that
         went away are lost, and without them the gateways' credits stay spent until the
-        next register tick."""
+        next register tick), and claim every queue with due work, as at start (the wakes
+        sent meanwhile are lost, and the queues given up while NATS did not answer have
+        no owner)."""
         reconnects = int(self._nc.stats.get("reconnects", 0))
         if reconnects == self._reconnects:
             return
@@ -367,6 +369,7 @@ class Dispatcher:
         )
         for queue in queues:
             await self.bus.publish_owner_changed(queue)
+        self._spawn(self._want_due_queues())
 
     async def _housekeep(self) -> None:
         while True:
