@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import asyncpg
 import pytest
 from conveyor import AsyncAdminClient, AsyncClient, FailedPrecondition, TaskState
 from conveyor_broker import SystemClock
@@ -79,3 +80,65 @@ async def test_a_task_under_a_missing_key_fails_alone_and_nothing_crashes(
     assert "broker.encrypted primary_key=k2 keys=k2" in logs
     for key in (SERVICE_KEY, GONE_KEY):
         assert material(key) not in logs
+
+
+async def test_postgres_rows_hold_no_plaintext_payload_result_or_secret(
+    cluster: Cluster, migrated_dsn: str, tmp_path: Path
+) -> None:
+    marks = {
+        "payload": "PAYLOAD-MARK-7f3a",
+        "header": "HEADER-MARK-91c2",
+        "result": "RESULT-MARK-5d0e",
+        "error": "ERROR-MARK-c4b8",
+        "secret": "SECRET-MARK-2e6f-at-least-24-chars",
+        "progress": "step",  # the worker's progress: {"step": 1}
+    }
+    stack = await start_stack(
+        cluster, tmp_path, queues={Q: 1}, env={"CONVEYOR_ENCRYPTION_KEYS": SERVICE_KEY}
+    )
+    async with AsyncClient(stack.target) as client, AsyncAdminClient(stack.target) as admin:
+        result = await client.enqueue(
+            "e2e.result",
+            {"result": marks["result"], "note": marks["payload"]},
+            queue=Q,
+            headers={"h": marks["header"]},
+        )
+        failed_once = await client.enqueue(
+            "e2e.fail", {"fails": 1, "error": marks["error"]}, queue=Q, max_retry=3
+        )
+        running = await client.enqueue("e2e.progress", {}, queue=Q)
+        await admin.upsert_webhook_worker(
+            "sealed-hook", "http://127.0.0.1:9/hook", ["hooks"], secrets=[marks["secret"]]
+        )
+        # What the api reads back is the plaintext (so the marks were stored).
+        done = await wait_state(admin, result.id, TaskState.COMPLETED, within=60)
+        assert done.result == marks["result"]
+        assert done.payload == {"result": marks["result"], "note": marks["payload"]}
+        assert dict(done.headers) == {"h": marks["header"]}
+        retried = await wait_state(admin, failed_once.id, TaskState.COMPLETED, within=60)
+        assert marks["error"] in (retried.last_error or "")
+
+        async def reported() -> bool:
+            return (await admin.get_task(running.id)).progress is not None
+
+        await wait_until(reported, within=60, interval=POLL_INTERVAL, message="progress")
+        assert (await admin.get_task(running.id)).progress == {"step": 1}
+
+        conn = await asyncpg.connect(migrated_dsn)
+        try:
+            tasks = await conn.fetchval("SELECT string_agg(t::text, ' ') FROM conveyor_tasks t")
+            hooks = await conn.fetchval(
+                "SELECT string_agg(w::text, ' ') FROM conveyor_webhook_workers w"
+            )
+        finally:
+            await conn.close()
+        await admin.cancel_task(running.id)
+    dump = f"{tasks} {hooks}"
+    assert "sealed-hook" in dump  # the rows were read
+    for name, mark in marks.items():
+        assert mark not in dump, name
+        assert mark.encode().hex() not in dump, name  # bytea reads as hex
+    # The secret is sealed by the api under the webhook secret key (test id "test"),
+    # the task values under the encryption key.
+    assert "enc:v1:test:" in hooks
+    assert "enc:v1:k2:" in tasks

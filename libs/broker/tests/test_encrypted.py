@@ -329,7 +329,7 @@ def test_a_lone_key_is_the_primary() -> None:
 
 
 def test_the_primary_is_the_marked_key() -> None:
-    keyring = Keyring.parse(f"k1:{KEY_A},\n *k2:{KEY_B}\n# a comment\n")
+    keyring = Keyring.parse(f"# keys, newest last\nk1:{KEY_A},\n *k2:{KEY_B}\n# a comment, too\n")
     assert keyring.primary == "k2"
     assert keyring.ids == ("k2", "k1")
 

@@ -164,10 +164,10 @@ class Keyring:
         material."""
         keys: dict[str, bytes] = {}
         marked: list[str] = []
-        for position, raw in enumerate(re.split(r"[,\n]", text), start=1):
-            entry = raw.strip()
-            if not entry or entry.startswith("#"):
-                continue
+        # Comment lines go first (a comment may hold a comma), then entries by comma.
+        lines = (line for line in text.splitlines() if not line.strip().startswith("#"))
+        entries = [part.strip() for line in lines for part in line.split(",")]
+        for position, entry in enumerate((e for e in entries if e), start=1):
             primary = entry.startswith("*")
             kid, sep, encoded = entry.removeprefix("*").partition(":")
             kid = kid.strip()
