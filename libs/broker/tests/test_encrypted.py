@@ -8,6 +8,7 @@ import base64
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -429,3 +430,22 @@ async def test_postgres_rows_hold_no_plaintext(pg_dsn: str, clock: FakeClock) ->
     for mark in marks:
         assert mark not in dump
         assert mark.encode().hex() not in dump
+
+
+async def test_the_fast_copies_equal_dataclasses_replace(broker: EncryptedBroker) -> None:
+    from conveyor_broker.encrypted import _as_given, _opened, _sealed_new
+
+    new = NewTask(
+        "q", "t", payload=b"p", headers={"a": "b"}, unique_key="u", depends_on=(), max_retry=3
+    )
+    assert _sealed_new(new, "ID", b"x", {"a": "c"}) == replace(
+        new, id="ID", payload=b"x", headers={"a": "c"}
+    )
+    task = (await broker.enqueue(new)).task
+    assert _opened(task, b"1", {"h": "2"}, b"3", b"4", "5") == replace(
+        task, payload=b"1", headers={"h": "2"}, progress=b"3", result=b"4", last_error="5"
+    )
+    assert _as_given(task, b"z", {}) == replace(task, payload=b"z", headers={})
+    copy = _as_given(task, b"z", {})
+    with pytest.raises(AttributeError):
+        copy.payload = b"frozen"  # type: ignore[misc]

@@ -41,9 +41,11 @@ dispatch``...): they are the server's words, not the user's. ``conveyor keys rot
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import fields, replace
 from datetime import datetime, timedelta
+from typing import Any, Generic, TypeVar
 
 from conveyor_broker.backoff import Backoff
 from conveyor_broker.ids import new_ids
@@ -83,6 +85,45 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DecryptionError", "EncryptedBroker"]
 
+_T = TypeVar("_T")
+
+
+class _Copier(Generic[_T]):
+    """Copies of a frozen, slotted dataclass with the fields ``changed`` replaced:
+    ``copier(obj, *new_values)``, the same as ``dataclasses.replace(obj, **changes)``,
+    several times faster (one C call reads every field, and the copy's slots are set
+    directly rather than through ``__init__``'s frozen setattr per keyword): the hot path
+    makes a copy per task."""
+
+    __slots__ = ("_cls", "_get", "_positions", "_setters")
+
+    def __init__(self, cls: type[_T], changed: Sequence[str]) -> None:
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        self._cls = cls
+        self._get = operator.attrgetter(*names)
+        # The slot descriptors (a slotted class's fields): set on a fresh object only.
+        self._setters: list[Callable[[Any, Any], None]] = [
+            cls.__dict__[name].__set__ for name in names
+        ]
+        self._positions = [names.index(name) for name in changed]
+
+    def __call__(self, obj: _T, *values: Any) -> _T:
+        current = list(self._get(obj))
+        for position, value in zip(self._positions, values):  # noqa: B905 - internal, sized
+            current[position] = value
+        copy = object.__new__(self._cls)
+        for setter, value in zip(self._setters, current):  # noqa: B905 - one per field
+            setter(copy, value)
+        return copy
+
+
+#: A new task with its id, payload and headers replaced (sealed).
+_sealed_new = _Copier(NewTask, ("id", "payload", "headers"))
+#: A stored task with its sealed values replaced (opened).
+_opened = _Copier(Task, ("payload", "headers", "progress", "result", "last_error"))
+#: A task just created, with its payload and headers as given (plaintext).
+_as_given = _Copier(Task, ("payload", "headers"))
+
 
 class EncryptedBroker(Broker):
     """``inner`` with payloads, header values, results, progress and errors sealed under
@@ -119,11 +160,11 @@ class EncryptedBroker(Broker):
         return {name: seal(task_id, HEADER + name, value) for name, value in headers.items()}
 
     def _seal_new(self, task: NewTask, task_id: str) -> NewTask:
-        return replace(
+        return _sealed_new(
             task,
-            id=task_id,
-            payload=self._keyring.seal_bytes(task_id, PAYLOAD, bytes(task.payload)),
-            headers=self._seal_headers(task_id, task.headers),
+            task_id,
+            self._keyring.seal_bytes(task_id, PAYLOAD, bytes(task.payload)),
+            self._seal_headers(task_id, task.headers),
         )
 
     def _seal_error(self, task_id: str, error: str) -> str:
@@ -138,15 +179,13 @@ class EncryptedBroker(Broker):
                 name: keyring.open_text(tid, HEADER + name, value)
                 for name, value in headers.items()
             }
-        return replace(
+        return _opened(
             task,
-            payload=keyring.open_bytes(tid, PAYLOAD, task.payload),
-            headers=headers,
-            progress=None
-            if task.progress is None
-            else keyring.open_bytes(tid, PROGRESS, task.progress),
-            result=None if task.result is None else keyring.open_bytes(tid, RESULT, task.result),
-            last_error=None
+            keyring.open_bytes(tid, PAYLOAD, task.payload),
+            headers,
+            None if task.progress is None else keyring.open_bytes(tid, PROGRESS, task.progress),
+            None if task.result is None else keyring.open_bytes(tid, RESULT, task.result),
+            None
             if task.last_error is None
             else keyring.open_text(tid, LAST_ERROR, task.last_error),
         )
@@ -231,7 +270,7 @@ class EncryptedBroker(Broker):
             stored = result.task
             if result.created:
                 # Just written from this very plaintext: no need to decrypt it back.
-                stored = replace(stored, payload=bytes(task.payload), headers=dict(task.headers))
+                stored = _as_given(stored, bytes(task.payload), dict(task.headers))
             else:
                 stored = self._open_committed(stored)
             opened.append(EnqueueResult(stored, result.created))

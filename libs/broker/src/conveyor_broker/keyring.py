@@ -15,7 +15,7 @@ The envelope (version 1)
 ------------------------
 
 Each value is sealed on its own with AES-256-GCM, a fresh random 96-bit nonce, and the
-associated data ``conveyor task v1 \\0 <field> \\0 <task id> \\0 <key id>``, where
+associated data ``conveyor task v1 \\0 <field> \\0 <key id> \\0 <task id>``, where
 ``field`` is ``payload``, ``progress``, ``result``, ``last_error`` or ``header:<name>``.
 So a sealed value opens only in its own field of its own task, under the key id it
 names: one copied to another task (or another field), or relabeled with another key id,
@@ -136,7 +136,7 @@ def text_key_id(stored: str) -> str | None:
 class Keyring:
     """AES-256-GCM keys by id; ``primary`` seals, every key opens. Immutable."""
 
-    __slots__ = ("_binary_heads", "_ciphers", "_primary", "_text_heads")
+    __slots__ = ("_aads", "_binary_heads", "_ciphers", "_primary", "_text_heads")
 
     def __init__(self, keys: Mapping[str, bytes], primary: str) -> None:
         if not keys:
@@ -154,6 +154,12 @@ class Keyring:
             kid: BINARY_PREFIX + bytes([len(kid)]) + kid.encode("ascii") for kid in keys
         }
         self._text_heads = {kid: f"{TEXT_PREFIX}{kid}:" for kid in keys}
+        # The associated data of the fixed fields, but for the task id (hot path).
+        self._aads = {
+            (field, kid): self._aad_head(field, kid)
+            for field in (PAYLOAD, PROGRESS, RESULT, LAST_ERROR)
+            for kid in keys
+        }
 
     # ------------------------------------------------------------- configuration
 
@@ -241,8 +247,14 @@ class Keyring:
     # ----------------------------------------------------------------- envelope
 
     @staticmethod
-    def _aad(task_id: str, field: str, kid: str) -> bytes:
-        return b"\x00".join((_AAD, field.encode(), task_id.encode(), kid.encode()))
+    def _aad_head(field: str, kid: str) -> bytes:
+        return b"\x00".join((_AAD, field.encode(), kid.encode(), b""))
+
+    def _aad(self, task_id: str, field: str, kid: str) -> bytes:
+        head = self._aads.get((field, kid))
+        if head is None:
+            head = self._aad_head(field, kid)
+        return head + task_id.encode()
 
     def seal_bytes(self, task_id: str, field: str, plain: bytes) -> bytes:
         """``plain`` (the ``field`` of task ``task_id``) in a binary envelope under the
