@@ -1,6 +1,7 @@
 """End-to-end benchmark: Postgres-backed services as processes, SDK workers, no-op tasks.
 
     uv run python -m bench.e2e_bench [--tasks 20000] [--workers 2] [--concurrency 64]
+    uv run python -m bench.e2e_bench --encryption both --rounds 3   # its cost, on vs off
 
 Starts a private nats-server, a throwaway database (dropped afterwards), one api, one
 dispatcher, one maintenance process and SDK worker processes; with ``--retained N`` the
@@ -14,7 +15,14 @@ in production; vacuumed and analyzed); then
 2. latency at light load: enqueues one task at a time at a low rate and reports
    enqueue -> handler-start latency p50/p95/p99 (both ends read CLOCK_MONOTONIC).
 
-Prints a summary and writes bench/results/e2e.json.
+``--encryption on`` gives every service CONVEYOR_ENCRYPTION_KEYS (payloads, results...
+stored encrypted); ``--encryption both`` measures the cost: ``--rounds`` rounds of one
+run without and one with, alternating which goes first (so a machine that other work
+slows down weighs on both), each on its own fresh database and processes, then the
+medians of each and their difference. ``--payload-bytes`` pads each task's payload.
+
+Prints a summary and writes bench/results/e2e.json (``--encryption both``:
+bench/results/e2e-encryption.json, every run and the medians).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any
 import asyncpg
 import uvloop
 from conveyor import AsyncClient, spec
+from conveyor_broker.keyring import generate_key
 from conveyor_broker.postgres import migrate
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_testkit.polling import wait_until
@@ -142,7 +151,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, *, encrypted: bool = False) -> dict[str, Any]:
     admin = args.admin_dsn
     name = f"conveyor_bench_{uuid.uuid4().hex[:8]}"
     conn = await asyncpg.connect(admin)
@@ -154,6 +163,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     nats.start()
     cluster = Cluster(dsn=dsn, nats_url=nats.url, workdir=workdir)
     cluster.settings_env["CONVEYOR_LOG_LEVEL"] = "warning"
+    if encrypted:
+        cluster.settings_env["CONVEYOR_ENCRYPTION_KEYS"] = generate_key("bench")
+    payload: dict[str, Any] = {"pad": "x" * args.payload_bytes} if args.payload_bytes else {}
     try:
         await migrate(dsn)
         if args.retained:
@@ -185,7 +197,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             batch = 1000
             pending = [
                 client.enqueue_batch(
-                    [spec("e2e.noop", {}, queue=queues[n % len(queues)]) for n in range(batch)]
+                    [spec("e2e.noop", payload, queue=queues[n % len(queues)]) for n in range(batch)]
                 )
                 for _ in range(args.tasks // batch)
             ]
@@ -207,7 +219,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sent: dict[str, int] = {}
             for _ in range(args.latency_samples):
                 before = time.monotonic_ns()
-                task = await client.enqueue("e2e.noop", {}, queue="bench")
+                task = await client.enqueue("e2e.noop", payload, queue="bench")
                 sent[task.id] = before
                 await asyncio.sleep(1 / args.latency_rate)  # the light load's pacing
             await wait_until(
@@ -219,6 +231,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         starts = {f[1]: int(f[5]) for f in tail.lines["start"]}
         latencies = [(starts[i] - t) / 1e6 for i, t in sent.items() if i in starts]
         result = {
+            "encryption": encrypted,
+            "payload_bytes": args.payload_bytes,
             "tasks": args.tasks,
             "retained": args.retained,
             "queues": args.queues,
@@ -252,6 +266,47 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await conn.close()
 
 
+def summary(result: dict[str, Any]) -> str:
+    """One run's figures, as printed."""
+    lat = result["latency_ms"]
+    return (
+        f"e2e: {result['tasks']} no-op tasks, {result['workers']} workers x {result['concurrency']}"
+        f", {result['queues']} queue(s), {result['retained']} completed tasks retained before, "
+        f"encryption {'on' if result['encryption'] else 'off'}\n"
+        f"  enqueue  {result['enqueue_per_s']:>8} tasks/s\n"
+        f"  drained  {result['drained_per_s']:>8} tasks/s end to end ({result['drain_seconds']} s); "
+        f"{result['done_while_enqueuing']} done while enqueuing, then "
+        f"{result['drain_only_per_s']} tasks/s\n"
+        f"  latency  p50 {lat['p50']} ms  p95 {lat['p95']} ms  p99 {lat['p99']} ms  ({lat['samples']} samples)\n"
+        "  CPU per task during the burst (us): "
+        + ", ".join(f"{role} {us}" for role, us in result["cpu_us_per_task"].items())
+        + f", total {sum(result['cpu_us_per_task'].values())}"
+    )
+
+
+def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians of the runs without and with encryption, and their difference."""
+    medians: dict[str, dict[str, float]] = {}
+    for mode, encrypted in (("off", False), ("on", True)):
+        mine = [r for r in runs if r["encryption"] is encrypted]
+        medians[mode] = {
+            "runs": len(mine),
+            "enqueue_per_s": statistics.median(r["enqueue_per_s"] for r in mine),
+            "drained_per_s": statistics.median(r["drained_per_s"] for r in mine),
+            "p50_ms": statistics.median(r["latency_ms"]["p50"] for r in mine),
+            "p99_ms": statistics.median(r["latency_ms"]["p99"] for r in mine),
+            "cpu_us_per_task": statistics.median(sum(r["cpu_us_per_task"].values()) for r in mine),
+        }
+    off, on = medians["off"], medians["on"]
+    return {
+        **medians,
+        "drained_change_pct": round(100 * (on["drained_per_s"] / off["drained_per_s"] - 1), 1),
+        "enqueue_change_pct": round(100 * (on["enqueue_per_s"] / off["enqueue_per_s"] - 1), 1),
+        "p50_change_ms": round(on["p50_ms"] - off["p50_ms"], 2),
+        "cpu_change_us": round(on["cpu_us_per_task"] - off["cpu_us_per_task"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -265,26 +320,50 @@ def main() -> None:
     )
     parser.add_argument("--latency-samples", type=int, default=300)
     parser.add_argument("--latency-rate", type=float, default=50.0, help="tasks/s at light load")
+    parser.add_argument(
+        "--encryption",
+        choices=["off", "on", "both"],
+        default="off",
+        help="store task values encrypted (on), or compare (both: see --rounds)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="with --encryption both: pairs of runs"
+    )
+    parser.add_argument(
+        "--payload-bytes", type=int, default=0, help="pad each task's payload to about this"
+    )
     parser.add_argument("--admin-dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
     args = parser.parse_args()
     # The producer runs on uvloop, as the services and the SDK's Worker do. On the default
     # asyncio loop, grpc's asyncio client costs about 1 ms more per call here (measured:
     # light-load p50 5.2-5.7 ms instead of 4.1-4.6 ms).
-    result = uvloop.run(run(args))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "e2e.json").write_text(json.dumps(result, indent=2) + "\n")
-    lat = result["latency_ms"]
+    if args.encryption != "both":
+        result = uvloop.run(run(args, encrypted=args.encryption == "on"))
+        (RESULTS / "e2e.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(summary(result))
+        return
+    runs: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        # Alternate which goes first, so that a slow spell of the machine is shared.
+        for encrypted in (False, True) if round_ % 2 == 0 else (True, False):
+            runs.append(uvloop.run(run(args, encrypted=encrypted)))
+            print(summary(runs[-1]), flush=True)
+    compared = compare(runs)
+    (RESULTS / "e2e-encryption.json").write_text(
+        json.dumps({"runs": runs, "compared": compared}, indent=2) + "\n"
+    )
+    off, on = compared["off"], compared["on"]
     print(
-        f"e2e: {result['tasks']} no-op tasks, {result['workers']} workers x {result['concurrency']}"
-        f", {result['queues']} queue(s), {result['retained']} completed tasks retained before\n"
-        f"  enqueue  {result['enqueue_per_s']:>8} tasks/s\n"
-        f"  drained  {result['drained_per_s']:>8} tasks/s end to end ({result['drain_seconds']} s); "
-        f"{result['done_while_enqueuing']} done while enqueuing, then "
-        f"{result['drain_only_per_s']} tasks/s\n"
-        f"  latency  p50 {lat['p50']} ms  p95 {lat['p95']} ms  p99 {lat['p99']} ms  ({lat['samples']} samples)\n"
-        "  CPU per task during the burst (us): "
-        + ", ".join(f"{role} {us}" for role, us in result["cpu_us_per_task"].items())
-        + f", total {sum(result['cpu_us_per_task'].values())}"
+        f"encryption, medians of {off['runs']} runs each (off -> on):\n"
+        f"  drained  {off['drained_per_s']:.0f} -> {on['drained_per_s']:.0f} tasks/s "
+        f"({compared['drained_change_pct']:+}%)\n"
+        f"  enqueue  {off['enqueue_per_s']:.0f} -> {on['enqueue_per_s']:.0f} tasks/s "
+        f"({compared['enqueue_change_pct']:+}%)\n"
+        f"  p50      {off['p50_ms']} -> {on['p50_ms']} ms ({compared['p50_change_ms']:+} ms)\n"
+        f"  p99      {off['p99_ms']} -> {on['p99_ms']} ms\n"
+        f"  CPU      {off['cpu_us_per_task']:.0f} -> {on['cpu_us_per_task']:.0f} us per task "
+        f"({compared['cpu_change_us']:+} us)"
     )
 
 

@@ -281,6 +281,10 @@ def test_tls_settings_agree_across_services() -> None:
     # The services share one cluster key, the file dev-certs writes.
     keys = {env.get("CONVEYOR_CLUSTER_KEY_FILE") for env in services.values()}
     assert keys == {"/tls/cluster.key"}, keys
+    # And one keyring for encryption at rest: a service without it would store in clear,
+    # and could not read what the others stored.
+    keyrings = {name: env.get("CONVEYOR_ENCRYPTION_KEYS_FILE") for name, env in services.items()}
+    assert set(keyrings.values()) == {"/tls/encryption.key"}, keyrings
     # Postgres serves TLS with the same CA's certificate, and refuses anything else.
     command = " ".join(SERVICES["postgres"]["command"])
     assert "ssl=on" in command
@@ -338,6 +342,10 @@ def test_each_service_accepts_its_tls_settings(
     assert not settings.allow_unsigned
     if name != "migrate":
         assert ClusterAuth.from_settings(settings).signs
+    if name != "migrate":
+        keyring = settings.encryption_keyring()
+        assert keyring is not None
+        assert keyring.primary == "dev"
     if isinstance(settings, ApiSettings):
         assert settings.tls_cert
         assert settings.tls_key

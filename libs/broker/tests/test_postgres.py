@@ -1,4 +1,4 @@
-"""The Postgres broker passes the conformance suite.
+"""The Postgres broker passes the conformance suite, plain and encrypted.
 
 The schema is migrated once, into a schema of its own in the session's test database; each
 test starts from truncated tables and gets a broker on a shared pool (closing that broker
@@ -7,12 +7,15 @@ leaves the pool open), so per-test isolation costs one TRUNCATE.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import pytest
 from conveyor_broker import InvalidTask, NewTask
+from conveyor_broker.encrypted import EncryptedBroker
+from conveyor_broker.keyring import Keyring
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_broker.testing import BrokerConformance, FakeClock
 from conveyor_broker.testing.schemas import DATA_TABLES, migrated_schema
@@ -67,3 +70,21 @@ class TestPostgresBroker(BrokerConformance):
             await broker._enqueue_batch([good, NewTask("q", **{"type": "t", **options})])
         assert (await broker.list_tasks()).tasks == []
         assert (await broker._enqueue_batch([good]))[0].created
+
+
+class TestEncryptedPostgresBroker(BrokerConformance):
+    """The encrypted broker passes the same suite around the Postgres broker."""
+
+    @pytest.fixture
+    def clock(self) -> FakeClock:
+        return FakeClock()
+
+    @pytest.fixture
+    async def broker(
+        self, clock: FakeClock, conformance_pool: asyncpg.Pool[asyncpg.Record]
+    ) -> AsyncIterator[EncryptedBroker]:
+        await conformance_pool.execute(f"TRUNCATE {DATA_TABLES}")
+        keyring = Keyring({"old": os.urandom(32), "new": os.urandom(32)}, primary="new")
+        broker = EncryptedBroker(PostgresBroker(conformance_pool, clock), keyring)
+        yield broker
+        await broker.close()

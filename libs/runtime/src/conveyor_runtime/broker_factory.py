@@ -66,13 +66,26 @@ async def open_broker(
     settings: CommonSettings, clock: Clock | None = None, *, migrate: bool | None = None
 ) -> Broker:
     """A connected broker: ``memory`` or ``postgres`` (on ``settings.dsn``, over TLS as the
-    ``db_ssl*`` settings say).
+    ``db_ssl*`` settings say), inside an
+    :class:`~conveyor_broker.encrypted.EncryptedBroker` when encryption keys are
+    configured (``encryption_keys`` or ``encryption_keys_file``).
 
     For postgres, pending migrations are applied first when ``migrate`` (default:
     ``settings.auto_migrate``) is true; that is safe with several processes starting at
     once (the migrator takes an advisory lock).
     """
-    clock = clock or SystemClock()
+    keyring = settings.encryption_keyring()
+    broker = await _open_inner(settings, clock or SystemClock(), migrate=migrate)
+    if keyring is None:
+        return broker
+    from conveyor_broker.encrypted import EncryptedBroker
+
+    # Key ids only: key material is never logged.
+    logger.info("broker.encrypted primary_key=%s keys=%s", keyring.primary, ",".join(keyring.ids))
+    return EncryptedBroker(broker, keyring)
+
+
+async def _open_inner(settings: CommonSettings, clock: Clock, *, migrate: bool | None) -> Broker:
     if settings.broker == "memory":
         from conveyor_broker.memory import MemoryBroker
 

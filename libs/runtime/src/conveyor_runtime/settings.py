@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Annotated, Literal, Self
 
+from conveyor_broker.keyring import Keyring
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -177,6 +178,18 @@ class CommonSettings(BaseSettings):
         description="Knowingly run without a cluster key, or accept unsealed NATS messages "
         "while a cluster key is rolled out (a wrong seal is refused all the same)",
     )
+    encryption_keys: SecretStr | None = Field(
+        None,
+        description="Encrypt task payloads, header values, results, progress and errors at "
+        "rest (AES-256-GCM): keys as <id>:<base64 of 32 bytes>, comma-separated, the one "
+        "that encrypts marked *<id> (every one decrypts; `conveyor keys new` makes one); "
+        "the same on every service (unset: stored in clear)",
+    )
+    encryption_keys_file: str | None = Field(
+        None,
+        description="File holding encryption_keys' value instead (one key a line, # "
+        "comments); read at start",
+    )
 
     @field_validator("cluster_key", mode="before")
     @classmethod
@@ -202,6 +215,18 @@ class CommonSettings(BaseSettings):
         else:
             parse_keys(self.cluster_key)
         return self
+
+    @model_validator(mode="after")
+    def _encryption_keys_load(self) -> Self:
+        self.encryption_keyring()
+        return self
+
+    def encryption_keyring(self) -> Keyring | None:
+        """The keys of encryption at rest (None: not configured). Raises KeyringError (a
+        ValueError) when the setting is malformed or its file unreadable; the message
+        never quotes key material."""
+        value = self.encryption_keys.get_secret_value() if self.encryption_keys else None
+        return Keyring.load(value, self.encryption_keys_file)
 
     @property
     def lease_ttl_delta(self) -> timedelta:

@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import nkeys
+from conveyor_broker.keyring import generate_key as generate_encryption_key
 from conveyor_runtime.cluster_key import generate_key
 from conveyor_runtime.webhook_secrets import generate_key as generate_secret_key
 from cryptography import x509
@@ -199,6 +200,8 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
     - ``<user>.nk``: each NATS user's nkey seed (``CONVEYOR_NATS_NKEY_SEED``);
     - ``webhook-secret.key``: the key that encrypts webhook secrets at rest
       (``CONVEYOR_WEBHOOK_SECRET_KEY_FILE`` of the api and the webhook service).
+    - ``encryption.key``: the key that encrypts task payloads, header values, results,
+      progress and errors at rest (``CONVEYOR_ENCRYPTION_KEYS_FILE`` of every service).
     - ``cluster.key``: the cluster key every service seals its NATS messages with
       (``CONVEYOR_CLUSTER_KEY_FILE``).
 
@@ -234,5 +237,13 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
         lines.append(f'{user.upper()}_NKEY = "{public}"')
     put("nats-users.conf", ("\n".join(lines) + "\n").encode())
     put("webhook-secret.key", (generate_secret_key("dev") + "\n").encode())
+    put(
+        "encryption.key",
+        (
+            "# Encryption at rest (CONVEYOR_ENCRYPTION_KEYS_FILE): <id>:<base64>, one a line,\n"
+            "# the one that encrypts marked *<id>. Rotating: docs/operations.md.\n"
+            f"*{generate_encryption_key('dev')}\n"
+        ).encode(),
+    )
     put("cluster.key", (generate_key() + "\n").encode())
     return written

@@ -18,6 +18,7 @@ from conveyor_broker import (
     TaskNotFound,
     WebhookWorkerNotFound,
 )
+from conveyor_broker.keyring import DecryptionError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (BrokerClosed, grpc.StatusCode.UNAVAILABLE),
     (WebhookWorkerNotFound, grpc.StatusCode.NOT_FOUND),
     (NotSupported, grpc.StatusCode.UNIMPLEMENTED),
+    # A stored value this server has no key for: its configuration must change.
+    (DecryptionError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 

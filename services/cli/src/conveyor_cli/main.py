@@ -9,6 +9,7 @@ from typing import Any
 import click
 from conveyor_runtime.settings import CommonSettings
 
+from conveyor_cli.keys import keys
 from conveyor_cli.ops import enqueue, queue, task
 from conveyor_cli.tokens import token
 from conveyor_cli.webhooks import webhook
@@ -199,3 +200,4 @@ cli.add_command(task)
 cli.add_command(queue)
 cli.add_command(webhook)
 cli.add_command(token)
+cli.add_command(keys)
