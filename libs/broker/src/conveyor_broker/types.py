@@ -336,3 +336,86 @@ class WebhookWorker:
     secrets: tuple[str, ...]
     created_at: datetime
     updated_at: datetime
+
+
+class CronMisfire(StrEnum):
+    """What the scheduler does with the slots of a cron entry that it missed (the cluster
+    was down past them). A slot counts as missed when the scheduler comes to it more than
+    the misfire grace (``CONVEYOR_CRON_MISFIRE_GRACE``) after its time; later slots fire
+    as usual."""
+
+    #: One task stands for all the missed slots (it carries the first one's time).
+    RUN_ONCE = "run_once"
+    #: Missed slots create no task.
+    SKIP = "skip"
+
+
+@dataclass(frozen=True, slots=True)
+class CronEntrySpec:
+    """A cron entry as an operator writes it (UpsertCronEntry).
+
+    ``schedule`` is read by :class:`conveyor_broker.cron.CronSchedule` in ``timezone`` (an
+    IANA name). ``task`` is the template of the task each slot creates: its queue, type,
+    payload, headers, and relative options (max_retry, timeout, retention, group,
+    concurrency key). It has no id, unique key, dependencies or absolute times: each slot
+    gets its own id and unique key (see :func:`conveyor_broker.cron.slot_task`).
+    """
+
+    name: str
+    schedule: str
+    task: NewTask
+    timezone: str = "UTC"
+    paused: bool = False
+    misfire: CronMisfire = CronMisfire.RUN_ONCE
+
+
+@dataclass(frozen=True, slots=True)
+class CronEntry:
+    """A stored cron entry.
+
+    ``next_run_at`` is the next slot to fire (None while paused); ``last_run_at`` the last
+    slot that was fired (None before the first).
+    """
+
+    name: str
+    schedule: str
+    timezone: str
+    task: NewTask
+    paused: bool
+    misfire: CronMisfire
+    next_run_at: datetime | None
+    last_run_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class CronFired:
+    """What :meth:`~conveyor_broker.interface.Broker.fire_cron_entry` did.
+
+    ``applied`` is False when the entry's next run was no longer the one expected (another
+    scheduler fired it, an operator changed or paused it, or it is gone): nothing changed.
+    ``task`` is the slot's task when one was asked for (``created`` False when it was
+    already stored).
+    """
+
+    applied: bool
+    entry: CronEntry | None = None
+    task: EnqueueResult | None = None
+
+
+def cron_template(task: NewTask) -> NewTask:
+    """A cron entry's task template as brokers store and return it: the fields a template
+    may hold (queue, type, payload, headers, max_retry, timeout, retention, group,
+    concurrency key), its headers a copy of their own."""
+    return NewTask(
+        queue=task.queue,
+        type=task.type,
+        payload=bytes(task.payload),
+        headers=dict(task.headers),
+        max_retry=task.max_retry,
+        timeout=task.timeout,
+        retention=task.retention,
+        group=task.group,
+        concurrency_key=task.concurrency_key,
+    )
