@@ -9,6 +9,7 @@ import grpc
 from conveyor_broker import (
     BrokerClosed,
     BrokerError,
+    CronEntryNotFound,
     DatabaseUnavailable,
     DuplicateTask,
     InvalidState,
@@ -47,6 +48,7 @@ _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (LeaseLost, grpc.StatusCode.FAILED_PRECONDITION),
     (BrokerClosed, grpc.StatusCode.UNAVAILABLE),
     (WebhookWorkerNotFound, grpc.StatusCode.NOT_FOUND),
+    (CronEntryNotFound, grpc.StatusCode.NOT_FOUND),
     (NotSupported, grpc.StatusCode.UNIMPLEMENTED),
 )
 
