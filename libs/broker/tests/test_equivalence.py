@@ -6,7 +6,8 @@ come from a small fixed pool so operations collide (idempotent enqueue, unique k
 lease-scoped calls on the wrong task). After every operation the two must agree on the
 outcome (value or exception type), the events reported, and the observable state: every
 task (except its lease id, which is random), queue_stats, pending_count, due_queues and
-the webhook worker registrations and the cron entries (with what is due).
+the webhook worker registrations, the cron entries (with what is due), and the group
+configs, stats and due groups.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ from conveyor_broker.types import (
     CronEntrySpec,
     CronFired,
     CronMisfire,
+    DueGroup,
     EnqueueResult,
+    GroupConfig,
+    GroupStats,
     LeaseReapParams,
     NewTask,
     QueueStats,
@@ -281,6 +285,16 @@ class Op:
                 return await b.delete_cron_entry(a[0])
             case "cron_fire":
                 return await _fire(b, a[0], a[1], a[2])
+            case "group_set":
+                return await b.set_group_config(
+                    GroupConfig(a[0], a[1], a[2], timedelta(seconds=a[3]), timedelta(seconds=a[4]))
+                )
+            case "group_delete":
+                return await b.delete_group_config(a[0], a[1])
+            case "lease_group":
+                leased = await b.lease_group(a[0], "g", a[1], timedelta(seconds=a[2]))
+                side.leases.update((t.id, t.lease_id or "") for t in leased)
+                return leased
         raise AssertionError(f"unknown operation {self.name}")
 
 
@@ -303,8 +317,8 @@ specs = st.builds(
     unique_ttl=st.sampled_from([None, 4, 15]),
     expires_in=st.sampled_from([None, None, None, 5, 20]),
     max_retry=st.integers(0, 3),
-    # Grouped tasks only wait (nothing here leases groups): keep them rare.
-    group=st.sampled_from([False] * 7 + [True]),
+    # Grouped tasks wait for lease_group.
+    group=st.sampled_from([False] * 5 + [True]),
     # Rare: an unknown dependency fails the whole batch.
     dep=st.sampled_from([None] * 8 + [0, 1]),
     retention=st.sampled_from([None, None, 0, 10]),
@@ -362,6 +376,15 @@ _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
         st.sampled_from([(), ("s1",), ("s2", "s1")]),
         st.sampled_from([("s3",), ("s3", "s2"), ()]),
     ),
+    "group_set": st.tuples(
+        queues,
+        st.sampled_from(["*", "g", "?", "h*"]),
+        st.integers(1, 3),
+        st.integers(1, 20),
+        st.integers(1, 10),
+    ),
+    "group_delete": st.tuples(queues, st.sampled_from(["*", "g"])),
+    "lease_group": st.tuples(queues, limits, st.integers(5, 60)),
     "cron_upsert": st.tuples(st.lists(crons, min_size=1, max_size=3).map(tuple)),
     "cron_pause": st.tuples(cron_names, st.booleans()),
     "cron_delete": st.tuples(cron_names),
@@ -379,6 +402,7 @@ _KINDS = [
     "webhook_upsert",
     "cron_upsert",
     "cron_fire",
+    "lease_group",
     *_ARGS,
 ]
 operations = st.sampled_from(_KINDS).flatmap(
@@ -409,6 +433,8 @@ def _normal(value: Any) -> Any:
         return replace(value, task=replace(value.task, headers=dict(value.task.headers)))
     if isinstance(value, CronFired):
         return (value.applied, _normal(value.entry), _normal(value.task))
+    if isinstance(value, GroupConfig | GroupStats | DueGroup):
+        return value
     if isinstance(value, ReapedTask | datetime | dict | int | bool) or value is None:
         return value
     raise AssertionError(f"no normal form for {value!r}")
@@ -434,6 +460,9 @@ async def _snapshot(broker: Broker) -> tuple[Any, ...]:
         _normal(await broker.list_webhook_workers()),
         _normal(await broker.list_cron_entries()),
         _normal(await broker.list_due_cron_entries()),
+        await broker.list_group_configs(),
+        await broker.group_stats(),
+        await broker.due_groups(),
     )
 
 

@@ -86,3 +86,12 @@ class CronEntryNotFound(BrokerError, LookupError):
     def __init__(self, name: str) -> None:
         super().__init__(f"no cron entry named {name!r}")
         self.name = name
+
+
+class GroupConfigNotFound(BrokerError, LookupError):
+    """No group config is stored for this queue and pattern."""
+
+    def __init__(self, queue: str, pattern: str) -> None:
+        super().__init__(f"no group config for queue {queue!r} and pattern {pattern!r}")
+        self.queue = queue
+        self.pattern = pattern

@@ -60,7 +60,10 @@ from conveyor_broker.types import (
     CronEntry,
     CronEntrySpec,
     CronFired,
+    DueGroup,
     EnqueueResult,
+    GroupConfig,
+    GroupStats,
     LeaseReapParams,
     LeaseRef,
     NewTask,
@@ -85,6 +88,9 @@ from conveyor_broker.validation import (
     check_cron_entry,
     check_cron_name,
     check_cursor,
+    check_group_config,
+    check_group_name,
+    check_group_pattern,
     check_lease_ttl,
     check_lease_wants,
     check_limit,
@@ -573,6 +579,63 @@ class Broker(abc.ABC):
         check_stored_secrets(secrets)
         return await self._replace_webhook_secrets(name, tuple(expected), tuple(secrets))
 
+    # ------------------------------------------------------- aggregation groups
+
+    async def set_group_config(self, config: GroupConfig) -> GroupConfig:
+        """Create or replace the config of ``config.queue`` and ``config.pattern``; return
+        it as stored. InvalidTask for bad input (see
+        :func:`conveyor_broker.validation.check_group_config`)."""
+        self._check_open()
+        check_group_config(config)
+        return await self._set_group_config(config)
+
+    async def delete_group_config(self, queue: str, pattern: str = "*") -> None:
+        """Delete a config (its groups take the next matching one, or the defaults).
+        Raises GroupConfigNotFound."""
+        self._check_open()
+        check_queue(queue)
+        check_group_pattern(pattern)
+        await self._delete_group_config(queue, pattern)
+
+    async def list_group_configs(self, queue: str | None = None) -> list[GroupConfig]:
+        """The stored configs (of ``queue``), by queue then pattern (code point order)."""
+        self._check_open()
+        if queue is not None:
+            check_queue(queue)
+        return await self._list_group_configs(queue)
+
+    async def group_stats(self, queue: str | None = None, limit: int = 1000) -> list[GroupStats]:
+        """The groups with waiting (AGGREGATING) members (of ``queue``), by queue then
+        group (code point order), at most ``limit`` (1..MAX_BATCH)."""
+        self._check_open()
+        if queue is not None:
+            check_queue(queue)
+        check_limit(limit, upper=MAX_BATCH)
+        return await self._group_stats(queue, limit)
+
+    async def due_groups(self, limit: int = 100) -> list[DueGroup]:
+        """The groups past a threshold of the config that applies to them
+        (:func:`conveyor_broker.groups.config_for`, :func:`~conveyor_broker.groups.trigger`)
+        at now, the oldest first member first (then queue, group), at most ``limit``
+        (1..MAX_BATCH). ``max_size`` is the applying config's: how many members one
+        delivery takes."""
+        self._check_open()
+        check_limit(limit, upper=MAX_BATCH)
+        return await self._due_groups(limit)
+
+    async def lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
+        """Lease up to ``limit`` AGGREGATING members of ``group`` in ``queue`` (those not
+        past their ``expires_at``), the earliest ``created_at`` first (then id), as one
+        delivery: each becomes ACTIVE under the same new ``lease_id``, with
+        ``lease_expires_at = now + ttl``, ``started_at = now`` and ``progress`` None.
+        Concurrent callers never receive the same member. Outcomes stay per task."""
+        self._check_open()
+        check_queue(queue)
+        check_group_name(group)
+        check_limit(limit, upper=MAX_BATCH)
+        check_lease_ttl(ttl)
+        return await self._lease_group(queue, group, limit, ttl)
+
     # ------------------------------------------------------------- cron entries
 
     async def upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
@@ -847,3 +910,23 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _trigger_cron_entry(self, name: str) -> EnqueueResult: ...
+
+    @abc.abstractmethod
+    async def _set_group_config(self, config: GroupConfig) -> GroupConfig: ...
+
+    @abc.abstractmethod
+    async def _delete_group_config(self, queue: str, pattern: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _list_group_configs(self, queue: str | None) -> list[GroupConfig]: ...
+
+    @abc.abstractmethod
+    async def _group_stats(self, queue: str | None, limit: int) -> list[GroupStats]: ...
+
+    @abc.abstractmethod
+    async def _due_groups(self, limit: int) -> list[DueGroup]: ...
+
+    @abc.abstractmethod
+    async def _lease_group(
+        self, queue: str, group: str, limit: int, ttl: timedelta
+    ) -> list[Task]: ...

@@ -16,12 +16,13 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from types import MappingProxyType
 
-from conveyor_broker import cron
+from conveyor_broker import cron, groups
 from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
     BrokerClosed,
     CronEntryNotFound,
     DuplicateTask,
+    GroupConfigNotFound,
     InvalidState,
     InvalidTask,
     LeaseLost,
@@ -43,7 +44,10 @@ from conveyor_broker.types import (
     CronEntry,
     CronEntrySpec,
     CronFired,
+    DueGroup,
     EnqueueResult,
+    GroupConfig,
+    GroupStats,
     LeaseReapParams,
     LeaseRef,
     NewTask,
@@ -86,6 +90,7 @@ class MemoryBroker(Broker):
         self._paused: dict[str, bool] = {}
         self._webhooks: dict[str, WebhookWorker] = {}
         self._cron_entries: dict[str, CronEntry] = {}
+        self._group_configs: dict[tuple[str, str], GroupConfig] = {}
 
     # ---------------------------------------------------------------- plumbing
 
@@ -577,6 +582,83 @@ class MemoryBroker(Broker):
             self._webhooks[name] = replace(stored, secrets=secrets)
             return True
 
+    # ------------------------------------------------------- aggregation groups
+
+    async def _set_group_config(self, config: GroupConfig) -> GroupConfig:
+        async with self._locked():
+            stored = replace(config)
+            self._group_configs[(config.queue, config.pattern)] = stored
+            return stored
+
+    async def _delete_group_config(self, queue: str, pattern: str) -> None:
+        async with self._locked():
+            if self._group_configs.pop((queue, pattern), None) is None:
+                raise GroupConfigNotFound(queue, pattern)
+
+    async def _list_group_configs(self, queue: str | None) -> list[GroupConfig]:
+        async with self._locked():
+            keys = sorted(k for k in self._group_configs if queue is None or k[0] == queue)
+            return [self._group_configs[k] for k in keys]
+
+    def _groups(self, queue: str | None) -> list[GroupStats]:
+        members: dict[tuple[str, str], list[Task]] = defaultdict(list)
+        for task_id in self._table.ids(TaskState.AGGREGATING):
+            task = self._table[task_id]
+            if task.group is not None and (queue is None or task.queue == queue):
+                members[(task.queue, task.group)].append(task)
+        return [
+            GroupStats(
+                queue=key[0],
+                group=key[1],
+                size=len(tasks),
+                oldest_at=min(t.created_at for t in tasks),
+                newest_at=max(t.created_at for t in tasks),
+            )
+            for key, tasks in sorted(members.items())
+        ]
+
+    async def _group_stats(self, queue: str | None, limit: int) -> list[GroupStats]:
+        async with self._locked():
+            return self._groups(queue)[:limit]
+
+    async def _due_groups(self, limit: int) -> list[DueGroup]:
+        async with self._locked() as now:
+            due: list[tuple[datetime, DueGroup]] = []
+            for stats in self._groups(None):
+                configs = [c for (q, _), c in self._group_configs.items() if q == stats.queue]
+                config = groups.config_for(stats.group, configs)
+                why = groups.trigger(stats, config, now)
+                if why is not None:
+                    found = DueGroup(stats.queue, stats.group, stats.size, why, config.max_size)
+                    due.append((stats.oldest_at, found))
+            due.sort(key=lambda pair: (pair[0], pair[1].queue, pair[1].group))
+            return [found for _, found in due[:limit]]
+
+    async def _lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
+        async with self._locked() as now:
+            members = [
+                self._table[task_id]
+                for task_id in self._table.ids(TaskState.AGGREGATING)
+                if self._table[task_id].queue == queue and self._table[task_id].group == group
+            ]
+            live = [t for t in members if t.expires_at is None or t.expires_at > now]
+            lease_id = new_id(now)
+            return [
+                self._table.put(
+                    replace(
+                        task,
+                        state=TaskState.ACTIVE,
+                        lease_id=lease_id,
+                        lease_expires_at=now + ttl,
+                        started_at=now,
+                        progress=None,
+                        updated_at=now,
+                    ),
+                    task,
+                )
+                for task in heapq.nsmallest(limit, live, key=lambda t: (t.created_at, t.id))
+            ]
+
     # ------------------------------------------------------------- cron entries
 
     def _cron(self, name: str) -> CronEntry:
@@ -682,6 +764,7 @@ class MemoryBroker(Broker):
             self._table = TaskTable()
             self._webhooks = {}
             self._cron_entries = {}
+            self._group_configs = {}
 
 
 def _is_due(task: Task, now: datetime) -> bool:

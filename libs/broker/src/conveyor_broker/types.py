@@ -419,3 +419,66 @@ def cron_template(task: NewTask) -> NewTask:
         group=task.group,
         concurrency_key=task.concurrency_key,
     )
+
+
+#: What a group no config matches is delivered at: this many members, ...
+DEFAULT_GROUP_MAX_SIZE = 100
+#: ... or this long after its first member joined, ...
+DEFAULT_GROUP_MAX_DELAY = timedelta(seconds=30)
+#: ... or this long after its last member joined, whichever comes first.
+DEFAULT_GROUP_GRACE_PERIOD = timedelta(seconds=5)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """When the aggregation groups of ``queue`` whose names match ``pattern`` are due:
+    once they hold ``max_size`` members, ``max_delay`` after their first member joined, or
+    ``grace_period`` after their last one did, whichever comes first.
+
+    ``pattern`` is a glob over group names (``*`` any text, ``?`` one character; ``*``:
+    every group). A group takes the config of its queue with the longest pattern that
+    matches it (then the first pattern in code point order); with none, the defaults
+    (:data:`DEFAULT_GROUP_MAX_SIZE` and the others).
+    """
+
+    queue: str
+    pattern: str = "*"
+    max_size: int = DEFAULT_GROUP_MAX_SIZE
+    max_delay: timedelta = DEFAULT_GROUP_MAX_DELAY
+    grace_period: timedelta = DEFAULT_GROUP_GRACE_PERIOD
+
+
+#: The config of a group that no stored config matches (its queue aside).
+DEFAULT_GROUP_CONFIG = GroupConfig(queue="")
+
+
+class GroupTrigger(StrEnum):
+    """Why a group is due."""
+
+    SIZE = "size"
+    MAX_DELAY = "max_delay"
+    GRACE_PERIOD = "grace_period"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """An aggregation group's waiting members: how many, and when the first and the last
+    joined (their ``created_at``)."""
+
+    queue: str
+    group: str
+    size: int
+    oldest_at: datetime
+    newest_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class DueGroup:
+    """A group past one of its config's thresholds, and the first one it passed (size
+    first, then the earliest time)."""
+
+    queue: str
+    group: str
+    size: int
+    trigger: GroupTrigger
+    max_size: int

@@ -14,7 +14,13 @@ from urllib.parse import SplitResult, urlsplit
 from conveyor_broker import cron
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.ids import is_ulid
-from conveyor_broker.types import CronEntrySpec, CronMisfire, NewTask, WebhookWorkerSpec
+from conveyor_broker.types import (
+    CronEntrySpec,
+    CronMisfire,
+    GroupConfig,
+    NewTask,
+    WebhookWorkerSpec,
+)
 
 #: Queue (and webhook worker) names are single NATS subject tokens: 1-128 ASCII letters,
 #: digits, '_' and '-', starting with a letter or digit. Always matched with
@@ -369,3 +375,41 @@ def check_cron_entry(spec: CronEntrySpec, *, max_payload: int = MAX_PAYLOAD) -> 
         check_new_task(sample, max_payload=max_payload)
     except InvalidTask as exc:
         raise InvalidTask(f"cron task: {exc}") from None
+
+
+#: The most members one group delivery carries (one lease, one frame).
+MAX_GROUP_SIZE = 1000
+#: The longest a group may be held back.
+MAX_GROUP_WAIT = timedelta(days=1)
+_PATTERN_RE = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
+
+
+def check_group_name(group: str) -> None:
+    """Raise InvalidTask unless ``group`` is a valid group name (a task's group key)."""
+    if not isinstance(group, str) or not 0 < len(group) <= MAX_KEY_LEN:
+        raise InvalidTask(f"group must be 1-{MAX_KEY_LEN} characters")
+    check_text("group", group)
+
+
+def check_group_pattern(pattern: str) -> None:
+    """Raise InvalidTask unless ``pattern`` is a group name glob (1-256 characters, no
+    control characters)."""
+    if not isinstance(pattern, str) or not _PATTERN_RE.fullmatch(pattern):
+        raise InvalidTask("a group pattern is 1-256 characters, '*' and '?' as wildcards")
+    check_text("group pattern", pattern)
+
+
+def check_group_config(config: GroupConfig) -> None:
+    """Raise InvalidTask unless ``config`` is one a broker may store."""
+    check_queue(config.queue)
+    check_group_pattern(config.pattern)
+    if (
+        isinstance(config.max_size, bool)
+        or not isinstance(config.max_size, int)
+        or not 1 <= config.max_size <= MAX_GROUP_SIZE
+    ):
+        raise InvalidTask(f"max_size must be 1..{MAX_GROUP_SIZE}, got {config.max_size!r}")
+    for name in ("max_delay", "grace_period"):
+        value = getattr(config, name)
+        if not isinstance(value, timedelta) or not _ZERO < value <= MAX_GROUP_WAIT:
+            raise InvalidTask(f"{name} must be > 0 and at most {MAX_GROUP_WAIT}, got {value}")

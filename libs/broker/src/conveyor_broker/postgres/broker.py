@@ -24,19 +24,20 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import asyncpg
 
-from conveyor_broker import cron
+from conveyor_broker import cron, groups
 from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
     CronEntryNotFound,
     DatabaseUnavailable,
     DuplicateTask,
+    GroupConfigNotFound,
     InvalidState,
     InvalidTask,
     LeaseLost,
     TaskNotFound,
     WebhookWorkerNotFound,
 )
-from conveyor_broker.ids import new_ids
+from conveyor_broker.ids import new_id, new_ids
 from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker, package_version
 from conveyor_broker.postgres import enqueue, upkeep
 from conveyor_broker.postgres.migrations import schema_version
@@ -69,6 +70,14 @@ from conveyor_broker.postgres.queries.cron import (
     UPSERT_CRON_ENTRY,
 )
 from conveyor_broker.postgres.queries.enqueue import FREE_LAPSED_CLAIMS, UNIQUE_HOLDER
+from conveyor_broker.postgres.queries.groups import (
+    DELETE_GROUP_CONFIG,
+    DUE_GROUPS,
+    GROUP_STATS,
+    LEASE_GROUP,
+    LIST_GROUP_CONFIGS,
+    SET_GROUP_CONFIG,
+)
 from conveyor_broker.postgres.queries.lease import (
     EXTEND_LEASE,
     EXTEND_LEASES,
@@ -103,6 +112,7 @@ from conveyor_broker.postgres.rows import (
     webhook_worker_from_row,
 )
 from conveyor_broker.types import (
+    DEFAULT_GROUP_CONFIG,
     EXPIRED_ERROR,
     LEASE_EXPIRED_ERROR,
     AckItem,
@@ -110,7 +120,10 @@ from conveyor_broker.types import (
     CronEntry,
     CronEntrySpec,
     CronFired,
+    DueGroup,
     EnqueueResult,
+    GroupConfig,
+    GroupStats,
     LeaseReapParams,
     LeaseRef,
     NewTask,
@@ -650,6 +663,63 @@ class PostgresBroker(Broker):
         )
         return done is not None
 
+    # ------------------------------------------------------- aggregation groups
+
+    async def _set_group_config(self, config: GroupConfig) -> GroupConfig:
+        row = await self._fetchrow(
+            SET_GROUP_CONFIG,
+            config.queue,
+            config.pattern,
+            groups.pattern_like(config.pattern),
+            int(config.max_size),
+            config.max_delay,
+            config.grace_period,
+        )
+        assert row is not None  # an upsert always returns its row
+        return _group_config(row)
+
+    async def _delete_group_config(self, queue: str, pattern: str) -> None:
+        if await self._fetchval(DELETE_GROUP_CONFIG, queue, pattern) is None:
+            raise GroupConfigNotFound(queue, pattern)
+
+    async def _list_group_configs(self, queue: str | None) -> list[GroupConfig]:
+        return [_group_config(row) for row in await self._fetch(LIST_GROUP_CONFIGS, queue)]
+
+    async def _group_stats(self, queue: str | None, limit: int) -> list[GroupStats]:
+        rows = await self._fetch(GROUP_STATS, queue, limit)
+        return [
+            GroupStats(
+                row["queue"], row["group_key"], row["size"], row["oldest_at"], row["newest_at"]
+            )
+            for row in rows
+        ]
+
+    async def _due_groups(self, limit: int) -> list[DueGroup]:
+        now = self._clock.now()
+        default = DEFAULT_GROUP_CONFIG
+        rows = await self._fetch(
+            DUE_GROUPS, now, default.max_size, default.max_delay, default.grace_period, limit
+        )
+        due: list[DueGroup] = []
+        for row in rows:
+            stats = GroupStats(
+                row["queue"], row["group_key"], row["size"], row["oldest_at"], row["newest_at"]
+            )
+            config = GroupConfig(
+                row["queue"], "*", row["max_size"], row["max_delay"], row["grace_period"]
+            )
+            why = groups.trigger(stats, config, now)
+            assert why is not None  # the statement's filter
+            due.append(DueGroup(stats.queue, stats.group, stats.size, why, config.max_size))
+        return due
+
+    async def _lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
+        now = self._clock.now()
+        rows = await self._fetch(LEASE_GROUP, queue, group, limit, now, new_id(now), now + ttl)
+        leased = sorted((task_from_row(row) for row in rows), key=lambda t: (t.created_at, t.id))
+        self._emit(self._event(task, TaskState.AGGREGATING, now) for task in leased)
+        return leased
+
     # ------------------------------------------------------------- cron entries
 
     async def _upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
@@ -784,6 +854,12 @@ def _unavailable(exc: BaseException) -> DatabaseUnavailable:
     logger.warning("postgres.unavailable error=%r", exc)
     reason = "timed out" if isinstance(exc, TimeoutError) else "connection failed"
     return DatabaseUnavailable(f"database unavailable ({reason}): retry")
+
+
+def _group_config(row: asyncpg.Record) -> GroupConfig:
+    return GroupConfig(
+        row["queue"], row["pattern"], row["max_size"], row["max_delay"], row["grace_period"]
+    )
 
 
 async def _keep_session(conn: asyncpg.Connection[asyncpg.Record]) -> None:

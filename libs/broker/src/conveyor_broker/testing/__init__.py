@@ -26,6 +26,7 @@ pytest.register_assert_rewrite(
     "conveyor_broker.testing.cron",
     "conveyor_broker.testing.enqueue",
     "conveyor_broker.testing.events",
+    "conveyor_broker.testing.groups",
     "conveyor_broker.testing.lease",
     "conveyor_broker.testing.outcomes",
     "conveyor_broker.testing.sweeps",
@@ -37,6 +38,7 @@ from conveyor_broker.testing.admin import AdminTests  # noqa: E402
 from conveyor_broker.testing.cron import CronTests  # noqa: E402
 from conveyor_broker.testing.enqueue import EnqueueTests  # noqa: E402
 from conveyor_broker.testing.events import EventTests  # noqa: E402
+from conveyor_broker.testing.groups import GroupTests  # noqa: E402
 from conveyor_broker.testing.lease import LeaseTests  # noqa: E402
 from conveyor_broker.testing.outcomes import OutcomeTests  # noqa: E402
 from conveyor_broker.testing.sweeps import SweepTests  # noqa: E402
@@ -52,6 +54,7 @@ class BrokerConformance(
     EventTests,
     WebhookTests,
     CronTests,
+    GroupTests,
 ):
     """Every behaviour the Broker interface promises. Subclass it and provide the
     ``clock`` and ``broker`` fixtures (see the module docstring)."""
