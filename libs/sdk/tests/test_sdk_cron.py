@@ -108,6 +108,8 @@ def test_errors_are_clear(target: str) -> None:
             admin.apply_cron_entries([cron("dup", "@daily", "t"), cron("dup", "@hourly", "t")])
     with pytest.raises(InvalidArgument, match="misfire"):
         cron("x", "@daily", "t", misfire="sometimes")
+    with AdminClient(target) as admin, pytest.raises(InvalidArgument, match="misfire"):
+        admin.upsert_cron_entry("x", "@daily", spec("t"), misfire="sometimes")
 
 
 def test_an_entry_fires_on_its_own(target: str) -> None:

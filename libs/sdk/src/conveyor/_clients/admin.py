@@ -20,6 +20,7 @@ from conveyor._clients.admin_types import (
     QueuePage,
     TaskPage,
     WebhookWorker,
+    misfire_policy,
 )
 from conveyor._clients.admin_wire import (
     ARCHIVE,
@@ -399,7 +400,7 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
         entry; :class:`InvalidArgument` for a bad schedule, zone or task, or a schedule
         that never fires (``0 0 31 2 *``).
         """
-        spec = CronSpec(name, schedule, task, timezone, CronMisfire(misfire), paused)
+        spec = CronSpec(name, schedule, task, timezone, misfire_policy(misfire), paused)
         return await self._upsert_cron(spec)
 
     async def apply_cron_entries(self, entries: Iterable[CronSpec]) -> list[CronEntry]:

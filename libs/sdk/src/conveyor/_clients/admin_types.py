@@ -188,10 +188,7 @@ def cron(
     that make sense for a recurring task (each slot's task gets its own id and unique
     key). Apply declarations with ``admin.apply_cron_entries([...])``.
     """
-    try:
-        policy = CronMisfire(misfire)
-    except ValueError:
-        raise InvalidArgument(f"misfire must be 'run_once' or 'skip', got {misfire!r}") from None
+    policy = misfire_policy(misfire)
     for label, text in (("name", name), ("schedule", schedule), ("timezone", timezone)):
         if not isinstance(text, str):
             raise InvalidArgument(f"{label} must be a string, got {text!r}")
@@ -212,3 +209,11 @@ def cron(
         misfire=policy,
         paused=bool(paused),
     )
+
+
+def misfire_policy(value: CronMisfire | str) -> CronMisfire:
+    """``value`` as a CronMisfire; InvalidArgument for anything else."""
+    try:
+        return CronMisfire(value)
+    except ValueError:
+        raise InvalidArgument(f"misfire must be 'run_once' or 'skip', got {value!r}") from None
