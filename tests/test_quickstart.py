@@ -73,6 +73,35 @@ def test_quickstart_runs_start_to_finish(tmp_path: Path) -> None:
         assert "8 of 8 tasks completed" in producer.stdout
         assert "result={'delivered_to': 'user0@example.com'}" in producer.stdout
 
+        # The cron example: its entries are stored, and the scheduler fires the demo one.
+        declared = subprocess.run(
+            [sys.executable, "examples/cron.py"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert declared.returncode == 0, declared.stdout + declared.stderr
+        assert "demo-report" in declared.stdout
+
+        def cron_listed() -> str:
+            return subprocess.run(
+                [sys.executable, "-m", "conveyor_cli", "cron", "list", "--json"],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+
+        wait_until_blocking(
+            lambda: '"last_run_at": "' in cron_listed(),
+            within=60,
+            interval=1.0,
+            message="the demo cron entry fired",
+        )
+
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=30) == 0
         assert "email to user0@example.com" in (tmp_path / "worker.log").read_text()

@@ -6,7 +6,8 @@ come from a small fixed pool so operations collide (idempotent enqueue, unique k
 lease-scoped calls on the wrong task). After every operation the two must agree on the
 outcome (value or exception type), the events reported, and the observable state: every
 task (except its lease id, which is random), queue_stats, pending_count, due_queues and
-the webhook worker registrations.
+the webhook worker registrations, the cron entries (with what is due), and the group
+configs, stats and due groups.
 """
 
 from __future__ import annotations
@@ -15,18 +16,26 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import pytest
 from conveyor_broker.clock import FakeClock
+from conveyor_broker.cron import CronSchedule
 from conveyor_broker.errors import BrokerError
 from conveyor_broker.interface import Broker
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_broker.types import (
+    CronEntry,
+    CronEntrySpec,
+    CronFired,
+    CronMisfire,
+    DueGroup,
     EnqueueResult,
+    GroupConfig,
+    GroupStats,
     LeaseReapParams,
     NewTask,
     QueueStats,
@@ -158,6 +167,43 @@ class Hook:
         )
 
 
+CRONS = ("cron-a", "cron-b")
+
+
+@dataclass(frozen=True)
+class Cron:
+    """One cron entry to upsert (the last schedule never fires: refused)."""
+
+    name: str
+    schedule: str
+    queue: str
+    paused: bool
+    skip: bool
+
+    def build(self) -> CronEntrySpec:
+        return CronEntrySpec(
+            name=self.name,
+            schedule=self.schedule,
+            task=NewTask(self.queue, "cron", payload=self.name.encode(), headers={"h": "v"}),
+            timezone="Europe/Paris",
+            paused=self.paused,
+            misfire=CronMisfire.SKIP if self.skip else CronMisfire.RUN_ONCE,
+        )
+
+
+async def _fire(b: Broker, name: str, stale: bool, with_slot: bool) -> CronFired:
+    """Fire entry ``name``'s next run as a scheduler would (or one that read a stale one)."""
+    entries = {entry.name: entry for entry in await b.list_cron_entries()}
+    entry = entries.get(name)
+    expected = entry.next_run_at if entry is not None else None
+    if expected is None or stale:
+        expected = datetime(2030, 1, 1, 0, 5, tzinfo=UTC)
+    schedule = CronSchedule.parse(entry.schedule if entry else "* * * * *", "Europe/Paris")
+    return await b.fire_cron_entry(
+        name, expected, schedule.next_after(expected), expected if with_slot else None
+    )
+
+
 @dataclass(frozen=True)
 class Op:
     """An operation: a broker method name and its arguments (slots stand for task ids)."""
@@ -231,6 +277,24 @@ class Op:
                 return await b.delete_webhook_worker(a[0])
             case "webhook_secrets":
                 return await b.replace_webhook_secrets(a[0], a[1], a[2])
+            case "cron_upsert":
+                return [await b.upsert_cron_entry(cron.build()) for cron in a[0]]
+            case "cron_pause":
+                return await b.set_cron_paused(a[0], a[1])
+            case "cron_delete":
+                return await b.delete_cron_entry(a[0])
+            case "cron_fire":
+                return await _fire(b, a[0], a[1], a[2])
+            case "group_set":
+                return await b.set_group_config(
+                    GroupConfig(a[0], a[1], a[2], timedelta(seconds=a[3]), timedelta(seconds=a[4]))
+                )
+            case "group_delete":
+                return await b.delete_group_config(a[0], a[1])
+            case "lease_group":
+                leased = await b.lease_group(a[0], "g", a[1], timedelta(seconds=a[2]))
+                side.leases.update((t.id, t.lease_id or "") for t in leased)
+                return leased
         raise AssertionError(f"unknown operation {self.name}")
 
 
@@ -253,8 +317,8 @@ specs = st.builds(
     unique_ttl=st.sampled_from([None, 4, 15]),
     expires_in=st.sampled_from([None, None, None, 5, 20]),
     max_retry=st.integers(0, 3),
-    # Grouped tasks only wait (nothing here leases groups): keep them rare.
-    group=st.sampled_from([False] * 7 + [True]),
+    # Grouped tasks wait for lease_group.
+    group=st.sampled_from([False] * 5 + [True]),
     # Rare: an unknown dependency fails the whole batch.
     dep=st.sampled_from([None] * 8 + [0, 1]),
     retention=st.sampled_from([None, None, 0, 10]),
@@ -272,6 +336,15 @@ hooks = st.builds(
     secrets=st.sampled_from([(), ("s1",), ("s2", "s1")] * 3 + [("",)]),
 )
 webhook_names = st.sampled_from(WEBHOOKS)
+crons = st.builds(
+    Cron,
+    name=st.sampled_from(CRONS),
+    schedule=st.sampled_from(["* * * * *", "*/5 * * * * *", "@every 7s", "0 0 31 2 *"]),
+    queue=queues,
+    paused=st.sampled_from([False] * 4 + [True]),
+    skip=st.booleans(),
+)
+cron_names = st.sampled_from(CRONS)
 
 _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "enqueue": st.tuples(st.lists(specs, min_size=1, max_size=3).map(tuple)),
@@ -303,6 +376,21 @@ _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
         st.sampled_from([(), ("s1",), ("s2", "s1")]),
         st.sampled_from([("s3",), ("s3", "s2"), ()]),
     ),
+    "group_set": st.tuples(
+        queues,
+        st.sampled_from(["*", "g", "?", "h*"]),
+        st.integers(1, 3),
+        st.integers(1, 20),
+        st.integers(1, 10),
+    ),
+    "group_delete": st.tuples(queues, st.sampled_from(["*", "g"])),
+    "lease_group": st.tuples(queues, limits, st.integers(5, 60)),
+    "cron_upsert": st.tuples(st.lists(crons, min_size=1, max_size=3).map(tuple)),
+    "cron_pause": st.tuples(cron_names, st.booleans()),
+    "cron_delete": st.tuples(cron_names),
+    "cron_fire": st.tuples(
+        cron_names, st.sampled_from([False] * 3 + [True]), st.sampled_from([True] * 3 + [False])
+    ),
 }
 # Weighted towards what moves tasks through their lives: enqueue, lease, outcomes, time.
 # (one_of does not weight repeated branches; sampled_from does.)
@@ -312,6 +400,9 @@ _KINDS = [
     *["ack", "advance"] * 3,
     "release",
     "webhook_upsert",
+    "cron_upsert",
+    "cron_fire",
+    "lease_group",
     *_ARGS,
 ]
 operations = st.sampled_from(_KINDS).flatmap(
@@ -338,6 +429,12 @@ def _normal(value: Any) -> Any:
         return (value.queue, value.paused, dict(value.counts))
     if isinstance(value, WebhookWorker):
         return replace(value, queues=dict(value.queues))
+    if isinstance(value, CronEntry):
+        return replace(value, task=replace(value.task, headers=dict(value.task.headers)))
+    if isinstance(value, CronFired):
+        return (value.applied, _normal(value.entry), _normal(value.task))
+    if isinstance(value, GroupConfig | GroupStats | DueGroup):
+        return value
     if isinstance(value, ReapedTask | datetime | dict | int | bool) or value is None:
         return value
     raise AssertionError(f"no normal form for {value!r}")
@@ -361,6 +458,11 @@ async def _snapshot(broker: Broker) -> tuple[Any, ...]:
         await broker.pending_count(),
         await broker.due_queues(),
         _normal(await broker.list_webhook_workers()),
+        _normal(await broker.list_cron_entries()),
+        _normal(await broker.list_due_cron_entries()),
+        await broker.list_group_configs(),
+        await broker.group_stats(),
+        await broker.due_groups(),
     )
 
 

@@ -72,6 +72,10 @@ EXPORTED = {
     "Codec",
     "CodecError",
     "ConveyorError",
+    "CronEntry",
+    "CronEntryNotFound",
+    "CronMisfire",
+    "CronSpec",
     "DeadlineExceeded",
     "EnqueueResult",
     "FailedPrecondition",
@@ -97,6 +101,7 @@ EXPORTED = {
     "WebhookWorkerNotFound",
     "Worker",
     "__version__",
+    "cron",
     "spec",
     "webhooks",
 }

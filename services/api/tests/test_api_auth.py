@@ -210,6 +210,7 @@ async def test_read_only_reads_but_changes_nothing(
         service_pb2.GetQueueStatsRequest(queue="emails"), metadata=bearer("dash")
     )
     await admin.ListWebhookWorkers(service_pb2.ListWebhookWorkersRequest(), metadata=bearer("dash"))
+    await admin.ListCronEntries(service_pb2.ListCronEntriesRequest(), metadata=bearer("dash"))
     await admin.GetClusterInfo(service_pb2.GetClusterInfoRequest(), metadata=bearer("dash"))
     for call, request in (
         (admin.CancelTask, service_pb2.TaskActionRequest(id=task.id)),
@@ -223,6 +224,17 @@ async def test_read_only_reads_but_changes_nothing(
                 )
             ),
         ),
+        (
+            admin.UpsertCronEntry,
+            service_pb2.UpsertCronEntryRequest(
+                entry=service_pb2.CronEntry(
+                    name="nightly",
+                    spec="@daily",
+                    task=task_pb2.NewTask(queue="emails", type="send"),
+                )
+            ),
+        ),
+        (admin.TriggerCronEntry, service_pb2.TriggerCronEntryRequest(name="nightly")),
     ):
         code, details = await refused(call, request, metadata=bearer("dash"))
         assert code == grpc.StatusCode.PERMISSION_DENIED
@@ -237,6 +249,7 @@ async def test_read_only_reads_but_changes_nothing(
     assert (await broker.get_task(task.id)).state is TaskState.PENDING
     assert not await broker.queue_paused("emails")
     assert await broker.list_webhook_workers() == []
+    assert await broker.list_cron_entries() == []
     assert await broker.queue_stats() != []
 
 

@@ -78,3 +78,20 @@ class DatabaseUnavailable(ConnectionError):
     sentence; the driver's own text (which can be internal, like asyncpg's "cannot
     switch to state ...") is logged where it happens and kept as ``__cause__``.
     """
+
+
+class CronEntryNotFound(BrokerError, LookupError):
+    """No cron entry has this name."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no cron entry named {name!r}")
+        self.name = name
+
+
+class GroupConfigNotFound(BrokerError, LookupError):
+    """No group config is stored for this queue and pattern."""
+
+    def __init__(self, queue: str, pattern: str) -> None:
+        super().__init__(f"no group config for queue {queue!r} and pattern {pattern!r}")
+        self.queue = queue
+        self.pattern = pattern

@@ -47,15 +47,23 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from importlib import metadata
 
 from conveyor_broker.clock import Clock, SystemClock
+from conveyor_broker.cron import CronSchedule
 from conveyor_broker.errors import BrokerClosed, InvalidTask
 from conveyor_broker.types import (
     AckItem,
     BrokerInfo,
+    CronEntry,
+    CronEntrySpec,
+    CronFired,
+    DueGroup,
     EnqueueResult,
+    GroupConfig,
+    GroupStats,
     LeaseReapParams,
     LeaseRef,
     NewTask,
@@ -77,7 +85,12 @@ from conveyor_broker.validation import (
     check_aware,
     check_batch,
     check_batch_size,
+    check_cron_entry,
+    check_cron_name,
     check_cursor,
+    check_group_config,
+    check_group_name,
+    check_group_pattern,
     check_lease_ttl,
     check_lease_wants,
     check_limit,
@@ -566,6 +579,174 @@ class Broker(abc.ABC):
         check_stored_secrets(secrets)
         return await self._replace_webhook_secrets(name, tuple(expected), tuple(secrets))
 
+    # ------------------------------------------------------- aggregation groups
+
+    async def set_group_config(self, config: GroupConfig) -> GroupConfig:
+        """Create or replace the config of ``config.queue`` and ``config.pattern``; return
+        it as stored. InvalidTask for bad input (see
+        :func:`conveyor_broker.validation.check_group_config`)."""
+        self._check_open()
+        check_group_config(config)
+        return await self._set_group_config(config)
+
+    async def delete_group_config(self, queue: str, pattern: str = "*") -> None:
+        """Delete a config (its groups take the next matching one, or the defaults).
+        Raises GroupConfigNotFound."""
+        self._check_open()
+        check_queue(queue)
+        check_group_pattern(pattern)
+        await self._delete_group_config(queue, pattern)
+
+    async def list_group_configs(self, queue: str | None = None) -> list[GroupConfig]:
+        """The stored configs (of ``queue``), by queue then pattern (code point order)."""
+        self._check_open()
+        if queue is not None:
+            check_queue(queue)
+        return await self._list_group_configs(queue)
+
+    async def group_stats(self, queue: str | None = None, limit: int = 1000) -> list[GroupStats]:
+        """The groups with waiting (AGGREGATING) members (of ``queue``), by queue then
+        group (code point order), at most ``limit`` (1..MAX_BATCH)."""
+        self._check_open()
+        if queue is not None:
+            check_queue(queue)
+        check_limit(limit, upper=MAX_BATCH)
+        return await self._group_stats(queue, limit)
+
+    async def due_groups(self, limit: int = 100) -> list[DueGroup]:
+        """The groups past a threshold of the config that applies to them
+        (:func:`conveyor_broker.groups.config_for`, :func:`~conveyor_broker.groups.trigger`)
+        at now, the oldest first member first (then queue, group), at most ``limit``
+        (1..MAX_BATCH). ``max_size`` is the applying config's: how many members one
+        delivery takes."""
+        self._check_open()
+        check_limit(limit, upper=MAX_BATCH)
+        return await self._due_groups(limit)
+
+    async def lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
+        """Lease up to ``limit`` AGGREGATING members of ``group`` in ``queue`` (those not
+        past their ``expires_at``), the earliest ``created_at`` first (then id), as one
+        delivery: each becomes ACTIVE under the same new ``lease_id``, with
+        ``lease_expires_at = now + ttl``, ``started_at = now`` and ``progress`` None.
+        Concurrent callers never receive the same member. Outcomes stay per task."""
+        self._check_open()
+        check_queue(queue)
+        check_group_name(group)
+        check_limit(limit, upper=MAX_BATCH)
+        check_lease_ttl(ttl)
+        return await self._lease_group(queue, group, limit, ttl)
+
+    # ------------------------------------------------------------- cron entries
+
+    async def upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
+        """Create or replace the cron entry ``spec.name`` and return it as stored.
+
+        ``next_run_at`` is the first slot after now, or None while paused. A replace keeps
+        ``created_at``, ``last_run_at`` and, when the schedule, time zone and pause flag
+        are unchanged, ``next_run_at`` (so applying the same entries again, say at every
+        start of an application, never skips or repeats a slot); ``updated_at = now``.
+        Raises InvalidTask for bad input (see
+        :func:`conveyor_broker.validation.check_cron_entry`) and for a schedule that never
+        fires (``0 0 31 2 *``); nothing changes then.
+        """
+        self._check_open()
+        check_cron_entry(spec, max_payload=self._max_payload)
+        schedule = CronSchedule.parse(spec.schedule, spec.timezone)
+        if schedule.next_after(self._clock.now()) is None:
+            raise InvalidTask(f"cron schedule {schedule.schedule!r} never fires")
+        # Stored in a normal form, so that an entry applied again compares equal.
+        spec = replace(spec, schedule=schedule.schedule, timezone=schedule.zone.key)
+        return await self._upsert_cron_entry(spec)
+
+    async def get_cron_entry(self, name: str) -> CronEntry:
+        """The cron entry ``name``. Raises CronEntryNotFound."""
+        self._check_open()
+        check_cron_name(name)
+        return await self._get_cron_entry(name)
+
+    async def list_cron_entries(self) -> list[CronEntry]:
+        """Every cron entry, by name."""
+        self._check_open()
+        return await self._list_cron_entries()
+
+    async def list_due_cron_entries(self, limit: int = 100) -> list[CronEntry]:
+        """Entries whose ``next_run_at`` is at or before now (paused ones have none), at
+        most ``limit`` (1..MAX_BATCH), the earliest ``next_run_at`` first, then by name."""
+        self._check_open()
+        check_limit(limit, upper=MAX_BATCH)
+        return await self._list_due_cron_entries(limit)
+
+    async def set_cron_paused(self, name: str, paused: bool) -> CronEntry:
+        """Pause an entry (``next_run_at`` becomes None: the slots that pass while it is
+        paused never fire) or resume it (``next_run_at`` is the first slot after now).
+        Setting the flag it already has changes nothing. Raises CronEntryNotFound."""
+        self._check_open()
+        check_cron_name(name)
+        return await self._set_cron_paused(name, bool(paused))
+
+    async def delete_cron_entry(self, name: str) -> None:
+        """Delete an entry (the tasks it created stay). Raises CronEntryNotFound."""
+        self._check_open()
+        check_cron_name(name)
+        await self._delete_cron_entry(name)
+
+    async def fire_cron_entry(
+        self,
+        name: str,
+        expected: datetime,
+        next_run_at: datetime | None,
+        slot: datetime | None,
+    ) -> CronFired:
+        """The scheduler's step: a compare-and-set of the entry's next run, and the task
+        of ``slot``, in one transaction.
+
+        Applies only when the entry exists, and its ``next_run_at`` is ``expected`` (so not
+        paused); ``applied`` is False and nothing changes otherwise. When it applies,
+        ``next_run_at`` becomes the given one (None: the schedule never fires again) and,
+        with a ``slot``, the slot's task (:func:`conveyor_broker.cron.slot_task`, from the
+        stored template) is enqueued and ``last_run_at = slot``. A slot task that is
+        already stored (same id) is returned with ``created`` False; one whose unique key
+        a live task holds is not created (``task`` None). ``next_run_at`` must be after
+        ``expected``; InvalidTask otherwise, or for naive times, or when the template no
+        longer makes a valid task (a lowered payload limit): then nothing changes.
+        """
+        self._check_open()
+        check_cron_name(name)
+        check_aware("expected", expected)
+        check_aware("next_run_at", next_run_at)
+        check_aware("slot", slot)
+        if next_run_at is not None and next_run_at <= expected:
+            raise InvalidTask("next_run_at must be after the expected next run")
+        return await self._fire_cron_entry(name, expected, next_run_at, slot)
+
+    async def trigger_cron_entry(self, name: str) -> EnqueueResult:
+        """Enqueue entry ``name``'s task now, outside its schedule (a fresh id, no unique
+        key, the slot header "manual"); its schedule and ``last_run_at`` are unchanged,
+        and a paused entry can be triggered. Raises CronEntryNotFound."""
+        self._check_open()
+        check_cron_name(name)
+        return await self._trigger_cron_entry(name)
+
+    def _cron_next_run(
+        self, spec: CronEntrySpec, stored: CronEntry | None, now: datetime
+    ) -> datetime | None:
+        """The ``next_run_at`` an upsert of ``spec`` over ``stored`` stores (see
+        :meth:`upsert_cron_entry`); for implementations."""
+        if spec.paused:
+            return None
+        if (
+            stored is not None
+            and not stored.paused
+            and stored.schedule == spec.schedule
+            and stored.timezone == spec.timezone
+        ):
+            return stored.next_run_at
+        return CronSchedule.parse(spec.schedule, spec.timezone).next_after(now)
+
+    def _cron_resumed(self, entry: CronEntry, now: datetime) -> datetime | None:
+        """The ``next_run_at`` of ``entry`` resumed at ``now``; for implementations."""
+        return CronSchedule.parse(entry.schedule, entry.timezone).next_after(now)
+
     # --------------------------------------------------------------- lifecycle
 
     def set_event_sink(self, sink: EventSink | None) -> None:
@@ -699,3 +880,53 @@ class Broker(abc.ABC):
     async def _replace_webhook_secrets(
         self, name: str, expected: tuple[str, ...], secrets: tuple[str, ...]
     ) -> bool: ...
+
+    @abc.abstractmethod
+    async def _upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry: ...
+
+    @abc.abstractmethod
+    async def _get_cron_entry(self, name: str) -> CronEntry: ...
+
+    @abc.abstractmethod
+    async def _list_cron_entries(self) -> list[CronEntry]: ...
+
+    @abc.abstractmethod
+    async def _list_due_cron_entries(self, limit: int) -> list[CronEntry]: ...
+
+    @abc.abstractmethod
+    async def _set_cron_paused(self, name: str, paused: bool) -> CronEntry: ...
+
+    @abc.abstractmethod
+    async def _delete_cron_entry(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _fire_cron_entry(
+        self,
+        name: str,
+        expected: datetime,
+        next_run_at: datetime | None,
+        slot: datetime | None,
+    ) -> CronFired: ...
+
+    @abc.abstractmethod
+    async def _trigger_cron_entry(self, name: str) -> EnqueueResult: ...
+
+    @abc.abstractmethod
+    async def _set_group_config(self, config: GroupConfig) -> GroupConfig: ...
+
+    @abc.abstractmethod
+    async def _delete_group_config(self, queue: str, pattern: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _list_group_configs(self, queue: str | None) -> list[GroupConfig]: ...
+
+    @abc.abstractmethod
+    async def _group_stats(self, queue: str | None, limit: int) -> list[GroupStats]: ...
+
+    @abc.abstractmethod
+    async def _due_groups(self, limit: int) -> list[DueGroup]: ...
+
+    @abc.abstractmethod
+    async def _lease_group(
+        self, queue: str, group: str, limit: int, ttl: timedelta
+    ) -> list[Task]: ...

@@ -16,10 +16,13 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from types import MappingProxyType
 
+from conveyor_broker import cron, groups
 from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
     BrokerClosed,
+    CronEntryNotFound,
     DuplicateTask,
+    GroupConfigNotFound,
     InvalidState,
     InvalidTask,
     LeaseLost,
@@ -38,7 +41,13 @@ from conveyor_broker.types import (
     WAITING_STATES,
     AckItem,
     BrokerInfo,
+    CronEntry,
+    CronEntrySpec,
+    CronFired,
+    DueGroup,
     EnqueueResult,
+    GroupConfig,
+    GroupStats,
     LeaseReapParams,
     LeaseRef,
     NewTask,
@@ -53,10 +62,11 @@ from conveyor_broker.types import (
     TerminalPurgeParams,
     WebhookWorker,
     WebhookWorkerSpec,
+    cron_template,
     listed_size,
     without_payloads,
 )
-from conveyor_broker.validation import MAX_PAYLOAD
+from conveyor_broker.validation import MAX_PAYLOAD, check_new_task
 
 _RUNNABLE_NOW = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
 
@@ -79,6 +89,8 @@ class MemoryBroker(Broker):
         self._table = TaskTable()
         self._paused: dict[str, bool] = {}
         self._webhooks: dict[str, WebhookWorker] = {}
+        self._cron_entries: dict[str, CronEntry] = {}
+        self._group_configs: dict[tuple[str, str], GroupConfig] = {}
 
     # ---------------------------------------------------------------- plumbing
 
@@ -132,41 +144,45 @@ class MemoryBroker(Broker):
 
     async def _enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
         async with self._locked() as now:
-            staged: dict[str, Task] = {}
-            claimed: dict[tuple[str, str], str] = {}
-            results: list[EnqueueResult] = []
-            # Bad input outranks a conflict, so a duplicate is raised only after every item
-            # was checked for unknown dependencies.
-            conflict: DuplicateTask | None = None
-            # Everything is decided before anything is stored, so a raise stores nothing.
-            for index, new in enumerate(tasks):
-                if new.id is not None:
-                    existing = staged.get(new.id) or self._table.get(new.id)
-                    if existing is not None:
-                        results.append(EnqueueResult(existing, created=False))
-                        continue
-                task_id = new.id or new_id(now)
-                blocked = False
-                for dep_id in new.depends_on:
-                    dep = staged.get(dep_id) or self._table.get(dep_id)
-                    if dep is None:
-                        raise InvalidTask(f"task {index}: unknown dependency {dep_id!r}")
-                    blocked = blocked or dep.state != TaskState.COMPLETED
-                if new.unique_key is not None:
-                    key = (new.queue, new.unique_key)
-                    holder = claimed.get(key) or self._table.claim_holder(*key, now)
-                    if holder is not None:
-                        conflict = conflict or DuplicateTask(new.queue, new.unique_key, holder)
-                    claimed[key] = task_id
-                staged[task_id] = new_row(
-                    task_id, new, now, blocked=blocked, max_retry=self._default_max_retry
-                )
-                results.append(EnqueueResult(staged[task_id], created=True))
-            if conflict is not None:
-                raise conflict
-            for task in staged.values():
-                self._table.put(task, None)
-            return results
+            return self._store(tasks, now)
+
+    def _store(self, tasks: Sequence[NewTask], now: datetime) -> list[EnqueueResult]:
+        """Enqueue ``tasks`` (the lock held): all or nothing."""
+        staged: dict[str, Task] = {}
+        claimed: dict[tuple[str, str], str] = {}
+        results: list[EnqueueResult] = []
+        # Bad input outranks a conflict, so a duplicate is raised only after every item
+        # was checked for unknown dependencies.
+        conflict: DuplicateTask | None = None
+        # Everything is decided before anything is stored, so a raise stores nothing.
+        for index, new in enumerate(tasks):
+            if new.id is not None:
+                existing = staged.get(new.id) or self._table.get(new.id)
+                if existing is not None:
+                    results.append(EnqueueResult(existing, created=False))
+                    continue
+            task_id = new.id or new_id(now)
+            blocked = False
+            for dep_id in new.depends_on:
+                dep = staged.get(dep_id) or self._table.get(dep_id)
+                if dep is None:
+                    raise InvalidTask(f"task {index}: unknown dependency {dep_id!r}")
+                blocked = blocked or dep.state != TaskState.COMPLETED
+            if new.unique_key is not None:
+                key = (new.queue, new.unique_key)
+                holder = claimed.get(key) or self._table.claim_holder(*key, now)
+                if holder is not None:
+                    conflict = conflict or DuplicateTask(new.queue, new.unique_key, holder)
+                claimed[key] = task_id
+            staged[task_id] = new_row(
+                task_id, new, now, blocked=blocked, max_retry=self._default_max_retry
+            )
+            results.append(EnqueueResult(staged[task_id], created=True))
+        if conflict is not None:
+            raise conflict
+        for task in staged.values():
+            self._table.put(task, None)
+        return results
 
     # -------------------------------------------------------------------- lease
 
@@ -566,6 +582,179 @@ class MemoryBroker(Broker):
             self._webhooks[name] = replace(stored, secrets=secrets)
             return True
 
+    # ------------------------------------------------------- aggregation groups
+
+    async def _set_group_config(self, config: GroupConfig) -> GroupConfig:
+        async with self._locked():
+            stored = replace(config)
+            self._group_configs[(config.queue, config.pattern)] = stored
+            return stored
+
+    async def _delete_group_config(self, queue: str, pattern: str) -> None:
+        async with self._locked():
+            if self._group_configs.pop((queue, pattern), None) is None:
+                raise GroupConfigNotFound(queue, pattern)
+
+    async def _list_group_configs(self, queue: str | None) -> list[GroupConfig]:
+        async with self._locked():
+            keys = sorted(k for k in self._group_configs if queue is None or k[0] == queue)
+            return [self._group_configs[k] for k in keys]
+
+    def _groups(self, queue: str | None) -> list[GroupStats]:
+        members: dict[tuple[str, str], list[Task]] = defaultdict(list)
+        for task_id in self._table.ids(TaskState.AGGREGATING):
+            task = self._table[task_id]
+            if task.group is not None and (queue is None or task.queue == queue):
+                members[(task.queue, task.group)].append(task)
+        return [
+            GroupStats(
+                queue=key[0],
+                group=key[1],
+                size=len(tasks),
+                oldest_at=min(t.created_at for t in tasks),
+                newest_at=max(t.created_at for t in tasks),
+            )
+            for key, tasks in sorted(members.items())
+        ]
+
+    async def _group_stats(self, queue: str | None, limit: int) -> list[GroupStats]:
+        async with self._locked():
+            return self._groups(queue)[:limit]
+
+    async def _due_groups(self, limit: int) -> list[DueGroup]:
+        async with self._locked() as now:
+            due: list[tuple[datetime, DueGroup]] = []
+            for stats in self._groups(None):
+                configs = [c for (q, _), c in self._group_configs.items() if q == stats.queue]
+                config = groups.config_for(stats.group, configs)
+                why = groups.trigger(stats, config, now)
+                if why is not None:
+                    found = DueGroup(stats.queue, stats.group, stats.size, why, config.max_size)
+                    due.append((stats.oldest_at, found))
+            due.sort(key=lambda pair: (pair[0], pair[1].queue, pair[1].group))
+            return [found for _, found in due[:limit]]
+
+    async def _lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
+        async with self._locked() as now:
+            members = [
+                self._table[task_id]
+                for task_id in self._table.ids(TaskState.AGGREGATING)
+                if self._table[task_id].queue == queue and self._table[task_id].group == group
+            ]
+            live = [t for t in members if t.expires_at is None or t.expires_at > now]
+            lease_id = new_id(now)
+            return [
+                self._table.put(
+                    replace(
+                        task,
+                        state=TaskState.ACTIVE,
+                        lease_id=lease_id,
+                        lease_expires_at=now + ttl,
+                        started_at=now,
+                        progress=None,
+                        updated_at=now,
+                    ),
+                    task,
+                )
+                for task in heapq.nsmallest(limit, live, key=lambda t: (t.created_at, t.id))
+            ]
+
+    # ------------------------------------------------------------- cron entries
+
+    def _cron(self, name: str) -> CronEntry:
+        entry = self._cron_entries.get(name)
+        if entry is None:
+            raise CronEntryNotFound(name)
+        return entry
+
+    async def _upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
+        async with self._locked() as now:
+            stored = self._cron_entries.get(spec.name)
+            entry = CronEntry(
+                name=spec.name,
+                schedule=spec.schedule,
+                timezone=spec.timezone,
+                task=cron_template(spec.task),
+                paused=bool(spec.paused),
+                misfire=spec.misfire,
+                next_run_at=self._cron_next_run(spec, stored, now),
+                last_run_at=None if stored is None else stored.last_run_at,
+                created_at=now if stored is None else stored.created_at,
+                updated_at=now,
+            )
+            self._cron_entries[spec.name] = entry
+            return entry
+
+    async def _get_cron_entry(self, name: str) -> CronEntry:
+        async with self._locked():
+            return self._cron(name)
+
+    async def _list_cron_entries(self) -> list[CronEntry]:
+        async with self._locked():
+            return [self._cron_entries[name] for name in sorted(self._cron_entries)]
+
+    async def _list_due_cron_entries(self, limit: int) -> list[CronEntry]:
+        async with self._locked() as now:
+            due = [
+                entry
+                for entry in self._cron_entries.values()
+                if entry.next_run_at is not None and entry.next_run_at <= now
+            ]
+            due.sort(key=lambda entry: (entry.next_run_at or now, entry.name))
+            return due[:limit]
+
+    async def _set_cron_paused(self, name: str, paused: bool) -> CronEntry:
+        async with self._locked() as now:
+            entry = self._cron(name)
+            if entry.paused == paused:
+                return entry
+            entry = replace(
+                entry,
+                paused=paused,
+                next_run_at=None if paused else self._cron_resumed(entry, now),
+                updated_at=now,
+            )
+            self._cron_entries[name] = entry
+            return entry
+
+    async def _delete_cron_entry(self, name: str) -> None:
+        async with self._locked():
+            self._cron(name)
+            del self._cron_entries[name]
+
+    async def _fire_cron_entry(
+        self,
+        name: str,
+        expected: datetime,
+        next_run_at: datetime | None,
+        slot: datetime | None,
+    ) -> CronFired:
+        async with self._locked() as now:
+            entry = self._cron_entries.get(name)
+            if entry is None or entry.next_run_at != expected:
+                return CronFired(applied=False)
+            result: EnqueueResult | None = None
+            if slot is not None:
+                task = cron.slot_task(name, entry.task, slot)
+                check_new_task(task, max_payload=self._max_payload)
+                try:
+                    result = self._store([task], now)[0]
+                except DuplicateTask:
+                    result = None  # a live task holds the slot's key: the slot has its task
+            entry = replace(
+                entry,
+                next_run_at=next_run_at,
+                last_run_at=entry.last_run_at if slot is None else slot,
+            )
+            self._cron_entries[name] = entry
+            return CronFired(applied=True, entry=entry, task=result)
+
+    async def _trigger_cron_entry(self, name: str) -> EnqueueResult:
+        async with self._locked() as now:
+            task = cron.triggered_task(name, self._cron(name).task, now)
+            check_new_task(task, max_payload=self._max_payload)
+            return self._store([task], now)[0]
+
     # --------------------------------------------------------------- lifecycle
 
     async def close(self) -> None:
@@ -574,6 +763,8 @@ class MemoryBroker(Broker):
             self._closed = True
             self._table = TaskTable()
             self._webhooks = {}
+            self._cron_entries = {}
+            self._group_configs = {}
 
 
 def _is_due(task: Task, now: datetime) -> bool:

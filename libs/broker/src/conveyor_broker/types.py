@@ -336,3 +336,149 @@ class WebhookWorker:
     secrets: tuple[str, ...]
     created_at: datetime
     updated_at: datetime
+
+
+class CronMisfire(StrEnum):
+    """What the scheduler does with the slots of a cron entry that it missed (the cluster
+    was down past them). A slot counts as missed when the scheduler comes to it more than
+    the misfire grace (``CONVEYOR_CRON_MISFIRE_GRACE``) after its time; later slots fire
+    as usual."""
+
+    #: One task stands for all the missed slots (it carries the first one's time).
+    RUN_ONCE = "run_once"
+    #: Missed slots create no task.
+    SKIP = "skip"
+
+
+@dataclass(frozen=True, slots=True)
+class CronEntrySpec:
+    """A cron entry as an operator writes it (UpsertCronEntry).
+
+    ``schedule`` is read by :class:`conveyor_broker.cron.CronSchedule` in ``timezone`` (an
+    IANA name). ``task`` is the template of the task each slot creates: its queue, type,
+    payload, headers, and relative options (max_retry, timeout, retention, group,
+    concurrency key). It has no id, unique key, dependencies or absolute times: each slot
+    gets its own id and unique key (see :func:`conveyor_broker.cron.slot_task`).
+    """
+
+    name: str
+    schedule: str
+    task: NewTask
+    timezone: str = "UTC"
+    paused: bool = False
+    misfire: CronMisfire = CronMisfire.RUN_ONCE
+
+
+@dataclass(frozen=True, slots=True)
+class CronEntry:
+    """A stored cron entry.
+
+    ``next_run_at`` is the next slot to fire (None while paused); ``last_run_at`` the last
+    slot that was fired (None before the first).
+    """
+
+    name: str
+    schedule: str
+    timezone: str
+    task: NewTask
+    paused: bool
+    misfire: CronMisfire
+    next_run_at: datetime | None
+    last_run_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class CronFired:
+    """What :meth:`~conveyor_broker.interface.Broker.fire_cron_entry` did.
+
+    ``applied`` is False when the entry's next run was no longer the one expected (another
+    scheduler fired it, an operator changed or paused it, or it is gone): nothing changed.
+    ``task`` is the slot's task when one was asked for (``created`` False when it was
+    already stored).
+    """
+
+    applied: bool
+    entry: CronEntry | None = None
+    task: EnqueueResult | None = None
+
+
+def cron_template(task: NewTask) -> NewTask:
+    """A cron entry's task template as brokers store and return it: the fields a template
+    may hold (queue, type, payload, headers, max_retry, timeout, retention, group,
+    concurrency key), its headers a copy of their own."""
+    return NewTask(
+        queue=task.queue,
+        type=task.type,
+        payload=bytes(task.payload),
+        headers=dict(task.headers),
+        max_retry=task.max_retry,
+        timeout=task.timeout,
+        retention=task.retention,
+        group=task.group,
+        concurrency_key=task.concurrency_key,
+    )
+
+
+#: What a group no config matches is delivered at: this many members, ...
+DEFAULT_GROUP_MAX_SIZE = 100
+#: ... or this long after its first member joined, ...
+DEFAULT_GROUP_MAX_DELAY = timedelta(seconds=30)
+#: ... or this long after its last member joined, whichever comes first.
+DEFAULT_GROUP_GRACE_PERIOD = timedelta(seconds=5)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """When the aggregation groups of ``queue`` whose names match ``pattern`` are due:
+    once they hold ``max_size`` members, ``max_delay`` after their first member joined, or
+    ``grace_period`` after their last one did, whichever comes first.
+
+    ``pattern`` is a glob over group names (``*`` any text, ``?`` one character; ``*``:
+    every group). A group takes the config of its queue with the longest pattern that
+    matches it (then the first pattern in code point order); with none, the defaults
+    (:data:`DEFAULT_GROUP_MAX_SIZE` and the others).
+    """
+
+    queue: str
+    pattern: str = "*"
+    max_size: int = DEFAULT_GROUP_MAX_SIZE
+    max_delay: timedelta = DEFAULT_GROUP_MAX_DELAY
+    grace_period: timedelta = DEFAULT_GROUP_GRACE_PERIOD
+
+
+#: The config of a group that no stored config matches (its queue aside).
+DEFAULT_GROUP_CONFIG = GroupConfig(queue="")
+
+
+class GroupTrigger(StrEnum):
+    """Why a group is due."""
+
+    SIZE = "size"
+    MAX_DELAY = "max_delay"
+    GRACE_PERIOD = "grace_period"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """An aggregation group's waiting members: how many, and when the first and the last
+    joined (their ``created_at``)."""
+
+    queue: str
+    group: str
+    size: int
+    oldest_at: datetime
+    newest_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class DueGroup:
+    """A group past one of its config's thresholds, and the first one it passed (size
+    first, then the earliest time)."""
+
+    queue: str
+    group: str
+    size: int
+    trigger: GroupTrigger
+    max_size: int

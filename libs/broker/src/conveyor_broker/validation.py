@@ -8,12 +8,19 @@ import base64
 import binascii
 import re
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from urllib.parse import SplitResult, urlsplit
 
+from conveyor_broker import cron
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.ids import is_ulid
-from conveyor_broker.types import NewTask, WebhookWorkerSpec
+from conveyor_broker.types import (
+    CronEntrySpec,
+    CronMisfire,
+    GroupConfig,
+    NewTask,
+    WebhookWorkerSpec,
+)
 
 #: Queue (and webhook worker) names are single NATS subject tokens: 1-128 ASCII letters,
 #: digits, '_' and '-', starting with a letter or digit. Always matched with
@@ -321,3 +328,88 @@ def _split_url(url: object) -> SplitResult | None:
         return urlsplit(url)
     except ValueError:  # e.g. a malformed IPv6 host, or an out-of-range port
         return None
+
+
+def check_cron_name(name: str) -> None:
+    """Raise InvalidTask unless ``name`` is a valid cron entry name (queue-name rules)."""
+    if not isinstance(name, str) or not QUEUE_RE.fullmatch(name):
+        raise InvalidTask(
+            f"invalid cron entry name {name!r}: 1-128 ASCII letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+
+
+def check_cron_entry(spec: CronEntrySpec, *, max_payload: int = MAX_PAYLOAD) -> None:
+    """Raise InvalidTask unless ``spec`` is a cron entry a broker may store: a valid name,
+    schedule and time zone (:class:`conveyor_broker.cron.CronSchedule`), a misfire policy,
+    and a task template that makes valid tasks and sets none of what each slot's task gets
+    of its own (id, unique key and TTL, the cron headers) or what makes no sense for a
+    recurring task (absolute times, dependencies)."""
+    check_cron_name(spec.name)
+    cron.CronSchedule.parse(spec.schedule, spec.timezone)
+    if not isinstance(spec.misfire, CronMisfire):
+        raise InvalidTask(f"unknown misfire policy {spec.misfire!r}: run_once or skip")
+    template = spec.task
+    if not isinstance(template, NewTask):
+        raise InvalidTask("a cron entry needs a task template")
+    refused = {
+        "an id": template.id is not None,
+        "a unique key": template.unique_key is not None,
+        "a unique TTL": template.unique_ttl is not None,
+        "process_at": template.process_at is not None,
+        "a deadline": template.deadline is not None,
+        "expires_at": template.expires_at is not None,
+        "dependencies": bool(template.depends_on),
+    }
+    for what, present in refused.items():
+        if present:
+            raise InvalidTask(
+                f"a cron entry's task may not set {what}: each slot's task gets its own id "
+                "and unique key, and options relative to when it is created"
+            )
+    reserved = sorted(cron.RESERVED_HEADERS & set(template.headers))
+    if reserved:
+        raise InvalidTask(f"header {reserved[0]!r} is set by the server on cron tasks")
+    sample = cron.slot_task(spec.name, template, datetime(2000, 1, 1, tzinfo=UTC))
+    try:
+        check_new_task(sample, max_payload=max_payload)
+    except InvalidTask as exc:
+        raise InvalidTask(f"cron task: {exc}") from None
+
+
+#: The most members one group delivery carries (one lease, one frame).
+MAX_GROUP_SIZE = 1000
+#: The longest a group may be held back.
+MAX_GROUP_WAIT = timedelta(days=1)
+_PATTERN_RE = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
+
+
+def check_group_name(group: str) -> None:
+    """Raise InvalidTask unless ``group`` is a valid group name (a task's group key)."""
+    if not isinstance(group, str) or not 0 < len(group) <= MAX_KEY_LEN:
+        raise InvalidTask(f"group must be 1-{MAX_KEY_LEN} characters")
+    check_text("group", group)
+
+
+def check_group_pattern(pattern: str) -> None:
+    """Raise InvalidTask unless ``pattern`` is a group name glob (1-256 characters, no
+    control characters)."""
+    if not isinstance(pattern, str) or not _PATTERN_RE.fullmatch(pattern):
+        raise InvalidTask("a group pattern is 1-256 characters, '*' and '?' as wildcards")
+    check_text("group pattern", pattern)
+
+
+def check_group_config(config: GroupConfig) -> None:
+    """Raise InvalidTask unless ``config`` is one a broker may store."""
+    check_queue(config.queue)
+    check_group_pattern(config.pattern)
+    if (
+        isinstance(config.max_size, bool)
+        or not isinstance(config.max_size, int)
+        or not 1 <= config.max_size <= MAX_GROUP_SIZE
+    ):
+        raise InvalidTask(f"max_size must be 1..{MAX_GROUP_SIZE}, got {config.max_size!r}")
+    for name in ("max_delay", "grace_period"):
+        value = getattr(config, name)
+        if not isinstance(value, timedelta) or not _ZERO < value <= MAX_GROUP_WAIT:
+            raise InvalidTask(f"{name} must be > 0 and at most {MAX_GROUP_WAIT}, got {value}")

@@ -470,6 +470,13 @@ class MaintenanceSettings(ServiceSettings):
         86400.0, ge=0, description="Seconds a completed task is kept when it sets no retention"
     )
     sweep_limit: int = Field(1000, ge=1, description="Most rows one sweep touches")
+    cron_misfire_grace: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds a cron slot may be late and still fire as usual; a slot the "
+        "scheduler comes to later than that was missed (the cluster was down), and its "
+        "entry's misfire policy applies",
+    )
     storage_upkeep: bool = Field(
         True,
         description="ANALYZE and VACUUM the task table when a burst has left its planner "

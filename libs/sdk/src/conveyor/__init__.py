@@ -25,11 +25,15 @@ from conveyor._clients.admin import AsyncAdminClient
 from conveyor._clients.admin_sync import AdminClient
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    CronEntry,
+    CronMisfire,
+    CronSpec,
     QueueInfo,
     QueuePage,
     TaskEvent,
     TaskPage,
     WebhookWorker,
+    cron,
 )
 from conveyor._clients.events import AsyncEventStream, EventStream
 from conveyor._clients.producer import AsyncClient
@@ -38,6 +42,7 @@ from conveyor._errors import (
     AlreadyExists,
     CodecError,
     ConveyorError,
+    CronEntryNotFound,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -77,6 +82,10 @@ __all__ = [
     "Codec",
     "CodecError",
     "ConveyorError",
+    "CronEntry",
+    "CronEntryNotFound",
+    "CronMisfire",
+    "CronSpec",
     "DeadlineExceeded",
     "EnqueueResult",
     "EventStream",
@@ -107,6 +116,7 @@ __all__ = [
     "WebhookWorkerNotFound",
     "Worker",
     "__version__",
+    "cron",
     "spec",
     "webhooks",
 ]

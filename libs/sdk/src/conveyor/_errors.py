@@ -50,6 +50,16 @@ class WebhookWorkerNotFound(ConveyorError, LookupError):
         self.name = name
 
 
+class CronEntryNotFound(ConveyorError, LookupError):
+    """No cron entry has this name. ``name`` is the name asked for."""
+
+    def __init__(
+        self, message: str, *, code: str | None = "NOT_FOUND", name: str | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.name = name
+
+
 class AlreadyExists(ConveyorError):
     """A live task already holds the unique key; ``existing_id`` names it when known."""
 

@@ -30,6 +30,12 @@ class TaskAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_ACTION_ARCHIVE: _ClassVar[TaskAction]
     TASK_ACTION_REVIVE: _ClassVar[TaskAction]
     TASK_ACTION_RESCHEDULE: _ClassVar[TaskAction]
+
+class CronMisfire(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CRON_MISFIRE_UNSPECIFIED: _ClassVar[CronMisfire]
+    CRON_MISFIRE_RUN_ONCE: _ClassVar[CronMisfire]
+    CRON_MISFIRE_SKIP: _ClassVar[CronMisfire]
 OUTCOME_UNSPECIFIED: Outcome
 OUTCOME_SUCCESS: Outcome
 OUTCOME_FAILURE: Outcome
@@ -42,6 +48,9 @@ TASK_ACTION_DELETE: TaskAction
 TASK_ACTION_ARCHIVE: TaskAction
 TASK_ACTION_REVIVE: TaskAction
 TASK_ACTION_RESCHEDULE: TaskAction
+CRON_MISFIRE_UNSPECIFIED: CronMisfire
+CRON_MISFIRE_RUN_ONCE: CronMisfire
+CRON_MISFIRE_SKIP: CronMisfire
 
 class EnqueueRequest(_message.Message):
     __slots__ = ("task",)
@@ -562,7 +571,7 @@ class GetGroupStatsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ...) -> None: ...
 
 class CronEntry(_message.Message):
-    __slots__ = ("name", "spec", "timezone", "task", "paused", "next_run_at", "last_run_at")
+    __slots__ = ("name", "spec", "timezone", "task", "paused", "next_run_at", "last_run_at", "misfire", "created_at", "updated_at")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     TIMEZONE_FIELD_NUMBER: _ClassVar[int]
@@ -570,6 +579,9 @@ class CronEntry(_message.Message):
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     NEXT_RUN_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_RUN_AT_FIELD_NUMBER: _ClassVar[int]
+    MISFIRE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     name: str
     spec: str
     timezone: str
@@ -577,7 +589,10 @@ class CronEntry(_message.Message):
     paused: bool
     next_run_at: _timestamp_pb2.Timestamp
     last_run_at: _timestamp_pb2.Timestamp
-    def __init__(self, name: _Optional[str] = ..., spec: _Optional[str] = ..., timezone: _Optional[str] = ..., task: _Optional[_Union[_task_pb2.NewTask, _Mapping]] = ..., paused: _Optional[bool] = ..., next_run_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_run_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    misfire: CronMisfire
+    created_at: _timestamp_pb2.Timestamp
+    updated_at: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., spec: _Optional[str] = ..., timezone: _Optional[str] = ..., task: _Optional[_Union[_task_pb2.NewTask, _Mapping]] = ..., paused: _Optional[bool] = ..., next_run_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_run_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., misfire: _Optional[_Union[CronMisfire, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class UpsertCronEntryRequest(_message.Message):
     __slots__ = ("entry",)
@@ -610,8 +625,10 @@ class SetCronPausedRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., paused: _Optional[bool] = ...) -> None: ...
 
 class SetCronPausedResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("entry",)
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    entry: CronEntry
+    def __init__(self, entry: _Optional[_Union[CronEntry, _Mapping]] = ...) -> None: ...
 
 class DeleteCronEntryRequest(_message.Message):
     __slots__ = ("name",)
@@ -622,6 +639,30 @@ class DeleteCronEntryRequest(_message.Message):
 class DeleteCronEntryResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetCronEntryRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetCronEntryResponse(_message.Message):
+    __slots__ = ("entry",)
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    entry: CronEntry
+    def __init__(self, entry: _Optional[_Union[CronEntry, _Mapping]] = ...) -> None: ...
+
+class TriggerCronEntryRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class TriggerCronEntryResponse(_message.Message):
+    __slots__ = ("task",)
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    task: _task_pb2.Task
+    def __init__(self, task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ...) -> None: ...
 
 class WebhookWorker(_message.Message):
     __slots__ = ("name", "url", "queues", "concurrency", "timeout", "paused", "secrets", "created_at", "updated_at")

@@ -469,6 +469,16 @@ class AdminServiceStub:
                 request_serializer=conveyor_dot_v1_dot_service__pb2.DeleteCronEntryRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_service__pb2.DeleteCronEntryResponse.FromString,
                 _registered_method=True)
+        self.GetCronEntry = channel.unary_unary(
+                '/conveyor.v1.AdminService/GetCronEntry',
+                request_serializer=conveyor_dot_v1_dot_service__pb2.GetCronEntryRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_service__pb2.GetCronEntryResponse.FromString,
+                _registered_method=True)
+        self.TriggerCronEntry = channel.unary_unary(
+                '/conveyor.v1.AdminService/TriggerCronEntry',
+                request_serializer=conveyor_dot_v1_dot_service__pb2.TriggerCronEntryRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_service__pb2.TriggerCronEntryResponse.FromString,
+                _registered_method=True)
         self.UpsertWebhookWorker = channel.unary_unary(
                 '/conveyor.v1.AdminService/UpsertWebhookWorker',
                 request_serializer=conveyor_dot_v1_dot_service__pb2.UpsertWebhookWorkerRequest.SerializeToString,
@@ -674,6 +684,19 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCronEntry(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TriggerCronEntry(self, request, context):
+        """Enqueue an entry's task now, outside its schedule (its next run is unchanged).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def UpsertWebhookWorker(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -854,6 +877,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.DeleteCronEntry,
                     request_deserializer=conveyor_dot_v1_dot_service__pb2.DeleteCronEntryRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_service__pb2.DeleteCronEntryResponse.SerializeToString,
+            ),
+            'GetCronEntry': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCronEntry,
+                    request_deserializer=conveyor_dot_v1_dot_service__pb2.GetCronEntryRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_service__pb2.GetCronEntryResponse.SerializeToString,
+            ),
+            'TriggerCronEntry': grpc.unary_unary_rpc_method_handler(
+                    servicer.TriggerCronEntry,
+                    request_deserializer=conveyor_dot_v1_dot_service__pb2.TriggerCronEntryRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_service__pb2.TriggerCronEntryResponse.SerializeToString,
             ),
             'UpsertWebhookWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.UpsertWebhookWorker,
@@ -1623,6 +1656,60 @@ class AdminService:
             '/conveyor.v1.AdminService/DeleteCronEntry',
             conveyor_dot_v1_dot_service__pb2.DeleteCronEntryRequest.SerializeToString,
             conveyor_dot_v1_dot_service__pb2.DeleteCronEntryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCronEntry(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.AdminService/GetCronEntry',
+            conveyor_dot_v1_dot_service__pb2.GetCronEntryRequest.SerializeToString,
+            conveyor_dot_v1_dot_service__pb2.GetCronEntryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TriggerCronEntry(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.AdminService/TriggerCronEntry',
+            conveyor_dot_v1_dot_service__pb2.TriggerCronEntryRequest.SerializeToString,
+            conveyor_dot_v1_dot_service__pb2.TriggerCronEntryResponse.FromString,
             options,
             channel_credentials,
             insecure,

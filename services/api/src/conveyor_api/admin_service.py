@@ -8,11 +8,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from conveyor_broker import (
+    DEFAULT_MAX_RETRY,
     MAX_BATCH,
     Broker,
     BrokerError,
@@ -24,6 +25,8 @@ from conveyor_broker import (
 from conveyor_broker.clock import Clock
 from conveyor_broker.types import CANCELED_WHILE_RUNNING_ERROR
 from conveyor_broker.validation import (
+    MAX_PAYLOAD,
+    check_cron_name,
     check_queue,
     check_task_id,
     check_webhook_name,
@@ -35,6 +38,7 @@ from conveyor_runtime.bus import Bus, Published
 from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate
 from conveyor_runtime.webhook_secrets import SecretKeyError, SecretKeyring
 from conveyor_runtime.webhook_urls import AddressPolicy, UrlGuard
+from conveyor_runtime.wire import TaskDefaults
 from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.subscription import Subscription
 
@@ -74,10 +78,6 @@ NOT_YET_IMPLEMENTED = (
     "DeleteGroupConfig",
     "ListGroupConfigs",
     "GetGroupStats",
-    "UpsertCronEntry",
-    "ListCronEntries",
-    "SetCronPaused",
-    "DeleteCronEntry",
 )
 
 
@@ -96,11 +96,16 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         event_gate: EventGate | None = None,
         url_guard: UrlGuard | None = None,
         keyring: SecretKeyring | None = None,
+        task_defaults: TaskDefaults | None = None,
     ) -> None:
         """``url_guard`` checks where webhook URLs point (default: public addresses only);
         ``keyring`` seals webhook secrets (default: none, and registering a secret is
-        FAILED_PRECONDITION)."""
+        FAILED_PRECONDITION); ``task_defaults`` are the producer's limits, which a cron
+        entry's task template must keep too."""
         self._broker = broker
+        self._task_defaults = task_defaults or TaskDefaults(
+            max_retry=DEFAULT_MAX_RETRY, retention=timedelta(days=1), max_payload=MAX_PAYLOAD
+        )
         self._url_guard = url_guard or UrlGuard(AddressPolicy.from_networks([]))
         self._keyring = keyring or SecretKeyring()
         self._clock = clock
@@ -495,6 +500,93 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             await abort_for_error(context, exc)
         logger.info("admin.webhook_deleted name=%s", request.name)
         return service_pb2.DeleteWebhookWorkerResponse()
+
+    # ----------------------------------------------------------- cron entries
+    # No NATS nudge: the scheduler leader reads the entries on every pass (each
+    # promote tick).
+
+    async def UpsertCronEntry(
+        self, request: service_pb2.UpsertCronEntryRequest, context: _Context
+    ) -> service_pb2.UpsertCronEntryResponse:
+        """Create or replace an entry. Applying the same entry again keeps its next run
+        (an application that applies its entries at every start skips no slot)."""
+        try:
+            if not request.HasField("entry"):
+                raise InvalidTask("entry is required")
+            spec = wire.cron_spec_from_proto(request.entry, self._clock, self._task_defaults)
+            entry = await self._broker.upsert_cron_entry(spec)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        logger.info(
+            "admin.cron_upserted name=%s schedule=%r timezone=%s queue=%s paused=%s",
+            entry.name,
+            entry.schedule,
+            entry.timezone,
+            entry.task.queue,
+            entry.paused,
+        )
+        return service_pb2.UpsertCronEntryResponse(entry=wire.cron_entry_to_proto(entry))
+
+    async def GetCronEntry(
+        self, request: service_pb2.GetCronEntryRequest, context: _Context
+    ) -> service_pb2.GetCronEntryResponse:
+        """One entry by name."""
+        try:
+            check_cron_name(request.name)
+            entry = await self._broker.get_cron_entry(request.name)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.GetCronEntryResponse(entry=wire.cron_entry_to_proto(entry))
+
+    async def ListCronEntries(
+        self, request: service_pb2.ListCronEntriesRequest, context: _Context
+    ) -> service_pb2.ListCronEntriesResponse:
+        """Every entry, by name."""
+        try:
+            entries = await self._broker.list_cron_entries()
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.ListCronEntriesResponse(
+            entries=[wire.cron_entry_to_proto(e) for e in entries]
+        )
+
+    async def SetCronPaused(
+        self, request: service_pb2.SetCronPausedRequest, context: _Context
+    ) -> service_pb2.SetCronPausedResponse:
+        """Pause an entry (the slots that pass meanwhile never fire) or resume it (from
+        its first slot after now)."""
+        try:
+            check_cron_name(request.name)
+            entry = await self._broker.set_cron_paused(request.name, request.paused)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        logger.info("admin.cron_paused name=%s paused=%s", request.name, request.paused)
+        return service_pb2.SetCronPausedResponse(entry=wire.cron_entry_to_proto(entry))
+
+    async def DeleteCronEntry(
+        self, request: service_pb2.DeleteCronEntryRequest, context: _Context
+    ) -> service_pb2.DeleteCronEntryResponse:
+        """Delete an entry (the tasks it made stay)."""
+        try:
+            check_cron_name(request.name)
+            await self._broker.delete_cron_entry(request.name)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        logger.info("admin.cron_deleted name=%s", request.name)
+        return service_pb2.DeleteCronEntryResponse()
+
+    async def TriggerCronEntry(
+        self, request: service_pb2.TriggerCronEntryRequest, context: _Context
+    ) -> service_pb2.TriggerCronEntryResponse:
+        """Enqueue the entry's task now (paused or not); its schedule is unchanged."""
+        try:
+            check_cron_name(request.name)
+            result = await self._broker.trigger_cron_entry(request.name)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        self._wakes.when_due(result.task, self._clock.now())
+        logger.info("admin.cron_triggered name=%s task_id=%s", request.name, result.task.id)
+        return service_pb2.TriggerCronEntryResponse(task=wire.task_to_proto(result.task))
 
     async def _select(
         self, request: service_pb2.BatchTaskActionRequest

@@ -38,6 +38,7 @@ ADMIN_READS = frozenset(
         "ListGroupConfigs",
         "GetGroupStats",
         "ListCronEntries",
+        "GetCronEntry",
         "GetWebhookWorker",
         "ListWebhookWorkers",
         "GetClusterInfo",

@@ -9,6 +9,7 @@ import grpc
 from conveyor_broker import (
     BrokerClosed,
     BrokerError,
+    CronEntryNotFound,
     DatabaseUnavailable,
     DuplicateTask,
     InvalidState,
@@ -48,6 +49,7 @@ _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (LeaseLost, grpc.StatusCode.FAILED_PRECONDITION),
     (BrokerClosed, grpc.StatusCode.UNAVAILABLE),
     (WebhookWorkerNotFound, grpc.StatusCode.NOT_FOUND),
+    (CronEntryNotFound, grpc.StatusCode.NOT_FOUND),
     (NotSupported, grpc.StatusCode.UNIMPLEMENTED),
     # A stored value this server has no key for: its configuration must change.
     (DecryptionError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -210,6 +210,7 @@ class ApiServer:
             event_gate=self._event_gate,
             url_guard=self.url_guard,
             keyring=self.keyring,
+            task_defaults=defaults,
         )
         add_service(server, _SERVICES["AdminService"], self._admin)
         add_service(

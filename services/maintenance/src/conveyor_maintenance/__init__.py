@@ -6,8 +6,9 @@ from conveyor_maintenance.maintenance import (
     REAPER,
     SCHEDULER,
     STORAGE,
+    CronReport,
     Maintenance,
     ReaperReport,
 )
 
-__all__ = ["REAPER", "SCHEDULER", "STORAGE", "Maintenance", "ReaperReport"]
+__all__ = ["REAPER", "SCHEDULER", "STORAGE", "CronReport", "Maintenance", "ReaperReport"]

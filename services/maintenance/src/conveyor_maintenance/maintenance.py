@@ -8,7 +8,8 @@ skipped one only delays work.
 
 - scheduler, every ``promote_tick`` and at once on a promote hint (which the api sends
   when a scheduled task it stored falls due): SCHEDULED tasks that are due become
-  PENDING, and their queues are woken.
+  PENDING, and their queues are woken; then every cron entry whose next run has come
+  fires (see :meth:`Maintenance.cron_pass`).
 - reaper, every ``reap_tick``: expired leases go back to RETRY (their queues are woken),
   pre-dispatch TTLs are enforced, old terminal rows are purged, and every queue with due
   work is woken, which repairs any wake that was lost on the way.
@@ -28,8 +29,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from conveyor_broker.clock import Clock, SystemClock
+from conveyor_broker.cron import CronSchedule, plan_fire, slot_text
+from conveyor_broker.errors import InvalidTask
 from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.types import (
+    CronEntry,
+    CronFired,
     LeaseReapParams,
     StorageUpkeep,
     TaskState,
@@ -58,6 +63,20 @@ STORAGE = "storage"
 MAX_PROMOTE_ROUNDS = 10
 #: Least seconds between the end of one scheduler pass and a pass a promote hint asks for.
 HINT_GAP = 0.05
+#: Most rounds of due cron entries in one scheduler pass: an entry some slots behind
+#: fires one slot per round.
+MAX_CRON_ROUNDS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class CronReport:
+    """What one cron pass did: tasks created, missed slots handled (per the entries'
+    misfire policies), fires lost to another scheduler, and the queues woken."""
+
+    fired: int = 0
+    misfired: int = 0
+    raced: int = 0
+    woken: frozenset[str] = field(default_factory=frozenset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +243,84 @@ class Maintenance:
                 break
         if total:
             logger.info("maintenance.promoted tasks=%d queues=%d", sum(total.values()), len(total))
+        try:
+            await self.cron_pass()
+        except Exception:
+            # The promotions above are done; the next pass fires what is due.
+            logger.exception("maintenance.cron_failed")
         return total
+
+    async def cron_pass(self) -> CronReport:
+        """Fire every cron entry whose next run has come, and wake the queues that got a
+        task.
+
+        Each fire is the broker's compare-and-set of the entry's next run together with
+        the slot's task (:meth:`Broker.fire_cron_entry`): a scheduler that lost the race
+        (a former leader still running a pass) changes nothing, and a slot's task id
+        is derived from the entry and the slot, so no slot ever runs twice. A slot at
+        most ``cron_misfire_grace`` late fires as usual, one slot per round, so a
+        scheduler a few slots behind catches up slot by slot; a later one was missed and
+        the entry's misfire policy applies (one task for the missed slots, or none).
+        """
+        grace = timedelta(seconds=self.settings.cron_misfire_grace)
+        limit = min(self._limit, 100)
+        fired = misfired = raced = 0
+        to_wake: set[str] = set()
+        for _ in range(MAX_CRON_ROUNDS):
+            due = await self._broker.list_due_cron_entries(limit=limit)
+            for entry in due:
+                result, missed = await self._fire(entry, grace)
+                if not result.applied:
+                    raced += 1
+                    continue
+                misfired += missed
+                if result.task is not None and result.task.created:
+                    fired += 1
+                    to_wake.add(result.task.task.queue)
+            if not due:
+                break
+        await self.wake(sorted(to_wake))
+        if fired or misfired or raced:
+            logger.info("maintenance.cron fired=%d misfired=%d raced=%d", fired, misfired, raced)
+        return CronReport(fired, misfired, raced, frozenset(to_wake))
+
+    async def _fire(self, entry: CronEntry, grace: timedelta) -> tuple[CronFired, bool]:
+        """Fire ``entry``'s due slot; the broker's answer, and whether slots were missed."""
+        expected = entry.next_run_at
+        assert expected is not None  # a due entry has a next run
+        now = self.clock.now()
+        try:
+            schedule = CronSchedule.parse(entry.schedule, entry.timezone)
+        except InvalidTask:
+            # Stored by a release that read it differently: stop it rather than retry
+            # every tick. An operator's upsert sets it going again.
+            logger.error(
+                "cron.schedule_unreadable entry=%s schedule=%r", entry.name, entry.schedule
+            )
+            return await self._broker.fire_cron_entry(entry.name, expected, None, None), False
+        plan = plan_fire(schedule, expected, now, entry.misfire, grace)
+        if plan.missed:
+            logger.warning(
+                "cron.misfired entry=%s policy=%s first_missed=%s resumes=%s",
+                entry.name,
+                entry.misfire.value,
+                slot_text(expected),
+                "never" if plan.next_run_at is None else slot_text(plan.next_run_at),
+            )
+        if plan.next_run_at is None:
+            logger.warning("cron.never_fires_again entry=%s", entry.name)
+        try:
+            result = await self._broker.fire_cron_entry(
+                entry.name, expected, plan.next_run_at, plan.slot
+            )
+        except InvalidTask as exc:
+            # The template makes no valid task any more (the payload limit was lowered):
+            # the slot is lost, the schedule goes on.
+            logger.error("cron.slot_refused entry=%s error=%s", entry.name, exc)
+            result = await self._broker.fire_cron_entry(
+                entry.name, expected, plan.next_run_at, None
+            )
+        return result, plan.missed
 
     async def storage_pass(self) -> StorageUpkeep:
         """The broker's storage upkeep (see Broker.upkeep_storage)."""

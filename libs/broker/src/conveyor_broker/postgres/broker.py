@@ -24,17 +24,20 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import asyncpg
 
+from conveyor_broker import cron, groups
 from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
+    CronEntryNotFound,
     DatabaseUnavailable,
     DuplicateTask,
+    GroupConfigNotFound,
     InvalidState,
     InvalidTask,
     LeaseLost,
     TaskNotFound,
     WebhookWorkerNotFound,
 )
-from conveyor_broker.ids import new_ids
+from conveyor_broker.ids import new_id, new_ids
 from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker, package_version
 from conveyor_broker.postgres import enqueue, upkeep
 from conveyor_broker.postgres.migrations import schema_version
@@ -56,7 +59,25 @@ from conveyor_broker.postgres.queries.admin import (
     RUN_TASK_NOW,
     SET_QUEUE_PAUSED,
 )
+from conveyor_broker.postgres.queries.cron import (
+    ADVANCE_CRON_ENTRY,
+    DELETE_CRON_ENTRY,
+    GET_CRON_ENTRY,
+    LIST_CRON_ENTRIES,
+    LIST_DUE_CRON_ENTRIES,
+    LOCK_CRON_ENTRY,
+    SET_CRON_PAUSED,
+    UPSERT_CRON_ENTRY,
+)
 from conveyor_broker.postgres.queries.enqueue import FREE_LAPSED_CLAIMS, UNIQUE_HOLDER
+from conveyor_broker.postgres.queries.groups import (
+    DELETE_GROUP_CONFIG,
+    DUE_GROUPS,
+    GROUP_STATS,
+    LEASE_GROUP,
+    LIST_GROUP_CONFIGS,
+    SET_GROUP_CONFIG,
+)
 from conveyor_broker.postgres.queries.lease import (
     EXTEND_LEASE,
     EXTEND_LEASES,
@@ -84,16 +105,25 @@ from conveyor_broker.postgres.queries.webhooks import (
     UPSERT_WEBHOOK_WORKER,
 )
 from conveyor_broker.postgres.rows import (
+    cron_entry_from_row,
+    cron_upsert_params,
     task_from_row,
     webhook_queues_to_json,
     webhook_worker_from_row,
 )
 from conveyor_broker.types import (
+    DEFAULT_GROUP_CONFIG,
     EXPIRED_ERROR,
     LEASE_EXPIRED_ERROR,
     AckItem,
     BrokerInfo,
+    CronEntry,
+    CronEntrySpec,
+    CronFired,
+    DueGroup,
     EnqueueResult,
+    GroupConfig,
+    GroupStats,
     LeaseReapParams,
     LeaseRef,
     NewTask,
@@ -110,7 +140,7 @@ from conveyor_broker.types import (
     WebhookWorker,
     WebhookWorkerSpec,
 )
-from conveyor_broker.validation import MAX_PAYLOAD
+from conveyor_broker.validation import MAX_PAYLOAD, check_new_task
 
 if TYPE_CHECKING:
     Pool = asyncpg.Pool[asyncpg.Record]
@@ -633,6 +663,160 @@ class PostgresBroker(Broker):
         )
         return done is not None
 
+    # ------------------------------------------------------- aggregation groups
+
+    async def _set_group_config(self, config: GroupConfig) -> GroupConfig:
+        row = await self._fetchrow(
+            SET_GROUP_CONFIG,
+            config.queue,
+            config.pattern,
+            groups.pattern_like(config.pattern),
+            int(config.max_size),
+            config.max_delay,
+            config.grace_period,
+        )
+        assert row is not None  # an upsert always returns its row
+        return _group_config(row)
+
+    async def _delete_group_config(self, queue: str, pattern: str) -> None:
+        if await self._fetchval(DELETE_GROUP_CONFIG, queue, pattern) is None:
+            raise GroupConfigNotFound(queue, pattern)
+
+    async def _list_group_configs(self, queue: str | None) -> list[GroupConfig]:
+        return [_group_config(row) for row in await self._fetch(LIST_GROUP_CONFIGS, queue)]
+
+    async def _group_stats(self, queue: str | None, limit: int) -> list[GroupStats]:
+        rows = await self._fetch(GROUP_STATS, queue, limit)
+        return [
+            GroupStats(
+                row["queue"], row["group_key"], row["size"], row["oldest_at"], row["newest_at"]
+            )
+            for row in rows
+        ]
+
+    async def _due_groups(self, limit: int) -> list[DueGroup]:
+        now = self._clock.now()
+        default = DEFAULT_GROUP_CONFIG
+        rows = await self._fetch(
+            DUE_GROUPS, now, default.max_size, default.max_delay, default.grace_period, limit
+        )
+        due: list[DueGroup] = []
+        for row in rows:
+            stats = GroupStats(
+                row["queue"], row["group_key"], row["size"], row["oldest_at"], row["newest_at"]
+            )
+            config = GroupConfig(
+                row["queue"], "*", row["max_size"], row["max_delay"], row["grace_period"]
+            )
+            why = groups.trigger(stats, config, now)
+            assert why is not None  # the statement's filter
+            due.append(DueGroup(stats.queue, stats.group, stats.size, why, config.max_size))
+        return due
+
+    async def _lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
+        now = self._clock.now()
+        rows = await self._fetch(LEASE_GROUP, queue, group, limit, now, new_id(now), now + ttl)
+        leased = sorted((task_from_row(row) for row in rows), key=lambda t: (t.created_at, t.id))
+        self._emit(self._event(task, TaskState.AGGREGATING, now) for task in leased)
+        return leased
+
+    # ------------------------------------------------------------- cron entries
+
+    async def _upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
+        now = self._clock.now()
+        async with self._conn() as conn, conn.transaction():
+            locked = await conn.fetchrow(LOCK_CRON_ENTRY, spec.name)
+            stored = None if locked is None else cron_entry_from_row(locked)
+            next_run_at = self._cron_next_run(spec, stored, now)
+            row = await conn.fetchrow(
+                UPSERT_CRON_ENTRY, *cron_upsert_params(spec, next_run_at, now)
+            )
+        assert row is not None  # an upsert always returns its row
+        return cron_entry_from_row(row)
+
+    async def _get_cron_entry(self, name: str) -> CronEntry:
+        row = await self._fetchrow(GET_CRON_ENTRY, name)
+        if row is None:
+            raise CronEntryNotFound(name)
+        return cron_entry_from_row(row)
+
+    async def _list_cron_entries(self) -> list[CronEntry]:
+        return [cron_entry_from_row(row) for row in await self._fetch(LIST_CRON_ENTRIES)]
+
+    async def _list_due_cron_entries(self, limit: int) -> list[CronEntry]:
+        rows = await self._fetch(LIST_DUE_CRON_ENTRIES, self._clock.now(), limit)
+        return [cron_entry_from_row(row) for row in rows]
+
+    async def _set_cron_paused(self, name: str, paused: bool) -> CronEntry:
+        now = self._clock.now()
+        async with self._conn() as conn, conn.transaction():
+            locked = await conn.fetchrow(LOCK_CRON_ENTRY, name)
+            if locked is None:
+                raise CronEntryNotFound(name)
+            entry = cron_entry_from_row(locked)
+            if entry.paused == paused:
+                return entry
+            next_run_at = None if paused else self._cron_resumed(entry, now)
+            row = await conn.fetchrow(SET_CRON_PAUSED, name, paused, next_run_at, now)
+        assert row is not None  # the row is locked
+        return cron_entry_from_row(row)
+
+    async def _delete_cron_entry(self, name: str) -> None:
+        if await self._fetchval(DELETE_CRON_ENTRY, name) is None:
+            raise CronEntryNotFound(name)
+
+    async def _fire_cron_entry(
+        self,
+        name: str,
+        expected: datetime,
+        next_run_at: datetime | None,
+        slot: datetime | None,
+    ) -> CronFired:
+        now = self._clock.now()
+        result: EnqueueResult | None = None
+        try:
+            async with self._conn() as conn, conn.transaction():
+                locked = await conn.fetchrow(LOCK_CRON_ENTRY, name)
+                if locked is None:
+                    return CronFired(applied=False)
+                entry = cron_entry_from_row(locked)
+                if entry.next_run_at != expected:
+                    return CronFired(applied=False)
+                if slot is not None:
+                    task = cron.slot_task(name, entry.task, slot)
+                    check_new_task(task, max_payload=self._max_payload)
+                    try:
+                        # In a savepoint of this transaction: the slot's task and the
+                        # move of next_run_at commit together or not at all.
+                        result = (await self._enqueue_on(conn, [task], now))[0]
+                    except DuplicateTask:
+                        result = None  # a live task holds the slot's key: it has its task
+                row = await conn.fetchrow(ADVANCE_CRON_ENTRY, name, next_run_at, slot)
+        except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
+            raise InvalidTask(f"the database refused a value: {exc}") from exc
+        assert row is not None  # the row is locked
+        if result is not None and result.created:
+            self._emit([self._event(result.task, None, now)])
+        return CronFired(applied=True, entry=cron_entry_from_row(row), task=result)
+
+    async def _trigger_cron_entry(self, name: str) -> EnqueueResult:
+        entry = await self._get_cron_entry(name)
+        task = cron.triggered_task(name, entry.task, self._clock.now())
+        check_new_task(task, max_payload=self._max_payload)
+        return (await self._enqueue_batch([task]))[0]
+
+    async def _enqueue_on(
+        self,
+        conn: asyncpg.pool.PoolConnectionProxy[asyncpg.Record],
+        tasks: list[NewTask],
+        now: datetime,
+    ) -> list[EnqueueResult]:
+        """Enqueue ``tasks`` on ``conn`` (in the caller's transaction); no events."""
+        plan = enqueue.plan_ids(tasks, now)
+        if enqueue.needs_transaction(tasks):
+            return await enqueue.enqueue_checked(conn, tasks, plan, now, self._default_max_retry)
+        return await enqueue.enqueue_plain(conn, tasks, plan, now, self._default_max_retry)
+
     # ----------------------------------------------------------------- lifecycle
 
     async def close(self) -> None:
@@ -670,6 +854,12 @@ def _unavailable(exc: BaseException) -> DatabaseUnavailable:
     logger.warning("postgres.unavailable error=%r", exc)
     reason = "timed out" if isinstance(exc, TimeoutError) else "connection failed"
     return DatabaseUnavailable(f"database unavailable ({reason}): retry")
+
+
+def _group_config(row: asyncpg.Record) -> GroupConfig:
+    return GroupConfig(
+        row["queue"], row["pattern"], row["max_size"], row["max_delay"], row["grace_period"]
+    )
 
 
 async def _keep_session(conn: asyncpg.Connection[asyncpg.Record]) -> None:

@@ -11,13 +11,24 @@ from typing import Any
 import asyncpg
 
 from conveyor_broker.postgres.queries import TASK_FIELDS
+from conveyor_broker.postgres.queries.cron import CRON_FIELDS
 from conveyor_broker.postgres.queries.enqueue import ENQUEUE_COLUMNS
 from conveyor_broker.postgres.queries.enqueue import enqueue_statement as enqueue_sql
 from conveyor_broker.postgres.queries.webhooks import WEBHOOK_FIELDS
-from conveyor_broker.types import NewTask, OnFailure, Task, TaskState, WebhookWorker
+from conveyor_broker.types import (
+    CronEntry,
+    CronEntrySpec,
+    CronMisfire,
+    NewTask,
+    OnFailure,
+    Task,
+    TaskState,
+    WebhookWorker,
+)
 
 TASK_FIELD_COUNT = len(TASK_FIELDS)
 WEBHOOK_FIELD_COUNT = len(WEBHOOK_FIELDS)
+CRON_FIELD_COUNT = len(CRON_FIELDS)
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -240,3 +251,76 @@ def webhook_worker_from_row(row: asyncpg.Record) -> WebhookWorker:
         created_at=created_at,
         updated_at=updated_at,
     )
+
+
+def cron_entry_from_row(row: asyncpg.Record) -> CronEntry:
+    """The CronEntry a row describes: its first columns are
+    ``queries.cron.CRON_FIELDS``, in order (``headers`` as JSON text)."""
+    (
+        name,
+        schedule,
+        timezone,
+        paused,
+        misfire,
+        task_queue,
+        task_type,
+        payload,
+        headers,
+        max_retry,
+        timeout,
+        retention,
+        group_key,
+        concurrency_key,
+        next_run_at,
+        last_run_at,
+        created_at,
+        updated_at,
+    ) = row[:CRON_FIELD_COUNT]
+    template = NewTask(
+        queue=task_queue,
+        type=task_type,
+        payload=payload,
+        headers=_headers_from_json(headers),
+        max_retry=max_retry,
+        timeout=timeout,
+        retention=retention,
+        group=group_key,
+        concurrency_key=concurrency_key,
+    )
+    return CronEntry(
+        name=name,
+        schedule=schedule,
+        timezone=timezone,
+        task=template,
+        paused=paused,
+        misfire=CronMisfire(misfire),
+        next_run_at=next_run_at,
+        last_run_at=last_run_at,
+        created_at=created_at,
+        updated_at=updated_at,
+    )
+
+
+def cron_upsert_params(
+    spec: CronEntrySpec, next_run_at: datetime | None, now: datetime
+) -> list[Any]:
+    """The parameters of ``queries.cron.UPSERT_CRON_ENTRY`` for ``spec``."""
+    task = spec.task
+    return [
+        spec.name,
+        spec.schedule,
+        spec.timezone,
+        bool(spec.paused),
+        spec.misfire.value,
+        task.queue,
+        task.type,
+        bytes(task.payload),
+        _headers_to_json(task.headers),
+        task.max_retry,
+        task.timeout,
+        task.retention,
+        task.group,
+        task.concurrency_key,
+        next_run_at,
+        now,
+    ]

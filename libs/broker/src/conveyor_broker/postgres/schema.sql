@@ -161,3 +161,56 @@ CREATE TABLE conveyor_webhook_workers (
     CONSTRAINT conveyor_webhook_workers_concurrency_check CHECK (concurrency > 0),
     CONSTRAINT conveyor_webhook_workers_timeout_check CHECK (timeout > interval '0')
 );
+
+-- Cron entries: one row per server-persisted entry, its schedule, the template of the
+-- task each slot creates, and the next slot to fire (the scheduler's compare-and-set).
+CREATE TABLE conveyor_cron_entries (
+    name            text COLLATE "C" NOT NULL,
+    -- A cron expression (5 or 6 fields), an alias or @every <duration>, in normal form.
+    schedule        text NOT NULL,
+    -- The IANA time zone the schedule is read in.
+    timezone        text NOT NULL,
+    paused          boolean NOT NULL DEFAULT false,
+    misfire         text NOT NULL,
+    -- The task template.
+    task_queue      text COLLATE "C" NOT NULL,
+    task_type       text NOT NULL,
+    payload         bytea NOT NULL,
+    headers         jsonb NOT NULL DEFAULT '{}'::jsonb,
+    max_retry       integer,
+    timeout         interval,
+    retention       interval,
+    group_key       text COLLATE "C",
+    concurrency_key text COLLATE "C",
+    -- The next slot to fire (NULL while paused); the last slot fired.
+    next_run_at     timestamptz,
+    last_run_at     timestamptz,
+    created_at      timestamptz NOT NULL,
+    updated_at      timestamptz NOT NULL,
+    CONSTRAINT conveyor_cron_entries_pkey PRIMARY KEY (name),
+    CONSTRAINT conveyor_cron_entries_misfire_check CHECK (misfire IN ('run_once', 'skip')),
+    CONSTRAINT conveyor_cron_entries_paused_check CHECK (NOT (paused AND next_run_at IS NOT NULL))
+);
+
+-- ListDueCronEntries: the entries whose next run has come, earliest first.
+CREATE INDEX conveyor_cron_entries_due_idx ON conveyor_cron_entries (next_run_at, name)
+    WHERE next_run_at IS NOT NULL;
+
+-- Aggregation group configs: when the groups of a queue whose names match a glob are due.
+-- like_pattern is the glob as a LIKE pattern (kept by the broker).
+CREATE TABLE conveyor_group_configs (
+    queue        text COLLATE "C" NOT NULL,
+    pattern      text COLLATE "C" NOT NULL,
+    like_pattern text COLLATE "C" NOT NULL,
+    max_size     integer NOT NULL,
+    max_delay    interval NOT NULL,
+    grace_period interval NOT NULL,
+    CONSTRAINT conveyor_group_configs_pkey PRIMARY KEY (queue, pattern),
+    CONSTRAINT conveyor_group_configs_size_check CHECK (max_size > 0),
+    CONSTRAINT conveyor_group_configs_times_check CHECK (
+        max_delay > interval '0' AND grace_period > interval '0')
+);
+
+-- GroupStats, DueGroups and LeaseGroup: the waiting members of each group, in join order.
+CREATE INDEX conveyor_tasks_aggregating_idx ON conveyor_tasks (queue, group_key, created_at, id)
+    WHERE state = 'aggregating';

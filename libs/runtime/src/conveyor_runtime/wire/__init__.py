@@ -10,6 +10,7 @@ group them by subject:
   and checks;
 - :mod:`~conveyor_runtime.wire.events`: lifecycle events and their NATS batches;
 - :mod:`~conveyor_runtime.wire.admin`: queue stats and webhook worker registrations;
+- :mod:`~conveyor_runtime.wire.cron`: cron entries;
 - :mod:`~conveyor_runtime.wire.webhooks`: webhook endpoints' callbacks.
 
 The NATS side (which message goes on which subject) is :mod:`conveyor_runtime.bus`.
@@ -23,6 +24,7 @@ from conveyor_runtime.wire.admin import (
     webhook_spec_from_proto,
     webhook_worker_to_proto,
 )
+from conveyor_runtime.wire.cron import cron_entry_to_proto, cron_spec_from_proto
 from conveyor_runtime.wire.events import (
     decode_events,
     encode_events,
@@ -62,6 +64,8 @@ __all__ = [
     "DISPATCH_OVERHEAD",
     "TaskDefaults",
     "check_time_bounds",
+    "cron_entry_to_proto",
+    "cron_spec_from_proto",
     "decode_events",
     "dispatch_size",
     "duration",

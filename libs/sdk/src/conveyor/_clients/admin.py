@@ -13,10 +13,14 @@ from conveyor_protos.v1 import service_pb2 as svc
 from conveyor._channel import DEFAULT_TARGET, TlsFile
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    CronEntry,
+    CronMisfire,
+    CronSpec,
     QueueInfo,
     QueuePage,
     TaskPage,
     WebhookWorker,
+    misfire_policy,
 )
 from conveyor._clients.admin_wire import (
     ARCHIVE,
@@ -29,6 +33,8 @@ from conveyor._clients.admin_wire import (
     StateLike,
     batch_request,
     batch_result,
+    cron_from_wire,
+    cron_request,
     list_request,
     queue_info,
     queues_request,
@@ -37,13 +43,14 @@ from conveyor._clients.admin_wire import (
     watch_request,
     webhook_from_wire,
     webhook_request,
+    with_cron_name,
     with_webhook_name,
 )
 from conveyor._clients.events import AsyncEventStream
 from conveyor._clients.transport import AsyncRpcClient, with_task_id
-from conveyor._errors import ConveyorError
+from conveyor._errors import ConveyorError, InvalidArgument
 from conveyor._payload import Codec, JsonCodec
-from conveyor._types import DurationLike, TaskInfo
+from conveyor._types import DurationLike, TaskInfo, TaskSpec
 
 
 class AsyncAdminClient(AdminBase, AsyncRpcClient):
@@ -60,7 +67,11 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
 
     Webhook workers (external HTTP endpoints the server delivers tasks to) are managed
     with ``upsert_webhook_worker``, ``get_webhook_worker``, ``list_webhook_workers``,
-    ``pause_webhook_worker``, ``resume_webhook_worker`` and ``delete_webhook_worker``.
+    ``pause_webhook_worker``, ``resume_webhook_worker`` and ``delete_webhook_worker``;
+    cron entries (tasks the server enqueues on a schedule) with ``upsert_cron_entry``,
+    ``apply_cron_entries``, ``get_cron_entry``, ``list_cron_entries``,
+    ``pause_cron_entry``, ``resume_cron_entry``, ``trigger_cron_entry`` and
+    ``delete_cron_entry``.
 
     Every task action also exists in a batch form (``cancel_tasks``...) that selects
     tasks by ``ids``, or by ``queue`` and optionally ``state`` (at most 1000 tasks, the
@@ -68,7 +79,7 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
     exceptions: :class:`TaskNotFound` for an unknown id, :class:`FailedPrecondition` for
     an action the task's state does not allow, :class:`InvalidArgument` for bad input,
     :class:`PermissionDenied` on a read-only server, :class:`WebhookWorkerNotFound` for
-    an unknown webhook worker.
+    an unknown webhook worker, :class:`CronEntryNotFound` for an unknown cron entry.
     """
 
     def __init__(
@@ -365,6 +376,91 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
             return await self._call(method, request, response_type)
         except ConveyorError as exc:
             raise with_webhook_name(exc, name) from None
+
+    # ----------------------------------------------------------- cron entries
+
+    async def upsert_cron_entry(
+        self,
+        name: str,
+        schedule: str,
+        task: TaskSpec,
+        *,
+        timezone: str = "UTC",
+        misfire: CronMisfire | str = CronMisfire.RUN_ONCE,
+        paused: bool = False,
+    ) -> CronEntry:
+        """Create or replace the cron entry ``name``: on every slot of ``schedule`` (read
+        in the IANA ``timezone``) the server enqueues ``task`` (a :class:`TaskSpec`
+        without id, unique key, dependencies or absolute times), once.
+
+        ``schedule``: five cron fields (``"0 3 * * *"``), six with seconds first, an
+        alias (``@daily``...) or ``@every <duration>``. ``misfire``: what to do with slots
+        missed while the cluster was down, ``"run_once"`` or ``"skip"``. Replacing an
+        entry with the same schedule and zone keeps its next run. Returns the stored
+        entry; :class:`InvalidArgument` for a bad schedule, zone or task, or a schedule
+        that never fires (``0 0 31 2 *``).
+        """
+        spec = CronSpec(name, schedule, task, timezone, misfire_policy(misfire), paused)
+        return await self._upsert_cron(spec)
+
+    async def apply_cron_entries(self, entries: Iterable[CronSpec]) -> list[CronEntry]:
+        """Upsert every declared entry (see :func:`conveyor.cron`) and return them as
+        stored. Idempotent: an application can apply its entries at every start, and
+        an entry whose schedule did not change keeps its next run (no slot is skipped
+        or repeated). Entries not in the list are left alone."""
+        declared = list(entries)
+        names = [entry.name for entry in declared if isinstance(entry, CronSpec)]
+        if len(set(names)) != len(names):
+            raise InvalidArgument("cron entry names must be unique in one apply")
+        return [await self._upsert_cron(entry) for entry in declared]
+
+    async def _upsert_cron(self, entry: CronSpec) -> CronEntry:
+        request = cron_request(entry, self._codec)
+        response = await self._call("UpsertCronEntry", request, svc.UpsertCronEntryResponse)
+        return cron_from_wire(response.entry, self._codec)
+
+    async def get_cron_entry(self, name: str) -> CronEntry:
+        """The cron entry ``name``; :class:`CronEntryNotFound` when there is none."""
+        request = svc.GetCronEntryRequest(name=name)
+        response = await self._cron("GetCronEntry", request, svc.GetCronEntryResponse, name)
+        return cron_from_wire(response.entry, self._codec)
+
+    async def list_cron_entries(self) -> list[CronEntry]:
+        """Every cron entry, by name."""
+        request = svc.ListCronEntriesRequest()
+        response = await self._call("ListCronEntries", request, svc.ListCronEntriesResponse)
+        return [cron_from_wire(entry, self._codec) for entry in response.entries]
+
+    async def pause_cron_entry(self, name: str) -> CronEntry:
+        """Stop entry ``name`` firing; the slots that pass while it is paused never
+        fire."""
+        request = svc.SetCronPausedRequest(name=name, paused=True)
+        response = await self._cron("SetCronPaused", request, svc.SetCronPausedResponse, name)
+        return cron_from_wire(response.entry, self._codec)
+
+    async def resume_cron_entry(self, name: str) -> CronEntry:
+        """Fire entry ``name`` again, from its first slot after now."""
+        request = svc.SetCronPausedRequest(name=name, paused=False)
+        response = await self._cron("SetCronPaused", request, svc.SetCronPausedResponse, name)
+        return cron_from_wire(response.entry, self._codec)
+
+    async def trigger_cron_entry(self, name: str) -> TaskInfo:
+        """Enqueue entry ``name``'s task now, outside its schedule (paused or not; its
+        next run is unchanged). Returns the new task."""
+        request = svc.TriggerCronEntryRequest(name=name)
+        response = await self._cron("TriggerCronEntry", request, svc.TriggerCronEntryResponse, name)
+        return self._task(response)
+
+    async def delete_cron_entry(self, name: str) -> None:
+        """Delete entry ``name`` (the tasks it created stay)."""
+        request = svc.DeleteCronEntryRequest(name=name)
+        await self._cron("DeleteCronEntry", request, svc.DeleteCronEntryResponse, name)
+
+    async def _cron(self, method: str, request: object, response_type: Any, name: str) -> Any:
+        try:
+            return await self._call(method, request, response_type)
+        except ConveyorError as exc:
+            raise with_cron_name(exc, name) from None
 
     # ---------------------------------------------------------------- events
 

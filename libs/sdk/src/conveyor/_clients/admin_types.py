@@ -1,13 +1,16 @@
 """What the admin clients return: pages of tasks, queue statistics, batch outcomes,
-lifecycle events and webhook worker registrations."""
+lifecycle events, webhook worker registrations and cron entries."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
 
-from conveyor._types import TaskInfo, TaskState
+from conveyor._errors import InvalidArgument
+from conveyor._types import DurationLike, TaskInfo, TaskSpec, TaskState, spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +102,118 @@ class WebhookWorker:
     paused: bool
     created_at: datetime | None
     updated_at: datetime | None
+
+
+class CronMisfire(StrEnum):
+    """What the server does with the slots of a cron entry that it missed (the cluster
+    was down past them)."""
+
+    #: One task stands for all the missed slots.
+    RUN_ONCE = "run_once"
+    #: Missed slots create no task.
+    SKIP = "skip"
+
+
+@dataclass(frozen=True, slots=True)
+class CronSpec:
+    """A cron entry as an application declares it (see :func:`conveyor.cron`): on every
+    slot of ``schedule`` (read in ``timezone``) the server enqueues ``task``, once."""
+
+    name: str
+    schedule: str
+    task: TaskSpec
+    timezone: str = "UTC"
+    misfire: CronMisfire = CronMisfire.RUN_ONCE
+    paused: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CronEntry:
+    """A cron entry stored on the server.
+
+    ``schedule`` is five cron fields, six with seconds first, an alias (``@daily``...) or
+    ``@every <duration>``, read in the IANA ``timezone``. On every slot the server
+    enqueues ``task`` once (its id and unique key derived from the entry and the slot;
+    the headers ``conveyor-cron`` and ``conveyor-cron-slot`` name them). ``next_run_at``
+    is the next slot (None while paused), ``last_run_at`` the last one fired. Timestamps
+    are timezone-aware (UTC).
+    """
+
+    name: str
+    schedule: str
+    timezone: str
+    task: TaskSpec
+    paused: bool
+    misfire: CronMisfire
+    next_run_at: datetime | None
+    last_run_at: datetime | None
+    created_at: datetime | None
+    updated_at: datetime | None
+
+    def spec(self) -> CronSpec:
+        """This entry as a declaration (to apply elsewhere, say)."""
+        return CronSpec(
+            name=self.name,
+            schedule=self.schedule,
+            task=self.task,
+            timezone=self.timezone,
+            misfire=self.misfire,
+            paused=self.paused,
+        )
+
+
+def cron(
+    name: str,
+    schedule: str,
+    type: str,
+    payload: Any = None,
+    *,
+    queue: str = "default",
+    timezone: str = "UTC",
+    misfire: CronMisfire | str = CronMisfire.RUN_ONCE,
+    paused: bool = False,
+    headers: Mapping[str, str] | None = None,
+    max_retry: int | None = None,
+    timeout: DurationLike | None = None,
+    retention: DurationLike | None = None,
+) -> CronSpec:
+    """Declare a cron entry: on every slot of ``schedule`` the server enqueues a task of
+    ``type`` with ``payload`` on ``queue``.
+
+    ``schedule`` is five cron fields (``"0 3 * * *"``), six with seconds first
+    (``"*/10 * * * * *"``), an alias (``@yearly``, ``@monthly``, ``@weekly``, ``@daily``,
+    ``@hourly``) or ``@every <duration>`` (``"@every 90s"``); it is read in the IANA
+    ``timezone``. ``misfire`` says what to do with slots missed while the cluster was
+    down: ``"run_once"`` (one task for them) or ``"skip"``. The task options are the ones
+    that make sense for a recurring task (each slot's task gets its own id and unique
+    key). Apply declarations with ``admin.apply_cron_entries([...])``.
+    """
+    policy = misfire_policy(misfire)
+    for label, text in (("name", name), ("schedule", schedule), ("timezone", timezone)):
+        if not isinstance(text, str):
+            raise InvalidArgument(f"{label} must be a string, got {text!r}")
+    task = spec(
+        type,
+        payload,
+        queue=queue,
+        headers=headers,
+        max_retry=max_retry,
+        timeout=timeout,
+        retention=retention,
+    )
+    return CronSpec(
+        name=name,
+        schedule=schedule,
+        task=task,
+        timezone=timezone,
+        misfire=policy,
+        paused=bool(paused),
+    )
+
+
+def misfire_policy(value: CronMisfire | str) -> CronMisfire:
+    """``value`` as a CronMisfire; InvalidArgument for anything else."""
+    try:
+        return CronMisfire(value)
+    except ValueError:
+        raise InvalidArgument(f"misfire must be 'run_once' or 'skip', got {value!r}") from None

@@ -12,15 +12,30 @@ from conveyor_protos.v1 import task_pb2 as pb
 
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    CronEntry,
+    CronMisfire,
+    CronSpec,
     QueueInfo,
     TaskEvent,
     TaskPage,
     WebhookWorker,
 )
-from conveyor._clients.task_wire import state_from_wire, state_to_wire, task_from_wire
-from conveyor._errors import ConveyorError, InvalidArgument, WebhookWorkerNotFound
-from conveyor._payload import Codec
-from conveyor._types import DurationLike, TaskInfo, TaskState, to_timedelta
+from conveyor._clients.task_wire import (
+    options_from_wire,
+    spec_to_wire,
+    state_from_wire,
+    state_to_wire,
+    task_from_wire,
+)
+from conveyor._errors import (
+    CodecError,
+    ConveyorError,
+    CronEntryNotFound,
+    InvalidArgument,
+    WebhookWorkerNotFound,
+)
+from conveyor._payload import Codec, decode_value
+from conveyor._types import DurationLike, TaskInfo, TaskSpec, TaskState, to_timedelta
 from conveyor._wire_time import duration_to_wire, timestamp_from_wire, timestamp_to_wire
 
 ADMIN_SERVICE = "/conveyor.v1.AdminService/"
@@ -247,13 +262,82 @@ def with_webhook_name(exc: ConveyorError, name: str) -> ConveyorError:
     return exc
 
 
+# ------------------------------------------------------------------ cron entries
+
+_MISFIRE_TO_WIRE = {
+    CronMisfire.RUN_ONCE: svc.CRON_MISFIRE_RUN_ONCE,
+    CronMisfire.SKIP: svc.CRON_MISFIRE_SKIP,
+}
+_MISFIRE_FROM_WIRE = {value: key for key, value in _MISFIRE_TO_WIRE.items()}
+
+
+def cron_request(entry: CronSpec, codec: Codec) -> svc.UpsertCronEntryRequest:
+    """An UpsertCronEntry request. The SDK checks types; the server checks values."""
+    if not isinstance(entry, CronSpec):
+        raise InvalidArgument(f"expected a CronSpec (see conveyor.cron), got {entry!r}")
+    if not isinstance(entry.task, TaskSpec):
+        raise InvalidArgument("a cron entry's task must be a TaskSpec")
+    try:
+        message = svc.CronEntry(
+            name=entry.name,
+            spec=entry.schedule,
+            timezone=entry.timezone,
+            task=spec_to_wire(entry.task, codec),
+            paused=bool(entry.paused),
+            misfire=_MISFIRE_TO_WIRE[CronMisfire(entry.misfire)],
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"invalid cron entry: {exc}") from None
+    return svc.UpsertCronEntryRequest(entry=message)
+
+
+def cron_from_wire(message: svc.CronEntry, codec: Codec) -> CronEntry:
+    """The SDK view of a stored cron entry (its task's payload decoded with ``codec``)."""
+    template = message.task
+    try:
+        payload = decode_value(codec, template.payload) if template.payload else None
+    except Exception as exc:
+        raise CodecError(
+            f"cannot decode the payload of cron entry {message.name!r}: {exc}"
+        ) from exc
+    task = TaskSpec(
+        type=template.type,
+        payload=payload,
+        queue=template.queue,
+        headers=dict(template.headers),
+        options=options_from_wire(template.options),
+    )
+    return CronEntry(
+        name=message.name,
+        schedule=message.spec,
+        timezone=message.timezone,
+        task=task,
+        paused=message.paused,
+        misfire=_MISFIRE_FROM_WIRE.get(message.misfire, CronMisfire.RUN_ONCE),
+        next_run_at=timestamp_from_wire(message, "next_run_at"),
+        last_run_at=timestamp_from_wire(message, "last_run_at"),
+        created_at=timestamp_from_wire(message, "created_at"),
+        updated_at=timestamp_from_wire(message, "updated_at"),
+    )
+
+
+def with_cron_name(exc: ConveyorError, name: str) -> ConveyorError:
+    """``exc``, as a CronEntryNotFound naming ``name`` when the server said NOT_FOUND."""
+    if exc.code == "NOT_FOUND":
+        return CronEntryNotFound(exc.message, code=exc.code, name=name)
+    return exc
+
+
 class AdminBase:
     """What both admin clients share: turning responses into the SDK's types."""
 
     _codec: Codec
     _service = ADMIN_SERVICE
 
-    def _task(self, response: svc.GetTaskResponse | svc.TaskActionResponse) -> TaskInfo:
+    def _task(
+        self,
+        response: svc.GetTaskResponse | svc.TaskActionResponse | svc.TriggerCronEntryResponse,
+    ) -> TaskInfo:
         if not response.HasField("task"):
             raise ConveyorError("the server response carries no task", code="INTERNAL")
         return task_from_wire(response.task, self._codec)
