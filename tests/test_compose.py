@@ -439,6 +439,7 @@ PROBES = {
     "cancel": "conveyor.cancel",
     "promote": "conveyor.promote",
     "watch": "conveyor.watch",
+    "roll call": "conveyor.rollcall",
     "callback": "conveyor.webhook.hooks.callback",
     "events": "conveyor.events.mail.completed",
     "resolve": "conveyor.resolve",
@@ -462,15 +463,33 @@ MAY_PUBLISH = {
         "callback",
         "events",
     },
-    "dispatcher": {"dispatch", "owner", "events", "owners kv"},
+    "dispatcher": {"dispatch", "owner", "roll call", "events", "owners kv"},
     "maintenance": {"wake", "events", "leaders kv"},
     "webhook": {"wake", "register", "done", "events", "leaders kv"},
 }
 MAY_SUBSCRIBE = {
-    "api": {"dispatch", "every dispatch", "owner", "cancel", "watch", "events", "inbox"},
+    "api": {
+        "dispatch",
+        "every dispatch",
+        "owner",
+        "cancel",
+        "watch",
+        "roll call",
+        "events",
+        "inbox",
+    },
     "dispatcher": {"wake", "register", "done", "control", "owner", "watch", "inbox"},
-    "maintenance": {"promote", "watch", "inbox"},
-    "webhook": {"dispatch", "every dispatch", "owner", "cancel", "callback", "watch", "inbox"},
+    "maintenance": {"register", "promote", "watch", "inbox"},
+    "webhook": {
+        "dispatch",
+        "every dispatch",
+        "owner",
+        "cancel",
+        "callback",
+        "watch",
+        "roll call",
+        "inbox",
+    },
 }
 
 

@@ -5,9 +5,9 @@ PostgresBroker (in a fresh schema), each on its own FakeClock moved identically.
 come from a small fixed pool so operations collide (idempotent enqueue, unique keys,
 lease-scoped calls on the wrong task). After every operation the two must agree on the
 outcome (value or exception type), the events reported, and the observable state: every
-task (except its lease id, which is random), queue_stats, pending_count, due_queues and
-the webhook worker registrations, the cron entries (with what is due), and the group
-configs, stats and due groups.
+task (except its lease id, which is random), queue_stats, pending_count, due_queues,
+due_among, the webhook worker registrations, the cron entries (with what is due), and
+the group configs, stats and due groups.
 """
 
 from __future__ import annotations
@@ -457,6 +457,7 @@ async def _snapshot(broker: Broker) -> tuple[Any, ...]:
         _normal(await broker.queue_stats()),
         await broker.pending_count(),
         await broker.due_queues(),
+        await broker.due_among([*QUEUES, "gamma"]),
         _normal(await broker.list_webhook_workers()),
         _normal(await broker.list_cron_entries()),
         _normal(await broker.list_due_cron_entries()),

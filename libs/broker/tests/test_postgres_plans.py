@@ -16,7 +16,7 @@ import pytest
 from conveyor_broker import AckItem, FakeClock, NewTask
 from conveyor_broker.postgres.queries.lease import EXTEND_LEASES, LEASE, LEASE_MANY
 from conveyor_broker.postgres.queries.outcomes import ACK_BATCH
-from conveyor_broker.postgres.queries.sweeps import DUE_QUEUES, PURGE_TERMINAL
+from conveyor_broker.postgres.queries.sweeps import DUE_AMONG, DUE_QUEUES, PURGE_TERMINAL
 from conveyor_broker.testing.schemas import brokers, scratch_schema
 
 pytestmark = pytest.mark.postgres
@@ -210,9 +210,9 @@ async def test_purge_and_due_queues_walk_their_indexes_on_a_never_analyzed_table
     pg_dsn: str,
 ) -> None:
     """With thousands of terminal rows retained (half of them past retention) and
-    thousands due, a purge of 10 reads 10 rows from each of its three indexes and
-    due_queues one row per probe: neither sorts or scans the table, custom plan or
-    generic, on a table whose statistics were never gathered."""
+    thousands due, a purge of 10 reads 10 rows from each of its three indexes, and
+    due_queues and due_among one row per probe: none sorts or scans the table, custom
+    plan or generic, on a table whose statistics were never gathered."""
     clock = FakeClock()
     start = clock.now()
     hour = timedelta(hours=1)
@@ -257,6 +257,8 @@ async def test_purge_and_due_queues_walk_their_indexes_on_a_never_analyzed_table
             clock.set(start + hour + timedelta(minutes=5))
             now = clock.now()
             assert await broker.due_queues() == work_queues
+            asked = [*work_queues[:2], "later", "done", "nothing"]
+            assert await broker.due_among(asked) == work_queues[:2]
 
             await conn.execute(
                 "PREPARE purge_plan(timestamptz, interval, interval, integer) AS " + PURGE_TERMINAL
@@ -266,6 +268,11 @@ async def test_purge_and_due_queues_walk_their_indexes_on_a_never_analyzed_table
                 conn, f"EXECUTE purge_plan('{now.isoformat()}', '1 hour', '1 hour', 10)"
             )
             due = await _explain_analyze(conn, f"EXECUTE due_plan('{now.isoformat()}', '', 100)")
+            await conn.execute("PREPARE among_plan(timestamptz, text[]) AS " + DUE_AMONG)
+            names = ", ".join(f"'{queue}'" for queue in sorted(asked))
+            among = await _explain_analyze(
+                conn, f"EXECUTE among_plan('{now.isoformat()}', ARRAY[{names}])"
+            )
         finally:
             await conn.close()
     streams = {f"conveyor_tasks_{name}_idx" for name in ("purge_at", "completed", "ended")}
@@ -274,7 +281,7 @@ async def test_purge_and_due_queues_walk_their_indexes_on_a_never_analyzed_table
         read = {n["Index Name"]: n["Actual Rows"] for n in nodes if n.get("Index Name") in streams}
         assert read == dict.fromkeys(streams, 10), mode
         _assert_reads_little(mode, nodes, most=10)
-    for mode, nodes in due.items():
+    for mode, nodes in [*due.items(), *among.items()]:
         assert {n.get("Index Name") for n in nodes if "Index Name" in n} == {
             "conveyor_tasks_due_idx"
         }, mode

@@ -116,12 +116,14 @@ async def test_hints_and_events_go_on_their_subjects(
     run = [event("t1", "mail", TaskState.COMPLETED), event("t2", "mail", TaskState.COMPLETED)]
     await bus.publish_promote()
     await bus.publish_watch()
+    await bus.publish_roll_call()
     await bus.publish_owner_changed("mail")
     await bus.publish_events(run)
     await bus.publish_events([event("t3", "mail", None)])
-    assert await raw.wait_for(5) == [
+    assert await raw.wait_for(6) == [
         (f"{p}.promote", b""),
         (f"{p}.watch", b""),
+        (f"{p}.rollcall", b""),
         (f"{p}.q.mail.owner", b""),
         (f"{p}.events.mail.completed", encode_events(run)),
         (f"{p}.events.mail.deleted", encode_events([event("t3", "mail", None)])),
@@ -267,6 +269,7 @@ async def test_subscribe_refuses_what_it_cannot_route(bus: Bus) -> None:
 async def test_hints_reach_their_handlers(bus: Bus, nc: NatsClient) -> None:
     promotes: list[None] = []
     watches: list[None] = []
+    roll_calls: list[None] = []
     owners: list[str] = []
     mail_owners: list[str] = []
 
@@ -275,15 +278,20 @@ async def test_hints_reach_their_handlers(bus: Bus, nc: NatsClient) -> None:
 
     await bus.subscribe_promote(lambda: promotes.append(None))
     await bus.subscribe_watch(on_watch)
+    await bus.subscribe_roll_call(lambda: roll_calls.append(None))
     await bus.subscribe_owner_changed(owners.append)
     await bus.subscribe_owner_changed(mail_owners.append, queue="mail")
     await nc.flush()
     await bus.publish_promote()
     await bus.publish_watch()
+    await bus.publish_roll_call()
     await bus.publish_owner_changed("other")
     await bus.publish_owner_changed("mail")
     await wait_until(
-        lambda: (len(promotes), len(watches), len(owners), len(mail_owners)) == (1, 1, 2, 1),
+        lambda: (
+            (len(promotes), len(watches), len(roll_calls), len(owners), len(mail_owners))
+            == (1, 1, 1, 2, 1)
+        ),
         within=TIMEOUT,
     )
     assert owners == ["other", "mail"]
@@ -447,6 +455,7 @@ async def test_forged_and_moved_messages_never_reach_a_handler(
     await bus.subscribe(cluster_pb2.CancelBroadcast, got.append)
     await bus.subscribe_promote(lambda: hints.append("promote"))
     await bus.subscribe_watch(lambda: hints.append("watch"))
+    await bus.subscribe_roll_call(lambda: hints.append("roll call"))
     await bus.subscribe_owner_changed(hints.append)
     await bus.subscribe_events(got.append)
     await bus.serve_dispatch("gw-1", lambda r: cluster_pb2.DispatchReply(accepted=["x"]))
@@ -462,6 +471,7 @@ async def test_forged_and_moved_messages_never_reach_a_handler(
         await intruder.publish(message)
     await intruder.publish_promote()
     await intruder.publish_watch()
+    await intruder.publish_roll_call()
     await intruder.publish_owner_changed("mail")
     await intruder.publish_events([event("t1", "mail")])
     with pytest.raises(nats.errors.TimeoutError):
@@ -482,6 +492,7 @@ async def test_forged_and_moved_messages_never_reach_a_handler(
         "CancelBroadcast": 1,
         "promote": 1,
         "watch": 1,
+        "roll_call": 1,
         "owner": 1,
         "TaskEvent": 1,
         "DispatchRequest": 2,

@@ -248,6 +248,15 @@ async def test_welcome_and_register(api: ApiServer, open_session: Any, bus: Bus)
     await session.registers.wait_for(lambda m: m.queue == "b", count=2)
     assert [m.queue for m in session.registers.messages[before:]] == ["b"]
 
+    # A starting dispatcher calls the roll: the gateway announces every queue at once.
+    before = len(session.registers.messages)
+    await bus.publish_roll_call()
+    await session.registers.wait_for(lambda m: m.queue == "a", count=2)
+    await session.registers.wait_for(lambda m: m.queue == "b", count=3)
+    answers = [m for m in session.registers.messages[before:] if m.gateway == session.gateway]
+    assert sorted(m.queue for m in answers) == ["a", "b"]
+    assert answers[0].capacity == registers[answers[0].queue].capacity
+
 
 # ---------------------------------------------------------------- dispatch
 

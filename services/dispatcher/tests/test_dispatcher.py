@@ -1,8 +1,8 @@
 """The Dispatcher against a real nats-server and a real broker, with fake gateways.
 
 A FakeGateway speaks the gateway side of the NATS contract: it registers, answers
-DispatchRequests (accepting as many as its policy says), re-registers on owner_changed,
-and publishes Done. It answers dispatch requests on the raw connection, because it must
+DispatchRequests (accepting as many as its policy says), re-registers on owner_changed
+and on a roll call, and publishes Done. It answers dispatch requests on the raw connection, because it must
 be able to misbehave as no Bus user can (never answer, publish a Done before its
 reply). Brokers run on a FakeClock, so leases never expire by themselves:
 a task that goes back to PENDING was released on purpose.
@@ -83,6 +83,7 @@ class FakeGateway:
             await self.nc.subscribe(self.subjects.dispatch(self.id), cb=self._on_dispatch)
         )
         self._subs.append(await self.bus.subscribe_owner_changed(self._on_owner, queue=self.queue))
+        self._subs.append(await self.bus.subscribe_roll_call(self.register))
         await self.nc.flush()
         await self.register()
 
@@ -245,7 +246,7 @@ async def test_a_wake_dispatches_leased_tasks_to_a_registered_gateway(
     assert qd.book.total == 7
 
 
-async def test_a_starting_dispatcher_claims_queues_with_due_work_unprompted(
+async def test_a_starting_dispatcher_calls_the_roll_and_claims_the_served_queues(
     broker: Broker,
     nc: NatsClient,
     subjects: Subjects,
@@ -253,16 +254,20 @@ async def test_a_starting_dispatcher_claims_queues_with_due_work_unprompted(
     queue_name: str,
 ) -> None:
     """The wake and the registration went out before any dispatcher listened: the new
-    dispatcher finds the queue by its due work, and its claim makes the gateway register
-    again, so the task goes out with no further wake (the reaper's sweep is never needed)."""
+    dispatcher's roll call makes the gateway register again at once (not at its next
+    register tick, seconds away), so the queue is claimed and the task goes out with no
+    further wake. A queue with due work that no gateway serves is not claimed."""
     gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
     await gw.start()
     ids = await enqueue(broker, queue_name, 2)
+    unserved = f"{queue_name}-unserved"
+    await enqueue(broker, unserved, 1)
     await wake(nc, subjects, queue_name)
+    await wake(nc, subjects, unserved)
     d = await dispatchers()
     await wait_until(lambda: len(gw.received) == 2)
     assert sorted(gw.accepted_ids) == sorted(ids)
-    assert queue_name in d.owned
+    assert d.owned == {queue_name}
 
 
 async def test_a_done_handled_before_the_reply_it_follows_keeps_its_credit(
@@ -582,6 +587,82 @@ async def test_an_idle_queue_is_given_up(
     await wait_until(lambda: queue_name not in d.owned)
     kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=2.0)
     assert await KeyLease(kv, queue_name, "someone").holder() is None
+
+
+async def owner_key(nc: NatsClient, subjects: Subjects, queue: str) -> str | None:
+    """Who holds ``queue``'s ownership key (None: nobody)."""
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=2.0)
+    return await KeyLease(kv, queue, "someone").holder()
+
+
+async def test_wakes_of_a_queue_nobody_serves_claim_nothing_until_a_worker_comes(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """Work in a queue no gateway serves can go nowhere: its wakes (the api's, the
+    reaper's) cost no claim, no ownership key and no lease. The first registration of a
+    gateway for it brings the queue a dispatcher, and the task goes out at once."""
+    d = await dispatchers()
+    lonely = [f"{queue_name}-{n}" for n in range(20)]
+    for queue in lonely:
+        await enqueue(broker, queue, 1)
+    bus = Bus(nc, subjects, cluster_auth())
+    for _ in range(3):
+        for queue in lonely:
+            await bus.publish(cluster_pb2.Wake(queue=queue))
+        # An owner change (another dispatcher let a queue go) is no reason either.
+        await bus.publish_owner_changed(lonely[0])
+    # A served queue's wake, after theirs on the same subscription: handled once they are.
+    served = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await served.start()
+    await wait_until(lambda: queue_name in d.owned)
+    await enqueue(broker, queue_name, 1)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(served.received) == 1)
+    assert d.owned == {queue_name}
+    assert d.claims_refused == 0
+    for queue in lonely:
+        assert await owner_key(nc, subjects, queue) is None
+        assert await count(broker, queue, TaskState.PENDING) == 1
+
+    gw = FakeGateway(nc, subjects, queue=lonely[7], capacity=10)
+    await gw.start()
+    await wait_until(lambda: len(gw.received) == 1, within=2.0)
+    assert d.owned == {queue_name, lonely[7]}
+    assert await owner_key(nc, subjects, lonely[7]) == d.instance_id
+
+
+async def test_a_queue_whose_gateways_left_is_given_up_however_much_is_due(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """Wakes keep coming for due work nobody serves (every enqueue sends one): they do
+    not keep the queue, which idles out and is not claimed back by the next wake."""
+    d = await dispatchers(idle_timeout=0.3)
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await gw.register(closing=True)
+    await enqueue(broker, queue_name, 3)
+
+    async def released_while_woken() -> bool:
+        await wake(nc, subjects, queue_name)
+        return queue_name not in d.owned
+
+    await wait_until(released_while_woken)
+    assert await owner_key(nc, subjects, queue_name) is None
+    refused = d.claims_refused
+    for _ in range(5):
+        await wake(nc, subjects, queue_name)
+    await gw.register()  # and a gateway's return does bring it back
+    await wait_until(lambda: len(gw.received) == 3)
+    assert d.claims_refused == refused
 
 
 async def test_malformed_messages_are_ignored(

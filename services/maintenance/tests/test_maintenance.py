@@ -6,6 +6,7 @@ clock, so "due", "expired" and "past retention" are exact.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -53,6 +54,21 @@ async def wakes(nc: NatsClient, subjects: Subjects) -> WakeLog:
     await nc.subscribe(subjects.queue_wildcard("wake"), cb=log.on_msg)
     await nc.flush()
     return log
+
+
+async def register(
+    nc: NatsClient, subjects: Subjects, queue: str, *, closing: bool = False
+) -> None:
+    """A gateway's registration on ``queue`` (gateway ``gw-test``), as the api sends it."""
+    reg = cluster_pb2.Register(gateway="gw-test", queue=queue, capacity=1, closing=closing)
+    await Bus(nc, subjects, cluster_auth()).publish(reg)
+    await nc.flush()
+
+
+def serve(m: Maintenance, *queues: str) -> None:
+    """Make ``m`` know ``queues`` as served, as their registrations would."""
+    for queue in queues:
+        m._on_register(cluster_pb2.Register(gateway="gw-test", queue=queue, capacity=1))
 
 
 @pytest.fixture
@@ -147,19 +163,56 @@ async def test_an_expired_lease_is_reaped_into_retry_and_its_queue_woken(
     await wait_until(lambda: wakes.count("work") >= 1)
 
 
-async def test_the_pending_sweep_wakes_every_queue_with_due_work(
+async def test_the_pending_sweep_wakes_the_served_queues_with_due_work_only(
     broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
     wakes: WakeLog,
     maintenance: Callable[..., Awaitable[Maintenance]],
 ) -> None:
+    """Due work in queues some gateway registered on gets woken every pass (the api's
+    wakes may have been lost); due work nobody serves is never woken: it can go nowhere,
+    and ten thousand such queues must not cost ten thousand wakes a second."""
     # Enqueued without any wake, as if the api's wakes had been lost.
+    for queue in ("alpha", "beta", "gamma"):
+        await broker.enqueue(NewTask(queue=queue, type="t"))
+    m = await maintenance()
+    for queue in ("alpha", "beta"):
+        await register(nc, subjects, queue)
+    await wait_until(lambda: wakes.count("alpha") >= 3 and wakes.count("beta") >= 3)
+    assert wakes.count("gamma") == 0
+    assert m.demand.queues(asyncio.get_running_loop().time()) == ["alpha", "beta"]
+
+    # A gateway that says goodbye no longer serves its queue.
+    await register(nc, subjects, "beta", closing=True)
+    await wait_until(lambda: not m.demand.served("beta", asyncio.get_running_loop().time()))
+    passes = m.passes[REAPER]
+    await wait_until(lambda: m.passes[REAPER] >= passes + 2)
+    woken = wakes.count("beta")
+    await wait_until(lambda: m.passes[REAPER] >= passes + 5)
+    assert wakes.count("beta") == woken
+    assert wakes.count("gamma") == 0
+
+
+async def test_a_registration_stops_counting_after_three_register_ticks(
+    broker: Broker,
+    make_settings: Callable[..., MaintenanceSettings],
+    nc: NatsClient,
+    clock: FakeClock,
+) -> None:
+    m = Maintenance(make_settings(register_tick=2.0), broker, nc, clock)
+    assert m.demand.ttl == 6.0
     await broker.enqueue(NewTask(queue="alpha", type="t"))
-    await broker.enqueue(NewTask(queue="beta", type="t"))
-    await maintenance()
-    await wait_until(lambda: wakes.count("alpha") >= 1 and wakes.count("beta") >= 1)
+    serve(m, "alpha")
+    assert (await m.reaper_pass()).woken == frozenset({"alpha"})
+    now = asyncio.get_running_loop().time()
+    m.demand.heard("alpha", "gw-test", closing=False, now=now - 6.0)
+    report = await m.reaper_pass()
+    assert report.woken == frozenset()
+    assert report.served == 0
 
 
-async def test_the_pending_sweep_pages_through_due_queues_without_counting_tasks(
+async def test_the_pending_sweep_asks_about_the_served_queues_a_page_at_a_time(
     broker: Broker,
     clock: FakeClock,
     make_settings: Callable[..., MaintenanceSettings],
@@ -167,9 +220,14 @@ async def test_the_pending_sweep_pages_through_due_queues_without_counting_tasks
     wakes: WakeLog,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The sweep asks the broker about the served queues only: it neither counts due
+    tasks nor lists every queue that has some (which would cost as much as there are
+    queues holding work that nobody serves)."""
     due = [f"due-{n}" for n in range(5)]
     for queue in due:
         await broker.enqueue_batch([NewTask(queue=queue, type="t") for _ in range(3)])
+    unserved = [f"unserved-{n}" for n in range(20)]
+    await broker.enqueue_batch([NewTask(queue=queue, type="t") for queue in unserved])
     await broker.enqueue(
         NewTask(queue="expiring", type="t", expires_at=clock.now() + timedelta(seconds=1))
     )
@@ -181,16 +239,35 @@ async def test_the_pending_sweep_pages_through_due_queues_without_counting_tasks
     async def count(queue: str | None = None) -> dict[str, int]:
         raise AssertionError("the reaper counted due tasks")
 
+    async def every_due_queue(*, after: str | None = None, limit: int = 1000) -> list[str]:
+        raise AssertionError("the reaper listed every queue with due work")
+
+    asked: list[list[str]] = []
+    among = broker.due_among
+
+    async def due_among(queues: list[str]) -> list[str]:
+        asked.append(list(queues))
+        return await among(queues)
+
     monkeypatch.setattr(broker, "pending_count", count)
+    monkeypatch.setattr(broker, "due_queues", every_due_queue)
+    monkeypatch.setattr(broker, "due_among", due_among)
     # Two queue names per page: the sweep must page to find all five.
     m = Maintenance(make_settings(sweep_limit=2), broker, nc, clock)
+    serve(m, *due, "expiring", "scheduled", "idle")
     report = await m.reaper_pass()
     assert report.failed_steps == ()
+    assert report.served == 8
+    assert [len(page) for page in asked] == [2, 2, 2, 2]
+    assert sorted(q for page in asked for q in page) == sorted(
+        [*due, "expiring", "scheduled", "idle"]
+    )
     # archive_expired ran first, and the expired task's queue has nothing due anyway.
     assert report.archived == 1
     assert report.woken == frozenset(due)
     await wait_until(lambda: all(wakes.count(queue) == 1 for queue in due))
     assert wakes.count("expiring") == wakes.count("scheduled") == 0
+    assert not any(wakes.count(queue) for queue in unserved)
 
 
 async def test_a_stored_invalid_queue_name_does_not_stop_the_sweep(
@@ -202,13 +279,20 @@ async def test_a_stored_invalid_queue_name_does_not_stop_the_sweep(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A name stored before names were matched whole (the protected hook skips the
-    # validation that now refuses it); the queues after it must still be woken.
+    # validation that now refuses it), whose task's lease expires: the reaper must not
+    # publish a wake for it, and the queues after it must still be woken. A registration
+    # under such a name is not taken: the broker could not be asked about it.
     await broker._enqueue_batch([NewTask(queue="0\n", type="t")])
+    await broker._lease("0\n", 1, timedelta(seconds=1))
+    clock.advance(timedelta(seconds=2))
     await broker.enqueue_batch([NewTask(queue=q, type="t") for q in ("1", "2")])
     m = Maintenance(make_settings(sweep_limit=1), broker, nc, clock)
+    serve(m, "0\n", "1", "2")
     with caplog.at_level(logging.WARNING):
         report = await m.reaper_pass()
     assert report.failed_steps == ()
+    assert report.served == 2
+    assert report.reaped == 1
     assert report.woken == frozenset({"0\n", "1", "2"})
     await wait_until(lambda: wakes.count("1") == 1 and wakes.count("2") == 1)
     assert "invalid_queue_name_skipped queue='0\\n'" in caplog.text

@@ -30,12 +30,18 @@ async def test_maintenance_process_wakes_due_queues_and_stops_on_sigterm(
     broker = await PostgresBroker.connect(fresh_pg_dsn, max_size=2)
     nc = await connect_nats(nats_url, name="process-test")
     woken: list[str] = []
-    await Bus(nc, subjects, cluster_auth()).subscribe(
-        cluster_pb2.Wake, lambda wake: woken.append(wake.queue)
-    )
+    bus = Bus(nc, subjects, cluster_auth())
+    await bus.subscribe(cluster_pb2.Wake, lambda wake: woken.append(wake.queue))
     await nc.flush()
-    # Due work nobody announced: the reaper's sweep must find it.
+    # Due work nobody announced, in a queue a gateway serves: the reaper's sweep must
+    # find it. Due work in a queue nobody serves is left alone.
     await broker.enqueue(NewTask(queue="forgotten", type="t"))
+    await broker.enqueue(NewTask(queue="unserved", type="t"))
+
+    async def served_and_woken() -> bool:
+        # A gateway registers every register tick; this one at every look.
+        await bus.publish(cluster_pb2.Register(gateway="gw", queue="forgotten", capacity=1))
+        return woken.count("forgotten") >= 3
 
     log_path = tmp_path / "maintenance.log"
     with log_path.open("wb") as log:
@@ -57,7 +63,8 @@ async def test_maintenance_process_wakes_due_queues_and_stops_on_sigterm(
             stderr=log,
         )
     try:
-        await wait_until(lambda: "forgotten" in woken, within=30)
+        await wait_until(served_and_woken, within=30)
+        assert "unserved" not in woken
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(15):
             assert await proc.wait() == 0

@@ -403,6 +403,23 @@ class Broker(abc.ABC):
         check_limit(limit, upper=MAX_BATCH)
         return await self._due_queues(after, limit)
 
+    async def due_among(self, queues: Sequence[str]) -> list[str]:
+        """Which of ``queues`` have a due task (what ``lease`` would pick now), sorted by
+        name, each once. At most MAX_BATCH names, each a valid queue name (InvalidTask
+        otherwise; duplicates are fine).
+
+        :meth:`due_queues` for a known set of queues (the ones some worker serves): its
+        cost follows the number of names asked about, not the number of queues that
+        hold work.
+        """
+        self._check_open()
+        check_batch_size(queues, upper=MAX_BATCH)
+        for queue in queues:
+            check_queue(queue)
+        if not queues:
+            return []
+        return await self._due_among(sorted(set(queues)))
+
     async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:
         """Per-state counts for every queue that has tasks (in any state) or a stored
         pause flag, sorted by name; with ``queue``, a single entry (all zeros for an
@@ -818,6 +835,20 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _due_queues(self, after: str | None, limit: int) -> list[str]: ...
+
+    async def _due_among(self, queues: list[str]) -> list[str]:
+        """``queues``: distinct valid names, sorted, at least one. This default pages
+        through :meth:`_due_queues` (up to the last name asked about), for a broker that
+        has nothing better; the memory and Postgres brokers look up the names instead."""
+        wanted = set(queues)
+        found: list[str] = []
+        after: str | None = None
+        while True:
+            page = await self._due_queues(after, MAX_BATCH)
+            found += [queue for queue in page if queue in wanted]
+            if len(page) < MAX_BATCH or page[-1] >= queues[-1]:
+                return found
+            after = page[-1]
 
     @abc.abstractmethod
     async def _queue_stats(self, queue: str | None) -> list[QueueStats]: ...

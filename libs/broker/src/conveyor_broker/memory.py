@@ -379,6 +379,14 @@ class MemoryBroker(Broker):
             ]
             return sorted(due)[:limit]
 
+    async def _due_among(self, queues: list[str]) -> list[str]:
+        async with self._locked() as now:
+            return [
+                name
+                for name in queues
+                if any(_is_due(task, now) for task in self._table.leasable(name))
+            ]
+
     async def _queue_stats(self, queue: str | None) -> list[QueueStats]:
         async with self._locked():
             if queue is not None:

@@ -7,8 +7,8 @@ force, whatever the dispatcher believes; so a stale or doubled dispatcher can ne
 overload a worker.
 
 The dispatcher of each queue hears of the slots three ways: a ``Register`` per queue
-(at start, every ``register_tick``, when the queue's owner changes, when the concurrency
-is capped, and a closing one at the end), the ``DispatchReply`` to each offer, and a
+(at start, every ``register_tick``, when the queue's owner changes, on a dispatcher's roll
+call, when the concurrency is capped, and a closing one at the end), the ``DispatchReply`` to each offer, and a
 ``Done`` as soon as a slot is given back (:class:`~conveyor_gateway.hints.DonePublisher`).
 All three carry the running total of slots given back on the queue, so the dispatcher can
 tell which Dones a reply already accounts for.
@@ -72,6 +72,8 @@ class Credits:
         self.done = DonePublisher(bus, gateway_id)
         self._subs: list[Subscription] = []
         self._ticker: asyncio.Task[None] | None = None
+        # True while a roll call's re-registration is pending (roll calls coalesce).
+        self._answering = False
         self._started = False
         #: True once the gateway began closing: it takes nothing from then on.
         self.closed = False
@@ -82,14 +84,15 @@ class Credits:
     # ------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Subscribe to dispatch offers and owner changes, then announce the slots on
-        every queue and keep re-announcing them."""
+        """Subscribe to dispatch offers, owner changes and roll calls, then announce the
+        slots on every queue and keep re-announcing them."""
         bus = self._bus
         self._subs.append(await bus.serve_dispatch(self._id, self._answer))
         for queue in sorted(self.capacity):
             self._subs.append(
                 await bus.subscribe_owner_changed(self._on_owner_changed, queue=queue)
             )
+        self._subs.append(await bus.subscribe_roll_call(self._on_roll_call))
         # The dispatch subscription must be known to the server before a dispatcher
         # hears about us, or its first request finds no responder.
         await bus.nc.flush()
@@ -257,6 +260,20 @@ class Credits:
             await asyncio.sleep(self._register_tick)
             for queue in sorted(self.capacity):
                 await self.register(queue)
+
+    def _on_roll_call(self) -> None:
+        """A dispatcher started: announce every queue now (once, however many roll calls
+        arrive meanwhile)."""
+        if self._answering or not self._started or self.closed:
+            return
+        self._answering = True
+        self._spawn(self._answer_roll_call())
+
+    async def _answer_roll_call(self) -> None:
+        try:
+            await self._register_all()
+        finally:
+            self._answering = False
 
     async def _on_owner_changed(self, queue: str) -> None:
         if queue in self.capacity and not self.closed:

@@ -12,7 +12,8 @@ bytes that do not decode live here, once:
   (:meth:`Bus.dispatch`, :meth:`Bus.serve_dispatch`) and ``WebhookCallback`` ->
   ``WebhookCallbackReply`` per webhook worker, queue group ``webhook``
   (:meth:`Bus.webhook_callback`, :meth:`Bus.serve_webhook_callbacks`).
-- Hints with an empty body: promote, watch and owner changed, each a pair of methods.
+- Hints with an empty body: promote, watch, roll call and owner changed, each a pair of
+  methods.
 - Lifecycle events, several to a message (:meth:`Bus.publish_events`,
   :meth:`Bus.subscribe_events`; the format is :func:`conveyor_runtime.wire.encode_events`).
 
@@ -403,6 +404,18 @@ class Bus:
     async def subscribe_watch(self, handler: Callable[[], Awaitable[None] | None]) -> Subscription:
         """Call ``handler`` on each verified watch announcement."""
         return await self.nc.subscribe(self.subjects.watch(), cb=self._hint("watch", handler))
+
+    def publish_roll_call(self) -> Awaitable[None]:
+        """Ask every gateway to re-register on every queue it serves, now."""
+        return self._send(self.subjects.roll_call(), b"")
+
+    async def subscribe_roll_call(
+        self, handler: Callable[[], Awaitable[None] | None]
+    ) -> Subscription:
+        """Call ``handler`` on each verified roll call."""
+        return await self.nc.subscribe(
+            self.subjects.roll_call(), cb=self._hint("roll_call", handler)
+        )
 
     def publish_owner_changed(self, queue: str) -> Awaitable[None]:
         """Tell ``queue``'s gateways that its dispatcher changed: re-register now."""

@@ -430,7 +430,10 @@ class DispatcherSettings(ServiceSettings):
         5.0, gt=0, description="Seconds a queue-ownership key lives without a refresh"
     )
     idle_timeout: float = Field(
-        30.0, gt=0, description="Seconds without work before a queue is given up"
+        30.0,
+        gt=0,
+        description="Seconds a queue no gateway serves (no registration, nothing leased) is "
+        "kept before it is given up, however much work waits in it",
     )
     dispatch_timeout: float = Field(
         2.0, gt=0, description="Seconds to wait for a gateway's dispatch reply"
@@ -460,6 +463,12 @@ class MaintenanceSettings(ServiceSettings):
         "delayed task that falls due runs one at once)",
     )
     reap_tick: float = Field(1.0, gt=0, description="Seconds between reaper passes")
+    register_tick: float = Field(
+        5.0,
+        gt=0,
+        description="Gateways' re-registration period (as the api's): the reaper wakes "
+        "only queues some gateway registered on within 3 ticks",
+    )
     leader_ttl: float = Field(
         5.0, gt=0, description="Seconds a leadership key lives without a refresh"
     )

@@ -49,6 +49,13 @@ class Subjects:
         """The queue token of a ``<prefix>.q.<queue>.<kind>`` subject."""
         return subject.rsplit(".", 2)[-2]
 
+    # ---- dispatcher -> gateways
+    def roll_call(self) -> str:
+        """Roll call (empty body): a dispatcher started; every gateway re-registers on
+        every queue it serves now, so that the dispatcher learns at once which queues
+        have workers (and claims those) instead of at the next register tick."""
+        return f"{self.prefix}.rollcall"
+
     # ---- api -> maintenance
     def promote(self) -> str:
         """Promote hint (empty body): scheduled tasks fall due now; the scheduler leader

@@ -1,16 +1,23 @@
 """Dispatcher: routes queue events to the QueueDispatchers of the queues this instance owns.
 
 Every instance subscribes to every queue's wake/register/done/control subjects (no queue
-group): the owner acts, the others ignore. A wake or a registration for a queue nobody
-here owns makes this instance try to claim it (a KV create, which fails when another
-instance owns it). On a claim the instance reloads the queue's state from the broker and
-publishes ``owner_changed`` so that gateways re-register at once. Losing the key stops
-that queue's dispatch at once; a queue with no work and no registrations for
-``idle_timeout`` is given up.
+group): the owner acts, the others ignore. A registration for a queue nobody here owns,
+or a wake for one that some gateway serves, makes this instance try to claim it (a KV
+create, which fails when another instance owns it). On a claim the instance reloads the
+queue's state from the broker and publishes ``owner_changed`` so that gateways re-register
+at once. Losing the key stops that queue's dispatch at once; a queue with no registrations
+for ``idle_timeout`` is given up, however much work it holds.
 
-On start, an instance also tries to claim every queue that has due work: wakes and
-registrations sent before it subscribed never reached it, and nothing else would bring
-those queues to it before the reaper's next due-queue sweep.
+Only queues that someone serves are worth a dispatcher: every instance keeps the
+registrations it hears (:class:`~conveyor_runtime.demand.Demand`), and a wake or an owner
+change for a queue no gateway serves is ignored. So thousands of queues with work and no
+worker cost no claims, no ownership keys and no lease cycles; when a worker for one of
+them connects, its gateway's first registration brings the queue a dispatcher, which
+leases at once.
+
+On start, an instance calls the roll: every gateway re-registers at once, so the queues
+that have workers are claimed now rather than at the next register tick (registrations
+sent before it subscribed never reached it).
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ from collections.abc import Awaitable
 
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.errors import InvalidTask
-from conveyor_broker.interface import MAX_BATCH, Broker
+from conveyor_broker.interface import Broker
 from conveyor_broker.validation import check_queue
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
+from conveyor_runtime.demand import REGISTER_TICKS_TO_EXPIRE, Demand
 from conveyor_runtime.health import Health
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
@@ -39,9 +47,6 @@ from conveyor_dispatcher.leases import LeaseBatcher
 from conveyor_dispatcher.queue import QueueConfig, QueueDispatcher
 
 logger = logging.getLogger(__name__)
-
-#: A registration not refreshed for this many register ticks is forgotten.
-REGISTER_TICKS_TO_EXPIRE = 3
 
 
 class Dispatcher:
@@ -85,6 +90,8 @@ class Dispatcher:
             1.0, settings.register_tick, settings.idle_timeout / 2, settings.progress_deadline / 2
         )
         self._queues: dict[str, QueueDispatcher] = {}
+        #: The queues some gateway serves (owned here or not), from their registrations.
+        self.demand = Demand(self._config.register_ttl)
         # Queue -> registrations that arrived while its claim was in flight.
         self._claiming: dict[str, list[cluster_pb2.Register]] = {}
         self._refused_until: dict[str, float] = {}
@@ -138,26 +145,13 @@ class Dispatcher:
         ]
         await self._nc.flush()
         self._housekeeper = asyncio.create_task(self._housekeep(), name="dispatcher-housekeeping")
-        self._spawn(self._want_due_queues())
-        logger.info("dispatcher.started instance=%s", self.instance_id)
-
-    async def _want_due_queues(self) -> None:
-        """Try to claim every queue with due work, one after another (a cold start with
-        thousands of queues must not fire thousands of claims at once)."""
-        after: str | None = None
         try:
-            while self._running:
-                page = await self._broker.due_queues(after=after, limit=MAX_BATCH)
-                for queue in page:
-                    if self._may_claim(queue):
-                        self._claiming[queue] = []
-                        await self._claim(queue)
-                if len(page) < MAX_BATCH:
-                    return
-                after = page[-1]
+            # The gateways' answers are registrations: they bring the served queues here.
+            await self.bus.publish_roll_call()
         except Exception as exc:
-            # The reaper's sweep wakes these queues in a moment anyway.
-            logger.warning("dispatcher.due_scan_failed error=%r", exc)
+            # They re-register every register tick anyway.
+            logger.warning("dispatcher.roll_call_failed error=%r", exc)
+        logger.info("dispatcher.started instance=%s", self.instance_id)
 
     async def stop(self) -> None:
         """Stop dispatching, give every owned queue up, and tell its gateways.
@@ -207,13 +201,17 @@ class Dispatcher:
         qd = self._queues.get(queue)
         if qd is not None:
             qd.wake()
-        elif self._valid(queue):
+        elif self.demand.served(queue, self._now()) and self._valid(queue):
+            # Served here or elsewhere: if its owner left, this claim takes over.
             self._want(queue, None)
+        # Else nobody serves the queue: its work waits for a worker, whose gateway's
+        # registration will bring the queue a dispatcher.
 
     def _on_register(self, reg: cluster_pb2.Register) -> None:
         if not reg.gateway:
             return
         queue = reg.queue
+        self.demand.heard(queue, reg.gateway, closing=reg.closing, now=self._now())
         qd = self._queues.get(queue)
         if qd is not None:
             qd.register(reg)
@@ -233,7 +231,11 @@ class Dispatcher:
             self._spawn(self._reload(qd))
 
     def _on_owner(self, queue: str) -> None:
-        if queue not in self._queues and self._valid(queue):
+        if (
+            queue not in self._queues
+            and self.demand.served(queue, self._now())
+            and self._valid(queue)
+        ):
             # The owner changed or left. Try at once: if it left, this claim is the
             # hand-over (whatever order the gateways' re-registrations arrive in); if
             # another instance just claimed, it costs one refused create.
@@ -356,9 +358,9 @@ class Dispatcher:
         """When the NATS link was re-established: ask the gateways of every owned queue to
         register again (the Dones and registrations in flight through the server that
         went away are lost, and without them the gateways' credits stay spent until the
-        next register tick), and claim every queue with due work, as at start (the wakes
-        sent meanwhile are lost, and the queues given up while NATS did not answer have
-        no owner)."""
+        next register tick), and call the roll, as at start (the wakes sent meanwhile are lost,
+        and the queues given up while NATS did not answer have no owner: the gateways'
+        answers bring every served one back)."""
         reconnects = int(self._nc.stats.get("reconnects", 0))
         if reconnects == self._reconnects:
             return
@@ -369,7 +371,11 @@ class Dispatcher:
         )
         for queue in queues:
             await self.bus.publish_owner_changed(queue)
-        self._spawn(self._want_due_queues())
+        try:
+            # As at start: the gateways' registrations bring back every served queue.
+            await self.bus.publish_roll_call()
+        except Exception as exc:
+            logger.warning("dispatcher.roll_call_failed error=%r", exc)
 
     async def _housekeep(self) -> None:
         while True:
@@ -385,6 +391,7 @@ class Dispatcher:
                     if qd.idle():
                         await self._give_up(queue)
                 now = self._now()
+                self.demand.expire(now)
                 for pauses in (self._refused_until, self._abandoned_until):
                     for queue, until in list(pauses.items()):
                         if until <= now:

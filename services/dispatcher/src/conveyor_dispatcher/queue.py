@@ -43,7 +43,7 @@ class QueueConfig:
     dispatch_timeout: float
     #: A registration not refreshed for this long is forgotten.
     register_ttl: float
-    #: The queue is given up after this long with no work and no registrations.
+    #: The queue is given up after this long with no registrations (and no work leased).
     idle_timeout: float
     #: A lease cycle stuck in one round (lease, dispatch, release) for this long makes
     #: the instance give the queue up (see :meth:`QueueDispatcher.stuck`).
@@ -109,9 +109,12 @@ class QueueDispatcher:
         self._last_active = self._now()
 
     def wake(self) -> None:
-        """Due work may exist."""
+        """Due work may exist.
+
+        A wake does not keep the queue: with no gateway registered, its work can go
+        nowhere (and wakes keep coming while it waits: every enqueue sends one), so the
+        queue idles out and the next registration brings it back."""
         self.wakes += 1
-        self._last_active = self._now()
         self._kick()
 
     def register(self, msg: cluster_pb2.Register) -> None:
@@ -194,7 +197,8 @@ class QueueDispatcher:
         return gone
 
     def idle(self) -> bool:
-        """True when the queue may be given up: no cycle, no registrations, no recent work."""
+        """True when the queue may be given up: no cycle, and no registration or leased
+        work for ``idle_timeout`` (due work nobody serves does not count)."""
         return (
             not self.cycling
             and len(self.book) == 0

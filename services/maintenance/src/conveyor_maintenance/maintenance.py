@@ -12,7 +12,11 @@ skipped one only delays work.
   fires (see :meth:`Maintenance.cron_pass`).
 - reaper, every ``reap_tick``: expired leases go back to RETRY (their queues are woken),
   pre-dispatch TTLs are enforced, old terminal rows are purged, and every queue with due
-  work is woken, which repairs any wake that was lost on the way.
+  work that some gateway serves is woken, which repairs any wake that was lost on the
+  way. Which queues are served it learns from the gateways' registrations, as the
+  dispatchers do (:class:`~conveyor_runtime.demand.Demand`): a queue nobody serves needs
+  no wake (its work can go nowhere), and asking the broker about the served queues only
+  keeps a pass's cost to the queues in use, however many others hold work.
 - storage, every ``storage_tick`` (unless ``storage_upkeep`` is off): the broker's
   storage upkeep (for Postgres, an ANALYZE or VACUUM of the task table when a burst has
   left its statistics or indexes behind). Its own role and loop, so a long VACUUM never
@@ -44,6 +48,7 @@ from conveyor_broker.validation import QUEUE_RE
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
+from conveyor_runtime.demand import REGISTER_TICKS_TO_EXPIRE, Demand
 from conveyor_runtime.health import Health
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import MaintenanceSettings
@@ -87,6 +92,8 @@ class ReaperReport:
     archived: int = 0
     purged: int = 0
     woken: frozenset[str] = field(default_factory=frozenset)
+    #: Queues some gateway served, the ones whose due work the pass looked for.
+    served: int = 0
     failed_steps: tuple[str, ...] = ()
 
 
@@ -118,6 +125,10 @@ class Maintenance:
         self._loops: list[asyncio.Task[None]] = []
         self._promote_hint = asyncio.Event()
         self._hint_sub: Subscription | None = None
+        self._register_sub: Subscription | None = None
+        #: The queues some gateway serves, from the registrations every instance hears
+        #: (a standby too: it may lead the reaper next).
+        self.demand = Demand(settings.register_tick * REGISTER_TICKS_TO_EXPIRE)
         self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0}
 
     # -------------------------------------------------------------- lifecycle
@@ -140,6 +151,7 @@ class Maintenance:
         self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
         await self._keeper.start()
         self._hint_sub = await self.bus.subscribe_promote(self._promote_hint.set)
+        self._register_sub = await self.bus.subscribe(cluster_pb2.Register, self._on_register)
         self._loops = [
             asyncio.create_task(
                 self._lead(
@@ -166,16 +178,23 @@ class Maintenance:
 
     async def stop(self) -> None:
         """Stop the loops and give up any role held, so another instance takes over now."""
-        if self._hint_sub is not None:
-            with contextlib.suppress(Exception):
-                await self._hint_sub.unsubscribe()
-            self._hint_sub = None
+        for sub in (self._hint_sub, self._register_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._hint_sub = self._register_sub = None
         await cancel_and_wait(self._loops)
         self._loops = []
         if self._keeper is not None:
             await self._keeper.stop(release=True)
             self._keeper = None
         logger.info("maintenance.stopped instance=%s", self.instance_id)
+
+    def _on_register(self, reg: cluster_pb2.Register) -> None:
+        # Only names that can be asked about (a sealed message carries a valid one anyway).
+        if reg.gateway and QUEUE_RE.fullmatch(reg.queue):
+            now = asyncio.get_running_loop().time()
+            self.demand.heard(reg.queue, reg.gateway, closing=reg.closing, now=now)
 
     def _on_lost(self, role: str) -> None:
         logger.warning("maintenance.leadership_lost role=%s instance=%s", role, self.instance_id)
@@ -337,7 +356,8 @@ class Maintenance:
         return done
 
     async def reaper_pass(self) -> ReaperReport:
-        """Reap expired leases, archive expired tasks, purge old rows, wake due queues.
+        """Reap expired leases, archive expired tasks, purge old rows, wake the served
+        queues that have due work.
 
         Each step runs even when an earlier one failed; failures are logged and named in
         the report.
@@ -346,6 +366,9 @@ class Maintenance:
         failed: list[str] = []
         to_wake: set[str] = set()
         reaped = archived = purged = 0
+        now = asyncio.get_running_loop().time()
+        self.demand.expire(now)
+        served = self.demand.queues(now)
 
         async def step(name: str, call: Callable[[], Awaitable[None]]) -> None:
             try:
@@ -375,15 +398,11 @@ class Maintenance:
             )
 
         async def sweep_pending() -> None:
-            # Which queues have due work, a page of names at a time: the broker finds them
-            # without counting their tasks, so a pass costs the same with a million due.
-            after: str | None = None
-            while True:
-                page = await self._broker.due_queues(after=after, limit=limit)
-                to_wake.update(page)
-                if len(page) < limit:
-                    return
-                after = page[-1]
+            # Which served queues have due work, a page of names at a time: one index
+            # probe per name, so the pass costs the same with a million tasks due, or ten
+            # thousand queues holding work that no worker serves.
+            for start in range(0, len(served), limit):
+                to_wake.update(await self._broker.due_among(served[start : start + limit]))
 
         await step("reap", reap)
         await step("archive_expired", archive_expired)
@@ -395,6 +414,7 @@ class Maintenance:
             archived=archived,
             purged=purged,
             woken=frozenset(to_wake),
+            served=len(served),
             failed_steps=tuple(failed),
         )
         if reaped or archived or purged:

@@ -88,6 +88,7 @@ from conveyor_broker.postgres.queries.lease import (
 from conveyor_broker.postgres.queries.outcomes import ACK, ACK_BATCH, ARCHIVE, FAIL, RELEASE
 from conveyor_broker.postgres.queries.sweeps import (
     ARCHIVE_EXPIRED,
+    DUE_AMONG,
     DUE_QUEUES,
     FREE_ALL_LAPSED_CLAIMS,
     PENDING_COUNT,
@@ -485,6 +486,11 @@ class PostgresBroker(Broker):
     async def _due_queues(self, after: str | None, limit: int) -> list[str]:
         # One index probe or two per queue that has PENDING or RETRY rows.
         rows = await self._fetch(DUE_QUEUES, self._clock.now(), after or "", limit)
+        return [row["queue"] for row in rows]
+
+    async def _due_among(self, queues: list[str]) -> list[str]:
+        # One index probe per name asked about.
+        rows = await self._fetch(DUE_AMONG, self._clock.now(), queues)
         return [row["queue"] for row in rows]
 
     async def _queue_stats(self, queue: str | None) -> list[QueueStats]:

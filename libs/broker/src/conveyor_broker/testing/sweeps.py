@@ -352,6 +352,59 @@ class SweepTests:
         assert await broker.due_queues() == due
         assert sorted(await broker.pending_count()) == due
 
+    async def test_due_among_picks_the_queues_with_due_work(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        now = clock.now()
+        asked = [
+            "q-pending",
+            "q-retry",
+            "q-later",
+            "q-scheduled",
+            "q-expiring",
+            "q-active",
+            "q-done",
+            "q-empty",
+        ]
+        assert await broker.due_among(asked) == []
+        assert await broker.due_among([]) == []
+        await enqueue(broker, "q-pending")
+        retry = await enqueue_and_lease(broker, "q-retry")
+        await broker.fail(retry.id, retry.lease_id or "", "boom", timedelta(0))
+        later = await enqueue_and_lease(broker, "q-later")
+        await broker.fail(later.id, later.lease_id or "", "boom", timedelta(seconds=30))
+        await enqueue(broker, "q-scheduled", process_at=now + timedelta(seconds=5))
+        await enqueue(broker, "q-expiring", expires_at=now + timedelta(seconds=1))
+        await enqueue_and_lease(broker, "q-active")
+        done = await enqueue_and_lease(broker, "q-done")
+        await broker.ack(done.id, done.lease_id or "")
+        # Due work in a queue nobody asked about is left out.
+        await enqueue(broker, "q-other")
+
+        assert await broker.due_among(asked) == ["q-expiring", "q-pending", "q-retry"]
+        # Sorted and each once, whatever order and repetitions the names came in.
+        assert await broker.due_among(["q-retry", "q-pending", "q-retry"]) == [
+            "q-pending",
+            "q-retry",
+        ]
+        clock.advance(timedelta(seconds=1))
+        assert await broker.due_among(asked) == ["q-pending", "q-retry"]
+        clock.advance(timedelta(seconds=30))
+        assert await broker.due_among(asked) == ["q-later", "q-pending", "q-retry"]
+        # The scheduled task is due only once promoted (the scheduler's business).
+        await broker.promote_scheduled(limit=10)
+        assert await broker.due_among(asked) == ["q-later", "q-pending", "q-retry", "q-scheduled"]
+
+    async def test_due_among_rejects_bad_input(self, broker: Broker) -> None:
+        await enqueue(broker)
+        for queues in (["not a queue"], [QUEUE, ""], [QUEUE] * (MAX_BATCH + 1)):
+            with pytest.raises(InvalidTask):
+                await broker.due_among(queues)
+        assert await broker.due_among([QUEUE] * MAX_BATCH) == [QUEUE]
+        await broker.close()
+        with pytest.raises(BrokerClosed):
+            await broker.due_among([QUEUE])
+
     async def test_due_queues_pages_by_name(self, broker: Broker, clock: FakeClock) -> None:
         await enqueue(broker, "page-0", process_at=clock.now() + timedelta(hours=1))
         for n in range(1, 6):

@@ -178,3 +178,17 @@ WHERE l.queue IS NOT NULL AND (
 ORDER BY l.queue
 LIMIT $3
 """
+
+#: Which of the queues $2 (distinct names, sorted) have a due task at now $1, by name. One
+#: probe of conveyor_tasks_due_idx per name: its first due row, if any.
+DUE_AMONG = """
+SELECT q.queue FROM unnest($2::text[]) AS q(queue)
+WHERE (
+    SELECT true FROM conveyor_tasks t
+    WHERE t.queue = q.queue AND t.state IN ('pending', 'retry') AND t.available_at <= $1
+      AND (t.expires_at IS NULL OR t.expires_at > $1)
+    ORDER BY t.available_at, t.id
+    LIMIT 1
+)
+ORDER BY q.queue
+"""
