@@ -449,3 +449,19 @@ async def test_the_fast_copies_equal_dataclasses_replace(broker: EncryptedBroker
     copy = _as_given(task, b"z", {})
     with pytest.raises(AttributeError):
         copy.payload = b"frozen"  # type: ignore[misc]
+
+
+async def test_cron_entries_are_refused_rather_than_stored_in_clear() -> None:
+    """A cron template's payload would be copied into each slot's task by the inner broker
+    unsealed: until templates are sealed per slot, the encrypted broker refuses cron."""
+    from conveyor_broker.errors import NotSupported
+    from conveyor_broker.testing.cron import cron_spec, template
+
+    inner = MemoryBroker(FakeClock())
+    broker = EncryptedBroker(inner, ring())
+    with pytest.raises(NotSupported, match="encryption at rest"):
+        await broker.upsert_cron_entry(cron_spec(task=template(payload=SECRET)))
+    with pytest.raises(NotSupported):
+        await broker.trigger_cron_entry("nightly")
+    assert await broker.list_cron_entries() == []
+    assert await inner.list_cron_entries() == []
