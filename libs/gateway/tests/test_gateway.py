@@ -19,6 +19,7 @@ from conveyor_gateway import AckBatcher, Gateway, GatewayConfig, Outcomes, WakeP
 from conveyor_gateway.attempt_bounds import DEADLINE_EXCEEDED_ERROR
 from conveyor_gateway.credits import REDELIVERED_REASON
 from conveyor_gateway.gateway import LEASE_LOST_REASON
+from conveyor_gateway.outcomes import MAX_RETRY_AFTER
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.wire import task_to_envelope
@@ -205,6 +206,36 @@ async def test_results_free_their_slots_at_once_and_apply_in_the_broker(parts: P
         parts.clock.now() + timedelta(seconds=7),
     )
     assert (await parts.broker.get_task(done.id)).result == b"ok"
+
+
+async def test_a_retry_after_past_ten_years_is_the_servers_backoff(parts: Parts) -> None:
+    # Found by the fuzz suite: a Duration of 10,000 years (the longest protobuf allows) put
+    # the retry past the last date Python represents; the broker raised OverflowError,
+    # which the gateway took for an outage and retried for ever, the task leased all the
+    # while and never retried.
+    gateway, _ = parts.gateway(concurrency=3)
+    tasks = await parts.leased(3)
+    gateway.accept(offer(tasks))
+    longest, past_limit, at_limit = (service_pb2.Result().retry_after for _ in range(3))
+    longest.seconds = 315_576_000_000
+    past_limit.FromTimedelta(MAX_RETRY_AFTER + timedelta(seconds=1))
+    at_limit.FromTimedelta(MAX_RETRY_AFTER)
+
+    gateway.on_results(
+        [
+            result(task, service_pb2.OUTCOME_FAILURE, error="later", retry_after=delay)
+            for task, delay in zip(tasks, (longest, past_limit, at_limit), strict=True)
+        ]
+    )
+
+    async def failed() -> bool:
+        return [await parts.state(t.id) for t in tasks] == [TaskState.RETRY] * 3
+
+    await wait_until(failed)
+    due = [(await parts.broker.get_task(t.id)).available_at for t in tasks]
+    backoff = parts.clock.now() + BACKOFF.delay(0)
+    assert due == [backoff, backoff, parts.clock.now() + MAX_RETRY_AFTER]
+    assert gateway.backlog == 0
 
 
 async def test_a_result_for_a_lease_not_held_changes_nothing(parts: Parts) -> None:

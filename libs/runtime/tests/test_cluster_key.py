@@ -22,6 +22,8 @@ from conveyor_runtime.settings import (
     WebhookSettings,
 )
 from conveyor_testkit.cluster_keys import cluster_auth
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 SUBJECT = "conveyor.gw.g1.dispatch"
@@ -221,3 +223,45 @@ def test_the_mac_is_hmac_sha256(size: int) -> None:
     _, _, sent, deadline, mac = auth.seal(SUBJECT, BODY)[SEAL_HEADER].split(".")
     expected = hmac.digest(key, f"1\n{SUBJECT}\n{sent}\n{deadline}\n".encode() + BODY, "sha256")
     assert mac == expected[:16].hex()
+
+
+def test_a_seal_of_any_text_is_refused_never_raises() -> None:
+    # Found by the fuzz suite: a seal whose MAC held a non-ASCII character (NATS headers
+    # decode as UTF-8) made hmac.compare_digest raise TypeError in every subscriber, and
+    # times of thousands of digits made the refusal's message overflow a float.
+    clock = Clock()
+    auth = ClusterAuth(parse_keys([generate_key()]), now=clock)
+    kid = auth.key_ids[0]
+    huge = "9" * 4000
+    mac = auth.seal(SUBJECT, BODY)[SEAL_HEADER].split(".")[-1]
+    for seal, reason in [
+        (f"1.{kid}.1.0.\x80", "bad-mac"),
+        (f"1.{kid}.1.0.é{'a' * 31}", "bad-mac"),
+        (f"1.{kid}.{huge}.0.{'a' * 32}", "malformed"),
+        (f"1.{kid}.-{huge}.0.{'a' * 32}", "malformed"),
+        (f"1.{kid}.1.{huge}.{'a' * 32}", "malformed"),
+        (f"1.{kid}.١٢٣.0.{mac}", "malformed"),
+        (f"1.{kid}. 1.0.{mac}", "malformed"),
+        (f"1.{kid}.1_0.0.{mac}", "malformed"),
+    ]:
+        assert auth.check(SUBJECT, BODY, {SEAL_HEADER: seal}) == reason, seal
+    unsigned = ClusterAuth([], allow_unsigned=True, now=clock)
+    for sent in (huge, f"-{huge}"):
+        assert unsigned.check(SUBJECT, BODY, {SEAL_HEADER: f"1..{sent}.0."}) == "malformed"
+
+
+@given(
+    seal=st.one_of(
+        st.text(),
+        st.lists(st.text(), min_size=5, max_size=5).map(".".join),
+        st.lists(st.one_of(st.text(), st.integers().map(str)), min_size=4, max_size=4).map(
+            lambda parts: ".".join(["1", *parts])
+        ),
+    ),
+    allow_unsigned=st.booleans(),
+)
+def test_check_answers_any_header(seal: str, allow_unsigned: bool) -> None:
+    auth = ClusterAuth(parse_keys([generate_key()]), allow_unsigned=allow_unsigned)
+    for text in (seal, seal.replace(".", f".{auth.key_ids[0]}.", 1)):
+        reason = auth.check(SUBJECT, BODY, {SEAL_HEADER: text})
+        assert reason is None or isinstance(reason, str)

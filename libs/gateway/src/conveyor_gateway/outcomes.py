@@ -67,6 +67,11 @@ FINAL_OUTCOMES = frozenset(
 )
 
 
+#: The longest ``retry_after`` a Result may ask for; a longer one (or a negative one, or
+#: one that is no valid Duration) gets the server's backoff, as a webhook answer's does.
+MAX_RETRY_AFTER = timedelta(days=3650)
+
+
 #: The message of a STATUS_INVALID ``WebhookCallbackReply`` with which a gateway says that
 #: applying an out-of-band Result or heartbeat failed in the broker (nothing changed): the
 #: api ends the endpoint's call UNAVAILABLE, for it to retry.
@@ -352,7 +357,7 @@ class Outcomes:
                 requested: timedelta | None = wire.from_duration(result.retry_after)
             except (ValueError, OverflowError):
                 requested = None
-            if requested is not None and requested >= timedelta(0):
+            if requested is not None and timedelta(0) <= requested <= MAX_RETRY_AFTER:
                 return requested
         return self.backoff(held)
 

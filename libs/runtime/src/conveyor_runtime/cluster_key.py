@@ -69,6 +69,13 @@ _VERSION = "1"
 _BLOCK = 64
 #: Bytes of the MAC a seal carries: 128 bits leave a forger a 2**-128 chance per try.
 _MAC_BYTES = 16
+#: The most digits of a seal's times (Unix milliseconds have 13 until the year 2286).
+_TIME_DIGITS = 16
+
+
+def _is_time(text: str) -> bool:
+    """True when ``text`` is what a seal's time is: 1 to 16 ASCII digits."""
+    return 0 < len(text) <= _TIME_DIGITS and text.isascii() and text.isdigit()
 
 
 class ClusterKeyError(ValueError):
@@ -253,10 +260,12 @@ class ClusterAuth:
         if len(parts) != 5 or parts[0] != _VERSION:
             return "malformed"
         _, kid, sent_text, deadline_text, mac = parts
-        try:
-            sent, deadline = int(sent_text), int(deadline_text)
-        except ValueError:
+        # Unix milliseconds in ASCII digits, no more than 16 of them: int() also takes
+        # signs, spaces, underscores, other scripts' digits and thousands of digits
+        # (whose difference with now no float holds).
+        if not (_is_time(sent_text) and _is_time(deadline_text)):
             return "malformed"
+        sent, deadline = int(sent_text), int(deadline_text)
         if kid or mac:
             mac_of = self._by_id.get(kid)
             if mac_of is None:
@@ -268,7 +277,9 @@ class ClusterAuth:
                 expected = mac_of.digest(
                     f"{_VERSION}\n{subject}\n{sent_text}\n{deadline_text}\n".encode() + body
                 )
-                if not hmac.compare_digest(mac, expected[:_MAC_BYTES].hex()):
+                # compare_digest raises for a str that is not ASCII (a header decodes as
+                # UTF-8): such a MAC is no hex, so it is wrong.
+                if not mac.isascii() or not hmac.compare_digest(mac, expected[:_MAC_BYTES].hex()):
                     return "bad-mac"
         elif not self._allow_unsigned:
             return "no-mac"

@@ -35,11 +35,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import aiohttp
 from conveyor_broker import LeaseLost, WebhookWorker
+from conveyor_gateway.outcomes import MAX_RETRY_AFTER
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import wire
 from conveyor_runtime.webhook_auth import signed_headers
@@ -73,8 +74,6 @@ __all__ = ["WebhookConfig", "WebhookGateway", "as_result"]
 
 #: Room in a response body beyond the base64 of the largest result.
 RESPONSE_HEADROOM = 64 * 1024
-#: Longest retry_after a synchronous answer may ask for (longer: the server's backoff).
-MAX_RETRY_AFTER = timedelta(days=3650)
 #: How long past a registration's timeout a drain waits for open deliveries' answers.
 DRAIN_GRACE = 1.0
 #: The last error of an attempt whose endpoint answered "accepted" with nowhere to report.
@@ -103,6 +102,7 @@ def as_result(reply: Finished | Broken, task_id: str, lease_id: str) -> service_
         result=reply.result,
         error=reply.error,
     )
+    # Longer than a stream Result may ask for: the server's backoff.
     set_retry_after(result, reply.retry_after, MAX_RETRY_AFTER)
     return result
 
