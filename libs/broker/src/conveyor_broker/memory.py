@@ -39,12 +39,14 @@ from conveyor_broker.types import (
     AckItem,
     BrokerInfo,
     EnqueueResult,
+    HolderReleaseParams,
     LeaseReapParams,
     LeaseRef,
     NewTask,
     QueuePage,
     QueueStats,
     ReapedTask,
+    ReleasedTask,
     StorageUpkeep,
     Task,
     TaskListParams,
@@ -79,6 +81,8 @@ class MemoryBroker(Broker):
         self._table = TaskTable()
         self._paused: dict[str, bool] = {}
         self._webhooks: dict[str, WebhookWorker] = {}
+        # Holder -> its last beat.
+        self._beats: dict[str, datetime] = {}
 
     # ---------------------------------------------------------------- plumbing
 
@@ -123,6 +127,7 @@ class MemoryBroker(Broker):
                 completed_at=now if exhausted else None,
                 lease_id=None,
                 lease_expires_at=None,
+                holder=None,
                 updated_at=now,
             ),
             task,
@@ -170,20 +175,31 @@ class MemoryBroker(Broker):
 
     # -------------------------------------------------------------------- lease
 
-    async def _lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
+    async def _lease(
+        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...]
+    ) -> list[Task]:
         async with self._locked() as now:
-            return self._lease_queue(queue, limit, ttl, now)
+            return self._lease_queue(queue, limit, ttl, now, holders)
 
     async def _lease_many(
-        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+        self,
+        wants: Sequence[tuple[str, int]],
+        ttl: timedelta,
+        holders: Sequence[tuple[str, ...]],
     ) -> list[list[Task]]:
         async with self._locked() as now:
-            return [self._lease_queue(queue, limit, ttl, now) for queue, limit in wants]
+            return [
+                self._lease_queue(queue, limit, ttl, now, queue_holders)
+                for (queue, limit), queue_holders in zip(wants, holders, strict=True)
+            ]
 
-    def _lease_queue(self, queue: str, limit: int, ttl: timedelta, now: datetime) -> list[Task]:
+    def _lease_queue(
+        self, queue: str, limit: int, ttl: timedelta, now: datetime, holders: tuple[str, ...]
+    ) -> list[Task]:
         due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
         leased: list[Task] = []
-        for task in heapq.nsmallest(limit, due, key=lambda t: (t.available_at, t.id)):
+        ordered = heapq.nsmallest(limit, due, key=lambda t: (t.available_at, t.id))
+        for n, task in enumerate(ordered):
             leased.append(
                 self._table.put(
                     replace(
@@ -194,6 +210,7 @@ class MemoryBroker(Broker):
                         started_at=now,
                         progress=None,
                         updated_at=now,
+                        holder=holders[n] or None if n < len(holders) else None,
                     ),
                     task,
                 )
@@ -238,6 +255,7 @@ class MemoryBroker(Broker):
                 completed_at=now,
                 lease_id=None,
                 lease_expires_at=None,
+                holder=None,
                 updated_at=now,
             ),
             task,
@@ -273,6 +291,7 @@ class MemoryBroker(Broker):
                     available_at=now,
                     lease_id=None,
                     lease_expires_at=None,
+                    holder=None,
                     updated_at=now,
                 ),
                 task,
@@ -291,6 +310,7 @@ class MemoryBroker(Broker):
                 completed_at=now,
                 lease_id=None,
                 lease_expires_at=None,
+                holder=None,
                 updated_at=now,
             ),
             task,
@@ -308,6 +328,44 @@ class MemoryBroker(Broker):
                 )
                 reaped.append(ReapedTask(task_id=done.id, queue=done.queue, state=done.state))
             return reaped
+
+    async def _beat_holder(self, holder: str) -> None:
+        async with self._locked() as now:
+            self._beats[holder] = now
+
+    async def _release_dead_holders(self, params: HolderReleaseParams) -> list[ReleasedTask]:
+        async with self._locked() as now:
+            cutoff = now - params.silence
+            dead = {
+                holder
+                for holder, beat in self._beats.items()
+                if beat <= cutoff and holder not in params.alive
+            }
+            if not dead:
+                return []
+            orphans = [
+                task
+                for task_id in self._table.ids(TaskState.ACTIVE)
+                if (task := self._table[task_id]).holder in dead
+            ]
+            for holder in dead - {task.holder for task in orphans}:
+                del self._beats[holder]  # dead and holding nothing: forgotten
+            released: list[ReleasedTask] = []
+            for task in heapq.nsmallest(params.limit, orphans, key=_lease_order):
+                self._table.put(
+                    replace(
+                        task,
+                        state=TaskState.PENDING,
+                        available_at=now,
+                        lease_id=None,
+                        lease_expires_at=None,
+                        holder=None,
+                        updated_at=now,
+                    ),
+                    task,
+                )
+                released.append(ReleasedTask(task.id, task.queue, task.holder or ""))
+            return released
 
     async def _promote_scheduled(self, limit: int) -> dict[str, int]:
         async with self._locked() as now:
@@ -579,6 +637,12 @@ class MemoryBroker(Broker):
 def _is_due(task: Task, now: datetime) -> bool:
     """What ``lease`` may pick, given the task is PENDING or RETRY."""
     return task.available_at <= now and (task.expires_at is None or task.expires_at > now)
+
+
+def _lease_order(task: Task) -> tuple[datetime, str]:
+    """Where an ACTIVE task comes in a sweep by lease expiry."""
+    assert task.lease_expires_at is not None
+    return task.lease_expires_at, task.id
 
 
 def _lease_expiry(task: Task) -> datetime | None:
