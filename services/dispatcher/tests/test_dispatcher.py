@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -52,8 +53,11 @@ class FakeGateway:
         weight: int = 1,
         accept: int | None = None,
         finish_at_once: bool = False,
+        holder: str = "",
     ) -> None:
         self.id = f"gw-{uuid.uuid4().hex[:8]}"
+        #: The process that holds this gateway's leases (its api process; "": none).
+        self.holder = holder
         self.nc = nc
         self.subjects = subjects
         self.bus = Bus(nc, subjects, cluster_auth())
@@ -100,6 +104,7 @@ class FakeGateway:
             in_flight=self.in_flight,
             closing=closing,
             returned=self.returned,
+            holder=self.holder,
         )
         await self.bus.publish(msg)
         await self.nc.flush()
@@ -362,6 +367,67 @@ async def test_tasks_are_split_between_gateways_by_weight(
     # Each gateway got its share in one request.
     assert (len(heavy.requests), len(light.requests)) == (1, 1)
     assert not set(heavy.accepted_ids) & set(light.accepted_ids)
+
+
+async def test_each_task_is_leased_in_the_name_of_its_gateways_holder(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """The slots are picked before the lease, so each task names the process that holds
+    it: if that api process dies, the reaper releases exactly its tasks."""
+    d = await dispatchers()
+    gateways = [
+        FakeGateway(nc, subjects, queue=queue_name, capacity=10, holder="api~A"),
+        FakeGateway(nc, subjects, queue=queue_name, capacity=10, holder="api~A"),
+        FakeGateway(nc, subjects, queue=queue_name, capacity=10, holder="api~B"),
+        FakeGateway(nc, subjects, queue=queue_name, capacity=10),
+    ]
+    for gw in gateways:
+        await gw.start()
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and len(qd.book) == 4)
+
+    await enqueue(broker, queue_name, 14)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: sum(len(gw.received) for gw in gateways) == 14)
+    for gw in gateways:
+        assert gw.received, "fewer tasks than slots still go to every gateway by weight"
+        for env in gw.received:
+            assert (await broker.get_task(env.id)).holder == (gw.holder or None)
+
+
+async def test_slots_taken_for_a_lease_that_finds_less_are_given_back(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """Wakes with nothing (then less than the slots) due must not spend the gateway's
+    credits: it registers once, and every later task still reaches it."""
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=4, accept=1)
+    await gw.start()
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    qd = d.queue(queue_name)
+    assert qd is not None
+    base = qd.wakes
+    for n in range(1, 4):
+        await wake(nc, subjects, queue_name)
+        await wait_until(partial(lambda seen: qd.wakes >= seen and not qd.cycling, base + n))
+    assert qd.book.total == 4
+    await enqueue(broker, queue_name, 1)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 1)
+    # It accepts one per request and answers "no credits": the rest waits for its Done.
+    await wait_until(lambda: qd.dispatched == 1 and not qd.cycling)
+    assert qd.book.total == 0
+    await gw.done(1)
+    await enqueue(broker, queue_name, 1)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 2)
 
 
 async def test_pause_stops_dispatch_and_resume_restarts_it(
