@@ -535,7 +535,7 @@ async def test_the_services_do_their_work_under_their_permissions(
     bucket work under the permissions; a user cannot open the other bucket."""
     from conveyor_protos.v1 import cluster_pb2
     from conveyor_runtime.bus import Bus
-    from conveyor_runtime.ownership import KeyLease, open_lease_bucket
+    from conveyor_runtime.ownership import KeyLease, LeaseKeeper, held_by, open_lease_bucket
     from conveyor_runtime.subjects import Subjects
     from conveyor_testkit.cluster_keys import cluster_auth
 
@@ -575,6 +575,17 @@ async def test_the_services_do_their_work_under_their_permissions(
                 assert await lease.refresh(), name
                 await lease.release()
                 assert (await lease.holder()) is None, name
+            # A dispatcher reads the owners bucket whole to take over a dead one's queues.
+            kv = await open_lease_bucket(conns["dispatcher"], subjects.owners_bucket, 2.0)
+            dead = KeyLease(kv, "mail", "dead-dispatcher")
+            assert await dead.claim()
+            found = await held_by(kv, "dead-dispatcher")
+            assert found == {"mail": dead.revision}
+            assert await LeaseKeeper(kv, "me", 2.0, lambda key: None).take_over(
+                "mail", found["mail"]
+            )
+            await conns["dispatcher"].flush()
+            assert errors["dispatcher"].seen == []
             with pytest.raises(Exception):  # noqa: B017,PT011 - a permission error, or a timeout
                 await open_lease_bucket(conns["maintenance"], subjects.owners_bucket, 2.0)
             with pytest.raises(Exception):  # noqa: B017,PT011

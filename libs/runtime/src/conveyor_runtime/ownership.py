@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -104,6 +105,26 @@ class KeyLease:
                 return False
             return True
         return False
+
+    async def take_over(self, revision: int) -> bool:
+        """Take the key from a holder known to be gone (it stopped beating) instead of
+        waiting for the key to expire: a compare-and-set write on ``revision``, the one
+        that holder wrote last. False when the key changed since (refreshed after all,
+        given up, expired, or taken over by someone else first).
+
+        Raises a transport error (see TRANSPORT_ERRORS) when NATS does not answer.
+        """
+        try:
+            self._revision = await self.kv.update(self.key, self.owner.encode(), last=revision)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
+            self._revision = None
+            return False
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != _WRONG_LAST_SEQUENCE:
+                raise
+            self._revision = None
+            return False
+        return True
 
     async def refresh(self) -> bool:
         """Rewrite the key on the revision we hold, which restarts its TTL.
@@ -217,6 +238,27 @@ class LeaseKeeper:
                 self._confirmed[key] = started
             return claimed
 
+    async def take_over(self, key: str, revision: int) -> bool:
+        """Take ``key`` from a holder known to be gone, whose last write was ``revision``
+        (see :meth:`KeyLease.take_over`); True when it is (now or already) ours.
+
+        False when the key changed since or NATS does not answer (logged).
+        """
+        async with self._lock:
+            if key in self._leases:
+                return True
+            lease = KeyLease(self.kv, key, self.owner)
+            started = time.monotonic()
+            try:
+                taken = await lease.take_over(revision)
+            except TRANSPORT_ERRORS as exc:
+                logger.warning("ownership.take_over_failed key=%s error=%r", key, exc)
+                return False
+            if taken:
+                self._leases[key] = lease
+                self._confirmed[key] = started
+            return taken
+
     async def release(self, key: str) -> None:
         """Give ``key`` up (no loss is reported for it)."""
         # Forget it before waiting for the lock, so that a claim made meanwhile creates the
@@ -280,3 +322,20 @@ class LeaseKeeper:
                 await self.refresh_now()
             except Exception:
                 logger.exception("ownership.refresh_pass_failed")
+
+
+async def held_by(kv: KeyValue, owner: str, *, gap: float = 5.0) -> dict[str, int]:
+    """The keys of ``kv`` that ``owner`` holds now, with the revision of each: one pass
+    over the bucket's current entries (a watch of their last values, stopped at the end).
+    For taking over from an owner that is gone. Raises a transport error (TimeoutError
+    when no entry comes for ``gap`` seconds) when NATS does not answer."""
+    # nats-py's watcher is untyped. Its consumer goes away soon after the pass.
+    watcher: Any = await kv.watchall(ignore_deletes=True, inactive_threshold=10.0)
+    held: dict[str, int] = {}
+    try:
+        while (entry := await watcher.updates(timeout=gap)) is not None:
+            if entry.value is not None and entry.value.decode(errors="replace") == owner:
+                held[entry.key] = entry.revision
+    finally:
+        await watcher.stop()
+    return held

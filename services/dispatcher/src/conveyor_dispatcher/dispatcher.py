@@ -11,6 +11,13 @@ that queue's dispatch at once; a queue with no work and no registrations for
 On start, an instance also tries to claim every queue that has due work: wakes and
 registrations sent before it subscribed never reached it, and nothing else would bring
 those queues to it before the reaper's next due-queue sweep.
+
+Hand-over. An instance that stops gives its keys up and announces ``owner_changed`` for
+each of its queues: the others claim them at once. One that dies cannot, so the
+instances beat on NATS (:class:`~conveyor_dispatcher.peers.PeerWatch`): when a peer falls
+silent for ``peer_silence``, every survivor lists the keys it held and takes each over
+with a compare-and-set on the revision it wrote last (one survivor wins each), instead of
+waiting up to ``owner_ttl`` for the keys to expire.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from conveyor_broker.validation import check_queue
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
-from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
+from conveyor_runtime.ownership import LeaseKeeper, held_by, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tasks import cancel_and_wait
@@ -35,12 +42,15 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
 from conveyor_dispatcher.leases import LeaseBatcher
+from conveyor_dispatcher.peers import PeerWatch
 from conveyor_dispatcher.queue import QueueConfig, QueueDispatcher
 
 logger = logging.getLogger(__name__)
 
 #: A registration not refreshed for this many register ticks is forgotten.
 REGISTER_TICKS_TO_EXPIRE = 3
+#: Most claims in flight at once while taking over the queues of a dead peer.
+TAKE_OVER_CONCURRENCY = 32
 
 
 class Dispatcher:
@@ -88,12 +98,15 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
         self._keeper: LeaseKeeper | None = None
+        self.peers: PeerWatch | None = None
         self._housekeeper: asyncio.Task[None] | None = None
         self._running = False
         #: Claims that found the queue owned elsewhere (or NATS not answering).
         self.claims_refused = 0
         #: Queues given up because their lease cycle was stuck.
         self.abandoned = 0
+        #: Queues taken over from dead peers.
+        self.taken_over = 0
 
     # -------------------------------------------------------------- lifecycle
 
@@ -123,6 +136,14 @@ class Dispatcher:
             await bus.subscribe_owner_changed(self._on_owner),
         ]
         await self._nc.flush()
+        self.peers = PeerWatch(
+            self.bus,
+            self.instance_id,
+            beat=self.settings.peer_beat,
+            silence=self.settings.peer_silence,
+            on_dead=self._on_peer_dead,
+        )
+        await self.peers.start()
         self._housekeeper = asyncio.create_task(self._housekeep(), name="dispatcher-housekeeping")
         self._spawn(self._want_due_queues())
         logger.info("dispatcher.started instance=%s", self.instance_id)
@@ -172,6 +193,13 @@ class Dispatcher:
         with contextlib.suppress(Exception):
             for name, _ in queues:
                 await self.bus.publish_owner_changed(name)
+            await self._nc.flush()
+        if self.peers is not None:
+            # Last: beating until the keys are given up, then a goodbye, so that no peer
+            # takes this one for dead (and looks for keys it no longer holds).
+            await self.peers.stop()
+            self.peers = None
+        with contextlib.suppress(Exception):
             await self._nc.flush()
         logger.info("dispatcher.stopped instance=%s released=%d", self.instance_id, len(queues))
 
@@ -261,17 +289,25 @@ class Dispatcher:
         self._claiming[queue] = [reg] if reg is not None else []
         self._spawn(self._claim(queue))
 
-    async def _claim(self, queue: str) -> None:
+    async def _claim(self, queue: str, revision: int | None = None) -> None:
         try:
-            await self._try_claim(queue)
+            await self._try_claim(queue, revision)
         except Exception:
             logger.exception("dispatcher.claim_failed queue=%s", queue)
         finally:
             self._claiming.pop(queue, None)
 
-    async def _try_claim(self, queue: str) -> None:
+    async def _try_claim(self, queue: str, revision: int | None = None) -> None:
+        """Claim ``queue`` (with ``revision``: take it over from a dead owner whose last
+        write that was), then open it and announce it."""
         keeper = self._keeper
-        if keeper is None or not await keeper.claim(queue):
+        if keeper is None:
+            return
+        if revision is None:
+            claimed = await keeper.claim(queue)
+        else:
+            claimed = await keeper.take_over(queue, revision)
+        if not claimed:
             self._refused_until[queue] = self._now() + self._claim_retry
             self.claims_refused += 1
             return
@@ -292,14 +328,53 @@ class Dispatcher:
         self._refused_until.pop(queue, None)
         for reg in self._claiming.pop(queue, []):
             qd.register(reg)
+        if revision is not None:
+            self.taken_over += 1
         logger.info(
-            "dispatcher.queue_claimed queue=%s instance=%s paused=%s",
+            "dispatcher.queue_claimed queue=%s instance=%s paused=%s taken_over=%s",
             queue,
             self.instance_id,
             qd.paused,
+            revision is not None,
         )
         await self.bus.publish_owner_changed(queue)
         qd.wake()
+
+    def _on_peer_dead(self, peer: str) -> None:
+        if self._running:
+            self._spawn(self._take_over_from(peer))
+
+    async def _take_over_from(self, peer: str) -> None:
+        """Take over every queue the dead ``peer`` held (each key with a compare-and-set
+        on its last revision: of several survivors, one gets each)."""
+        keeper = self._keeper
+        if keeper is None:
+            return
+        try:
+            held = await held_by(keeper.kv, peer)
+        except Exception as exc:
+            # Its keys expire within owner_ttl, and wakes and registrations bring the
+            # queues here then, as without peer beats.
+            logger.warning("dispatcher.take_over_scan_failed peer=%s error=%r", peer, exc)
+            return
+        logger.warning(
+            "dispatcher.taking_over peer=%s queues=%d instance=%s",
+            peer,
+            len(held),
+            self.instance_id,
+        )
+        room = asyncio.Semaphore(TAKE_OVER_CONCURRENCY)
+
+        async def one(queue: str, revision: int) -> None:
+            async with room:
+                # A refusal a moment ago was the dead peer's key: try again now.
+                self._refused_until.pop(queue, None)
+                if not self._valid(queue) or not self._may_claim(queue):
+                    return
+                self._claiming[queue] = []
+                await self._claim(queue, revision)
+
+        await asyncio.gather(*(one(queue, revision) for queue, revision in held.items()))
 
     def _on_lost(self, queue: str) -> None:
         qd = self._queues.pop(queue, None)
