@@ -440,6 +440,8 @@ PROBES = {
     "promote": "conveyor.promote",
     "watch": "conveyor.watch",
     "roll call": "conveyor.rollcall",
+    "holder beat": "conveyor.holder.beat",
+    "dispatcher beat": "conveyor.dispatcher.beat",
     "callback": "conveyor.webhook.hooks.callback",
     "events": "conveyor.events.mail.completed",
     "resolve": "conveyor.resolve",
@@ -460,10 +462,11 @@ MAY_PUBLISH = {
         "cancel",
         "promote",
         "watch",
+        "holder beat",
         "callback",
         "events",
     },
-    "dispatcher": {"dispatch", "owner", "roll call", "events", "owners kv"},
+    "dispatcher": {"dispatch", "owner", "roll call", "dispatcher beat", "events", "owners kv"},
     "maintenance": {"wake", "events", "leaders kv"},
     "webhook": {"wake", "register", "done", "events", "leaders kv"},
 }
@@ -478,8 +481,17 @@ MAY_SUBSCRIBE = {
         "events",
         "inbox",
     },
-    "dispatcher": {"wake", "register", "done", "control", "owner", "watch", "inbox"},
-    "maintenance": {"register", "promote", "watch", "inbox"},
+    "dispatcher": {
+        "wake",
+        "register",
+        "done",
+        "control",
+        "owner",
+        "watch",
+        "dispatcher beat",
+        "inbox",
+    },
+    "maintenance": {"register", "promote", "watch", "holder beat", "inbox"},
     "webhook": {
         "dispatch",
         "every dispatch",
@@ -584,7 +596,7 @@ async def test_the_services_do_their_work_under_their_permissions(
     bucket work under the permissions; a user cannot open the other bucket."""
     from conveyor_protos.v1 import cluster_pb2
     from conveyor_runtime.bus import Bus
-    from conveyor_runtime.ownership import KeyLease, open_lease_bucket
+    from conveyor_runtime.ownership import KeyLease, LeaseKeeper, held_by, open_lease_bucket
     from conveyor_runtime.subjects import Subjects
     from conveyor_testkit.cluster_keys import cluster_auth
 
@@ -624,6 +636,17 @@ async def test_the_services_do_their_work_under_their_permissions(
                 assert await lease.refresh(), name
                 await lease.release()
                 assert (await lease.holder()) is None, name
+            # A dispatcher reads the owners bucket whole to take over a dead one's queues.
+            kv = await open_lease_bucket(conns["dispatcher"], subjects.owners_bucket, 2.0)
+            dead = KeyLease(kv, "mail", "dead-dispatcher")
+            assert await dead.claim()
+            found = await held_by(kv, "dead-dispatcher")
+            assert found == {"mail": dead.revision}
+            assert await LeaseKeeper(kv, "me", 2.0, lambda key: None).take_over(
+                "mail", found["mail"]
+            )
+            await conns["dispatcher"].flush()
+            assert errors["dispatcher"].seen == []
             # The other bucket: not even a claim gets through (opening it does not fail:
             # a service starts while NATS cannot make its bucket yet).
             for name, bucket in (

@@ -62,10 +62,13 @@ class CountingMemoryBroker(MemoryBroker):
         return await super()._enqueue_batch(tasks)
 
     async def _lease_many(
-        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+        self,
+        wants: Sequence[tuple[str, int]],
+        ttl: timedelta,
+        holders: Sequence[tuple[str, ...]],
     ) -> list[list[Task]]:
         self.calls.append("lease_many")
-        return await super()._lease_many(wants, ttl)
+        return await super()._lease_many(wants, ttl, holders)
 
     async def _ack_batch(self, items: Sequence[AckItem]) -> list[bool]:
         self.calls.append("ack_batch")

@@ -36,10 +36,12 @@ from conveyor_broker.types import (
     EnqueueResult,
     GroupConfig,
     GroupStats,
+    HolderReleaseParams,
     LeaseReapParams,
     NewTask,
     QueueStats,
     ReapedTask,
+    ReleasedTask,
     Task,
     TaskEvent,
     TaskListParams,
@@ -61,6 +63,8 @@ QUEUES = ("alpha", "beta")
 SLOTS = 10
 #: Fixed, ordered task ids, so both brokers see the same ids and the same id order.
 IDS = [str(ULID.from_int((1 << 80) * 1_000_000 + n)) for n in range(SLOTS)]
+#: The holders leases name (see Broker.release_dead_holders).
+HOLDERS = ("h1", "h2")
 #: A well-formed lease id that no broker ever hands out.
 STALE_LEASE = str(ULID.from_int(7))
 
@@ -74,8 +78,10 @@ class Side:
     leases: dict[str, str]
     events: list[TaskEvent]
 
-    async def lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
-        leased = await self.broker.lease(queue, limit, ttl)
+    async def lease(
+        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...] = ()
+    ) -> list[Task]:
+        leased = await self.broker.lease(queue, limit, ttl, holders=holders)
         self.leases.update((t.id, t.lease_id or "") for t in leased)
         return leased
 
@@ -222,7 +228,9 @@ class Op:
                     # Aim at a queue with due work, when there is one (both sides agree
                     # on which while their states agree).
                     queue = min(await b.pending_count(), default=queue)
-                return await side.lease(queue, a[1], timedelta(seconds=a[2]))
+                # One holder for all (which of several holders a task gets is not part
+                # of the contract): nobody, or a name.
+                return await side.lease(queue, a[1], timedelta(seconds=a[2]), (a[4],) * a[1])
             case "extend":
                 return await b.extend_lease(*await side.target(*a), timedelta(seconds=5))
             case "ack":
@@ -239,6 +247,14 @@ class Op:
             case "reap":
                 return await b.reap_expired_leases(
                     LeaseReapParams(limit=a[0], retry_delay=timedelta(seconds=a[1]))
+                )
+            case "beat":
+                return await b.beat_holder(a[0])
+            case "release_dead":
+                return await b.release_dead_holders(
+                    HolderReleaseParams(
+                        silence=timedelta(seconds=a[0]), alive=frozenset(a[1]), limit=a[2]
+                    )
                 )
             case "promote":
                 return await b.promote_scheduled(a[0])
@@ -348,7 +364,16 @@ cron_names = st.sampled_from(CRONS)
 
 _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "enqueue": st.tuples(st.lists(specs, min_size=1, max_size=3).map(tuple)),
-    "lease": st.tuples(queues, limits, st.integers(5, 60), st.sampled_from([True] * 3 + [False])),
+    "lease": st.tuples(
+        queues,
+        limits,
+        st.integers(5, 60),
+        st.sampled_from([True] * 3 + [False]),
+        # Who holds the leases ("": nobody).
+        st.sampled_from(["", "", *HOLDERS]),
+    ),
+    "beat": st.tuples(st.sampled_from(HOLDERS)),
+    "release_dead": st.tuples(st.integers(1, 20), st.sampled_from([(), (), ("h2",)]), limits),
     "extend": targets,
     "ack": targets,
     "fail": st.tuples(targets, st.integers(0, 10), st.sampled_from([False] * 3 + [True])).map(
@@ -398,6 +423,7 @@ _KINDS = [
     *["enqueue", "lease"] * 6,
     *["fail"] * 4,
     *["ack", "advance"] * 3,
+    *["beat", "release_dead"] * 2,
     "release",
     "webhook_upsert",
     "cron_upsert",
@@ -435,7 +461,7 @@ def _normal(value: Any) -> Any:
         return (value.applied, _normal(value.entry), _normal(value.task))
     if isinstance(value, GroupConfig | GroupStats | DueGroup):
         return value
-    if isinstance(value, ReapedTask | datetime | dict | int | bool) or value is None:
+    if isinstance(value, ReapedTask | ReleasedTask | datetime | dict | int | bool) or value is None:
         return value
     raise AssertionError(f"no normal form for {value!r}")
 

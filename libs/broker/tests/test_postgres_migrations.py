@@ -203,6 +203,7 @@ async def test_migration_003_backfills_purge_at_of_completed_tasks(pg_dsn: str) 
             "01J0000000000000000000ARC1": None,
             "01J0000000000000000000PEN1": None,
         }
+        await migrate(dsn)  # the rest, which today's broker needs
         broker = await PostgresBroker.connect(dsn, clock)
         try:
 

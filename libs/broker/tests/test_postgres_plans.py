@@ -60,7 +60,8 @@ async def test_lease_uses_the_due_index_on_a_never_analyzed_table(pg_dsn: str) -
             )
             assert analyzed is None
             await conn.execute(
-                "PREPARE lease_plan(text, timestamptz, integer, text[], timestamptz) AS " + LEASE
+                "PREPARE lease_plan(text, timestamptz, integer, text[], timestamptz, text[]) AS "
+                + LEASE
             )
             now = clock.now()
             plans = {}
@@ -68,7 +69,8 @@ async def test_lease_uses_the_due_index_on_a_never_analyzed_table(pg_dsn: str) -
                 await conn.execute(f"SET plan_cache_mode = {mode}")
                 raw = await conn.fetchval(
                     "EXPLAIN (FORMAT JSON) EXECUTE lease_plan("
-                    f"'hot', '{now.isoformat()}', 100, ARRAY['x'], '{(now + TTL).isoformat()}')"
+                    f"'hot', '{now.isoformat()}', 100, ARRAY['x'], '{(now + TTL).isoformat()}', "
+                    "ARRAY['api-1'])"
                 )
                 plans[mode] = _plan_nodes(json.loads(raw)[0]["Plan"])
         finally:
@@ -89,8 +91,8 @@ async def test_lease_many_probes_the_due_index_per_queue_on_a_never_analyzed_tab
                 for _ in range(10):
                     await broker.enqueue_batch([NewTask(queue, "t") for _ in range(1000)])
             await conn.execute(
-                "PREPARE lease_many_plan(text[], integer[], timestamptz, text[], timestamptz)"
-                " AS " + LEASE_MANY
+                "PREPARE lease_many_plan(text[], integer[], timestamptz, text[], timestamptz,"
+                " integer[], text[]) AS " + LEASE_MANY
             )
             now = clock.now()
             plans = {}
@@ -99,7 +101,7 @@ async def test_lease_many_probes_the_due_index_per_queue_on_a_never_analyzed_tab
                 raw = await conn.fetchval(
                     "EXPLAIN (FORMAT JSON) EXECUTE lease_many_plan("
                     f"ARRAY['hot', 'cold'], ARRAY[50, 50], '{now.isoformat()}', ARRAY['x'], "
-                    f"'{(now + TTL).isoformat()}')"
+                    f"'{(now + TTL).isoformat()}', ARRAY[0, 50], ARRAY['api-1'])"
                 )
                 plans[mode] = _plan_nodes(json.loads(raw)[0]["Plan"])
         finally:

@@ -448,3 +448,34 @@ async def test_a_failure_whose_retry_misses_the_deadline_is_archived(parts: Part
     stored = await parts.broker.get_task(task.id)
     assert stored.state == TaskState.ARCHIVED
     assert stored.last_error == f"{DEADLINE_EXCEEDED_ERROR} (not retried): nope"
+
+
+# ------------------------------------------------------------- holder
+
+
+async def test_registrations_name_the_holder_of_the_gateways_leases(parts: Parts) -> None:
+    heard: list[cluster_pb2.Register] = []
+    await parts.bus.subscribe(cluster_pb2.Register, heard.append)
+    await parts.bus.nc.flush()
+    config = GatewayConfig(
+        lease_ttl=TTL, register_tick=60.0, max_result=100, clock=parts.clock, holder="api~7"
+    )
+    gateway = Gateway(
+        "gw-holder",
+        WorkerSpec(queues={"q": 1, "r": 1}, concurrency=2),
+        broker=parts.broker,
+        bus=parts.bus,
+        config=config,
+        acks=parts.acks,
+        wakes=parts.wakes,
+        transport=Recording(),
+        connected_at=parts.clock.now(),
+    )
+    parts.made.append(gateway)
+    await gateway.start()
+    await wait_until(lambda: len(heard) >= 2, within=5)
+    await gateway.close()
+    await wait_until(lambda: any(r.closing for r in heard), within=5)
+    assert {(r.queue, r.holder) for r in heard} == {("q", "api~7"), ("r", "api~7")}
+    # Without one configured, none is named.
+    assert GatewayConfig(lease_ttl=TTL, register_tick=1.0, max_result=1).holder == ""

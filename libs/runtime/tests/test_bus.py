@@ -91,6 +91,8 @@ async def test_each_message_type_goes_on_its_subject_with_its_bytes(
         (cluster_pb2.Control(queue="d", reason="paused"), f"{p}.q.d.control"),
         (cluster_pb2.CancelBroadcast(task_id="t1", reason="operator"), f"{p}.cancel"),
         (cluster_pb2.Resolve(task_id="t2", queue="e"), f"{p}.resolve"),
+        (cluster_pb2.HolderBeat(holder="api-1"), f"{p}.holder.beat"),
+        (cluster_pb2.DispatcherBeat(instance="d-1", leaving=True), f"{p}.dispatcher.beat"),
     ]
     for message, _ in sent:
         await bus.publish(message)
@@ -152,6 +154,8 @@ async def test_every_type_round_trips_to_its_handler(bus: Bus, nc: NatsClient) -
     await bus.subscribe(cluster_pb2.Control, got.append)
     await bus.subscribe(cluster_pb2.CancelBroadcast, got.append)
     await bus.subscribe(cluster_pb2.Resolve, got.append)
+    await bus.subscribe(cluster_pb2.HolderBeat, got.append)
+    await bus.subscribe(cluster_pb2.DispatcherBeat, got.append)
     await nc.flush()
     sent: list[Published] = [
         cluster_pb2.Wake(queue="a"),
@@ -160,6 +164,8 @@ async def test_every_type_round_trips_to_its_handler(bus: Bus, nc: NatsClient) -
         cluster_pb2.Control(queue="d", reason="resumed"),
         cluster_pb2.CancelBroadcast(task_id="t1", reason="operator"),
         cluster_pb2.Resolve(task_id="t2", queue="e"),
+        cluster_pb2.HolderBeat(holder="api-1"),
+        cluster_pb2.DispatcherBeat(instance="d-1"),
     ]
     for message in sent:
         await bus.publish(message)

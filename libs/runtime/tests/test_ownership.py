@@ -17,6 +17,7 @@ from conveyor_runtime.ownership import (
     BucketError,
     KeyLease,
     LeaseKeeper,
+    held_by,
     open_lease_bucket,
 )
 from conveyor_runtime.subjects import Subjects
@@ -93,6 +94,43 @@ async def test_an_unrefreshed_key_expires_and_can_be_claimed_by_another(
     assert await taker.holder() == "live-node"
     # The old owner finds out on its next refresh.
     assert not await dead.refresh()
+
+
+async def test_the_keys_of_a_gone_owner_are_found_and_taken_over_once(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=30)
+    assert await held_by(kv, "gone") == {}
+    gone = {key: KeyLease(kv, key, "gone") for key in ("q1", "q2", "q3")}
+    for lease in gone.values():
+        assert await lease.claim()
+    assert await KeyLease(kv, "q4", "alive").claim()
+    released = KeyLease(kv, "q5", "gone")
+    assert await released.claim()
+    await released.release()
+    assert await gone["q3"].refresh()  # its latest revision is the one found
+
+    held = await held_by(kv, "gone")
+    assert held == {key: lease.revision for key, lease in gone.items()}
+    first = LeaseKeeper(kv, "taker-1", ttl=30, on_lost=lambda key: None)
+    second = LeaseKeeper(kv, "taker-2", ttl=30, on_lost=lambda key: None)
+    # Two survivors race for each key: exactly one gets it.
+    assert await first.take_over("q1", held["q1"])
+    assert not await second.take_over("q1", held["q1"])
+    assert await first.take_over("q1", held["q1"])  # already ours
+    assert await second.take_over("q2", held["q2"])
+    assert first.held == {"q1"}
+    assert second.held == {"q2"}
+    assert await KeyLease(kv, "q1", "x").holder() == "taker-1"
+    # The old owner finds out on its next refresh; one that refreshed in time keeps it.
+    assert not await gone["q1"].refresh()
+    assert await gone["q3"].refresh()
+    assert not await first.take_over("q3", held["q3"])
+    # A key that expired or was given up meanwhile is not taken over.
+    assert not await first.take_over("q5", (await kv.get("q4")).revision or 0)
+    assert await held_by(kv, "gone") == {"q3": gone["q3"].revision}
+    await first.refresh_now()
+    assert first.held == {"q1"}
 
 
 async def test_keeper_refreshes_so_the_key_outlives_its_ttl(

@@ -3,12 +3,14 @@ offer is cut into DispatchRequests that fit in a NATS message."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 from conveyor_broker import FakeClock, NewTask, Task
 from conveyor_broker.memory import MemoryBroker
+from conveyor_broker.memory_table import new_row
 from conveyor_dispatcher.credits import CreditBook
-from conveyor_dispatcher.queue import fit_offer, split_offer
+from conveyor_dispatcher.queue import assign, fit_offer, split_offer
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.wire import task_to_envelope
 
@@ -202,3 +204,60 @@ async def test_split_offer_keeps_order_and_every_piece_under_the_target() -> Non
 def test_split_offer_of_nothing_is_nothing() -> None:
     assert split_offer([], 1 << 20) == []
     assert fit_offer([], 1 << 20) == ([], [])
+
+
+# ------------------------------------------------------------ holders
+
+
+def test_take_slots_picks_slot_by_slot_and_refund_gives_back() -> None:
+    book = CreditBook()
+    book.register("heavy", capacity=10, weight=3, in_flight=0, now=0.0, holder="api~1")
+    book.register("light", capacity=10, weight=1, in_flight=0, now=0.0, holder="api~2")
+    slots = book.take_slots(8)
+    # Smooth: any first slots are split by weight too.
+    assert slots[:4].count("heavy") == 3
+    assert slots.count("heavy") == 6
+    assert book.total == 12
+    assert (book.holder_of("heavy"), book.holder_of("light"), book.holder_of("gone")) == (
+        "api~1",
+        "api~2",
+        "",
+    )
+    book.refund(["heavy", "heavy", "light", "gone"])
+    assert (book.credits_of("heavy"), book.credits_of("light")) == (6, 9)
+    book.refund(["light"] * 5)  # never past capacity
+    assert book.credits_of("light") == 10
+
+
+def _leased(holders: list[str | None]) -> list[tuple[Task, task_pb2.TaskEnvelope]]:
+    """Leased tasks held by ``holders`` (None: nobody), as an offer."""
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+    tasks = [
+        replace(new_row(f"t{i}", NewTask("q", "t"), now, blocked=False, max_retry=0), holder=h)
+        for i, h in enumerate(holders)
+    ]
+    return [(task, task_pb2.TaskEnvelope(id=task.id)) for task in tasks]
+
+
+def test_assign_gives_each_task_a_slot_of_its_holder_in_pick_order() -> None:
+    holder_of = {"a1": "A", "a2": "A", "b1": "B", "none": ""}.__getitem__
+    slots = ["a1", "b1", "a2", "a1", "none", "b1"]
+    # Three tasks: the broker named the holders of the first three slots (A, B, A).
+    offer = _leased(["A", "A", "B"])
+    plan, left = assign(offer, slots, holder_of)
+    assert {gw: len(batch) for gw, batch in plan.items()} == {"a1": 1, "a2": 1, "b1": 1}
+    assert all(holder_of(gw) == t.holder for gw, batch in plan.items() for t, _ in batch)
+    assert left == ["a1", "none", "b1"]
+    # A task leased for nobody takes a slot of a gateway that names nobody.
+    plan, left = assign(_leased([None]), ["a1", "none"], holder_of)
+    assert list(plan) == ["none"]
+    assert left == ["a1"]
+
+
+def test_assign_falls_back_to_the_first_slots_left_when_holders_do_not_match() -> None:
+    """A broker of an older release names no holder: the tasks still go out, to the
+    first slots, and the rest is given back."""
+    holder_of = {"a": "A", "b": "B"}.__getitem__
+    plan, left = assign(_leased([None, None]), ["b", "a", "b"], holder_of)
+    assert {gw: len(batch) for gw, batch in plan.items()} == {"b": 1, "a": 1}
+    assert left == ["b"]

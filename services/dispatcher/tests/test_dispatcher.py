@@ -10,8 +10,10 @@ a task that goes back to PENDING was released on purpose.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -22,6 +24,7 @@ from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.postgres import PostgresBroker, migrate
 from conveyor_broker.types import NewTask, TaskListParams, TaskState
 from conveyor_dispatcher import Dispatcher
+from conveyor_dispatcher.peers import PeerWatch
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.embedded_nats import EmbeddedNats
@@ -52,8 +55,11 @@ class FakeGateway:
         weight: int = 1,
         accept: int | None = None,
         finish_at_once: bool = False,
+        holder: str = "",
     ) -> None:
         self.id = f"gw-{uuid.uuid4().hex[:8]}"
+        #: The process that holds this gateway's leases (its api process; "": none).
+        self.holder = holder
         self.nc = nc
         self.subjects = subjects
         self.bus = Bus(nc, subjects, cluster_auth())
@@ -103,6 +109,7 @@ class FakeGateway:
             in_flight=self.in_flight,
             closing=closing,
             returned=self.returned,
+            holder=self.holder,
         )
         await self.bus.publish(msg)
         await self.nc.flush()
@@ -372,6 +379,67 @@ async def test_tasks_are_split_between_gateways_by_weight(
     assert not set(heavy.accepted_ids) & set(light.accepted_ids)
 
 
+async def test_each_task_is_leased_in_the_name_of_its_gateways_holder(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """The slots are picked before the lease, so each task names the process that holds
+    it: if that api process dies, the reaper releases exactly its tasks."""
+    d = await dispatchers()
+    gateways = [
+        FakeGateway(nc, subjects, queue=queue_name, capacity=10, holder="api~A"),
+        FakeGateway(nc, subjects, queue=queue_name, capacity=10, holder="api~A"),
+        FakeGateway(nc, subjects, queue=queue_name, capacity=10, holder="api~B"),
+        FakeGateway(nc, subjects, queue=queue_name, capacity=10),
+    ]
+    for gw in gateways:
+        await gw.start()
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and len(qd.book) == 4)
+
+    await enqueue(broker, queue_name, 14)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: sum(len(gw.received) for gw in gateways) == 14)
+    for gw in gateways:
+        assert gw.received, "fewer tasks than slots still go to every gateway by weight"
+        for env in gw.received:
+            assert (await broker.get_task(env.id)).holder == (gw.holder or None)
+
+
+async def test_slots_taken_for_a_lease_that_finds_less_are_given_back(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """Wakes with nothing (then less than the slots) due must not spend the gateway's
+    credits: it registers once, and every later task still reaches it."""
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=4, accept=1)
+    await gw.start()
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    qd = d.queue(queue_name)
+    assert qd is not None
+    base = qd.wakes
+    for n in range(1, 4):
+        await wake(nc, subjects, queue_name)
+        await wait_until(partial(lambda seen: qd.wakes >= seen and not qd.cycling, base + n))
+    assert qd.book.total == 4
+    await enqueue(broker, queue_name, 1)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 1)
+    # It accepts one per request and answers "no credits": the rest waits for its Done.
+    await wait_until(lambda: qd.dispatched == 1 and not qd.cycling)
+    assert qd.book.total == 0
+    await gw.done(1)
+    await enqueue(broker, queue_name, 1)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 2)
+
+
 async def test_pause_stops_dispatch_and_resume_restarts_it(
     broker: Broker,
     nc: NatsClient,
@@ -501,9 +569,14 @@ async def test_only_one_instance_owns_a_queue_and_the_other_takes_over_on_stop(
     await wake(nc, subjects, queue_name)
     await wait_until(lambda: len(gw.received) == 2)
     assert {r.dispatcher for r in gw.requests} == {owner.instance_id}
+    assert other.peers is not None
+    await wait_until(lambda: other.peers is not None and owner.instance_id in other.peers.peers)
 
     await owner.stop()
     await wait_until(lambda: queue_name in other.owned)
+    # It said goodbye: a peer that left, not one that died.
+    await wait_until(lambda: other.peers is not None and not other.peers.peers)
+    assert (other.peers.deaths, other.taken_over) == (0, 0)
     await wait_until(lambda: (qd := other.queue(queue_name)) is not None and gw.id in qd.book)
     await enqueue(broker, queue_name, 2)
     await wake(nc, subjects, queue_name)
@@ -544,6 +617,87 @@ async def test_an_owner_that_dies_is_replaced_once_its_key_expires(
     await wait_until(lambda: len(gw.received) == 1)
     assert gw.requests[-1].dispatcher == survivor.instance_id
     await doomed.stop()
+
+
+async def test_an_owner_that_dies_is_replaced_as_soon_as_its_beats_stop(
+    broker: Broker,
+    nats_url: str,
+    nc: NatsClient,
+    subjects: Subjects,
+    clock: FakeClock,
+    make_settings: Callable[..., DispatcherSettings],
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """No wake, no registration, and a key that lives a minute: only the dead owner's
+    silence can bring the queue to the survivor, and it does within a second or two."""
+    fast = {"owner_ttl": 60.0, "peer_beat": 0.1, "peer_silence": 0.5, "register_tick": 60.0}
+    doomed_nc = await connect_nats(nats_url, name="doomed")
+    doomed = Dispatcher(make_settings(**fast), broker, doomed_nc, clock)
+    await doomed.start()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=10)
+    await gw.start()
+    other_queue = f"{queue_name}x"
+    other_gw = FakeGateway(nc, subjects, queue=other_queue, capacity=10)
+    await other_gw.start()
+    await wait_until(lambda: {queue_name, other_queue} <= doomed.owned)
+    survivor = await dispatchers(**fast)
+    await wait_until(
+        lambda: survivor.peers is not None and doomed.instance_id in survivor.peers.peers
+    )
+    refused = survivor.claims_refused
+
+    loop = asyncio.get_running_loop()
+    died = loop.time()
+    await close_nats(doomed_nc, drain=False)  # no release, no owner_changed, no goodbye
+    await wait_until(lambda: {queue_name, other_queue} <= survivor.owned)
+    assert loop.time() - died < 5.0  # well before the keys could expire (60 s)
+    assert survivor.taken_over == 2
+    assert survivor.claims_refused == refused
+    # The gateways heard of the new owner and re-registered: it dispatches at once.
+    await wait_until(lambda: (qd := survivor.queue(queue_name)) is not None and gw.id in qd.book)
+    await enqueue(broker, queue_name, 1)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 1)
+    assert gw.requests[-1].dispatcher == survivor.instance_id
+    await doomed.stop()
+
+
+async def test_peer_watch_reports_a_silent_peer_once_and_judges_nobody_while_deaf(
+    nc: NatsClient,
+    subjects: Subjects,
+) -> None:
+    """PeerWatch on its own: a silent peer is reported once; one heard again is alive
+    again; one that leaves is forgotten; an instance that does not hear its own beats
+    judges nobody, and once it hears them again it waits a silence before judging."""
+    bus = Bus(nc, subjects, cluster_auth())
+    dead: list[str] = []
+    watch = PeerWatch(bus, "me", beat=0.05, silence=0.3, on_dead=dead.append)
+    await watch.start()
+    other = Bus(nc, subjects, cluster_auth())
+    for _ in range(3):
+        await other.publish(cluster_pb2.DispatcherBeat(instance="peer"))
+    await wait_until(lambda: "peer" in watch.peers)
+    await wait_until(lambda: dead == ["peer"])
+    assert "peer" not in watch.peers
+    await other.publish(cluster_pb2.DispatcherBeat(instance="peer"))
+    await wait_until(lambda: "peer" in watch.peers)
+    await other.publish(cluster_pb2.DispatcherBeat(instance="peer", leaving=True))
+    await wait_until(lambda: "peer" not in watch.peers)
+    await watch.stop()
+    assert dead == ["peer"]
+
+    # Driven by hand (not started): times set as they would have come.
+    now = asyncio.get_running_loop().time()
+    judge = PeerWatch(bus, "judge", beat=0.05, silence=0.3, on_dead=dead.append)
+    judge._peers["quiet"] = now - 1.0
+    judge._self_heard = judge._self_since = now - 1.0  # its own beats are not coming back
+    assert judge.check() == []
+    judge._on_beat(cluster_pb2.DispatcherBeat(instance="judge"))  # heard again, just now
+    assert judge.check() == []  # not before it has heard itself for a silence
+    judge._self_since -= 0.3
+    assert judge.check() == ["quiet"]
+    assert dead == ["peer", "quiet"]
 
 
 async def test_losing_the_key_stops_dispatch_at_once(

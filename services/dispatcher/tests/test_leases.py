@@ -28,12 +28,18 @@ class CountingBroker(MemoryBroker):
         #: When set, lease_many waits for it before leasing (a round trip in flight).
         self.hold: asyncio.Event | None = None
 
-    async def lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
+    async def lease(
+        self, queue: str, limit: int, ttl: timedelta, *, holders: Sequence[str] = ()
+    ) -> list[Task]:
         self.calls.append("lease")
-        return await super().lease(queue, limit, ttl)
+        return await super().lease(queue, limit, ttl, holders=holders)
 
     async def lease_many(
-        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+        self,
+        wants: Sequence[tuple[str, int]],
+        ttl: timedelta,
+        *,
+        holders: Sequence[Sequence[str]] = (),
     ) -> list[list[Task]]:
         self.calls.append("lease_many")
         if self.hold is not None:
@@ -41,7 +47,7 @@ class CountingBroker(MemoryBroker):
         if self.fail_next:
             self.fail_next = False
             raise BrokerError("the database is down")
-        return await super().lease_many(wants, ttl)
+        return await super().lease_many(wants, ttl, holders=holders)
 
 
 @pytest.fixture
@@ -62,6 +68,23 @@ async def test_leases_asked_for_together_share_one_round_trip(broker: CountingBr
     assert all(t.state is TaskState.ACTIVE for tasks in got for t in tasks)
     assert broker.calls == ["lease_many"]
     assert (leaser.rounds, leaser.asks) == (1, 3)
+
+
+async def test_each_lease_keeps_its_holders_alone_or_in_a_round(
+    broker: CountingBroker,
+) -> None:
+    leaser = LeaseBatcher(broker)
+    [alone] = await asyncio.gather(leaser.lease("a", 2, TTL, ["api~1", "api~2"]))
+    assert sorted(t.holder or "" for t in alone) == ["api~1", "api~2"]
+    a, b, c = await asyncio.gather(
+        leaser.lease("a", 1, TTL, ["api~3"]),
+        leaser.lease("b", 2, TTL),
+        leaser.lease("c", 3, TTL, ["api~4", "", "api~4"]),
+    )
+    assert broker.calls == ["lease", "lease_many"]
+    assert [t.holder for t in a] == ["api~3"]
+    assert [t.holder for t in b] == [None, None]
+    assert sorted(t.holder or "" for t in c) == ["", "api~4", "api~4"]
 
 
 async def test_a_lone_lease_is_a_plain_lease(broker: CountingBroker) -> None:

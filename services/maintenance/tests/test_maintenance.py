@@ -163,6 +163,62 @@ async def test_an_expired_lease_is_reaped_into_retry_and_its_queue_woken(
     await wait_until(lambda: wakes.count("work") >= 1)
 
 
+async def test_the_tasks_of_a_dead_holder_are_released_and_a_holder_heard_on_nats_is_spared(
+    broker: Broker,
+    bus: Bus,
+    clock: FakeClock,
+    wakes: WakeLog,
+    maintenance: Callable[..., Awaitable[Maintenance]],
+) -> None:
+    """An api process that stopped beating both ways loses its tasks (released: due at
+    once, no attempt spent); one whose beats in the broker fail but whose NATS beats go
+    on keeps them; and a freshly started instance, which cannot know who beats on NATS,
+    judges nobody until it has listened for holder_silence."""
+    await broker.enqueue_batch([NewTask(queue="held", type="t", max_retry=0) for _ in range(2)])
+    await broker.beat_holder("dead~1")
+    await broker.beat_holder("cut~1")
+    leased = await broker.lease("held", 2, timedelta(seconds=30), holders=["dead~1", "cut~1"])
+    dead, cut = sorted(leased, key=lambda t: t.holder or "")[::-1]
+    assert (dead.holder, cut.holder) == ("dead~1", "cut~1")
+    clock.advance(timedelta(seconds=10))  # both silent in the broker from now on
+
+    async def state(task_id: str) -> TaskState:
+        return (await broker.get_task(task_id)).state
+
+    async def released(task_id: str) -> bool:
+        return await state(task_id) is TaskState.PENDING
+
+    beating = True
+
+    async def beat_on_nats() -> None:
+        while beating:
+            await bus.publish(cluster_pb2.HolderBeat(holder="cut~1"))
+            await asyncio.sleep(0.05)
+
+    beats = asyncio.create_task(beat_on_nats())
+    try:
+        silence = 1.0
+        m = await maintenance(holder_silence=silence)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await wait_until(lambda: m.passes[REAPER] >= 3)
+        if loop.time() - started < silence * 0.8:
+            # Still listening: nobody judged yet, though the broker says both are dead.
+            assert await state(dead.id) is TaskState.ACTIVE
+        await wait_until(lambda: released(dead.id))
+        stored = await broker.get_task(dead.id)
+        assert (stored.retried, stored.lease_id, stored.available_at) == (0, None, clock.now())
+        await wait_until(lambda: wakes.count("held") >= 1)
+        passes = m.passes[REAPER]
+        await wait_until(lambda: m.passes[REAPER] >= passes + 5)
+        assert await state(cut.id) is TaskState.ACTIVE
+    finally:
+        beating = False
+        await beats
+    # Silent on NATS too now: released once holder_silence has passed.
+    await wait_until(lambda: released(cut.id))
+
+
 async def test_the_pending_sweep_wakes_the_served_queues_with_due_work_only(
     broker: Broker,
     nc: NatsClient,
@@ -283,7 +339,7 @@ async def test_a_stored_invalid_queue_name_does_not_stop_the_sweep(
     # publish a wake for it, and the queues after it must still be woken. A registration
     # under such a name is not taken: the broker could not be asked about it.
     await broker._enqueue_batch([NewTask(queue="0\n", type="t")])
-    await broker._lease("0\n", 1, timedelta(seconds=1))
+    await broker._lease("0\n", 1, timedelta(seconds=1), ())
     clock.advance(timedelta(seconds=2))
     await broker.enqueue_batch([NewTask(queue=q, type="t") for q in ("1", "2")])
     m = Maintenance(make_settings(sweep_limit=1), broker, nc, clock)

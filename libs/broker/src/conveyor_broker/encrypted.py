@@ -70,12 +70,14 @@ from conveyor_broker.types import (
     EnqueueResult,
     GroupConfig,
     GroupStats,
+    HolderReleaseParams,
     LeaseReapParams,
     LeaseRef,
     NewTask,
     QueuePage,
     QueueStats,
     ReapedTask,
+    ReleasedTask,
     StorageUpkeep,
     Task,
     TaskEvent,
@@ -318,13 +320,25 @@ class EncryptedBroker(Broker):
             # Its lease runs out and the reaper takes it back: nothing is lost.
             logger.exception("broker.lease_decrypt_fail_failed task_id=%s", task.id)
 
-    async def _lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
-        return await self._leased(await self._inner._lease(queue, limit, ttl))
+    async def _lease(
+        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...]
+    ) -> list[Task]:
+        return await self._leased(await self._inner._lease(queue, limit, ttl, holders))
 
     async def _lease_many(
-        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+        self,
+        wants: Sequence[tuple[str, int]],
+        ttl: timedelta,
+        holders: Sequence[tuple[str, ...]],
     ) -> list[list[Task]]:
-        return [await self._leased(tasks) for tasks in await self._inner._lease_many(wants, ttl)]
+        leased = await self._inner._lease_many(wants, ttl, holders)
+        return [await self._leased(tasks) for tasks in leased]
+
+    async def _beat_holder(self, holder: str) -> None:
+        await self._inner._beat_holder(holder)
+
+    async def _release_dead_holders(self, params: HolderReleaseParams) -> list[ReleasedTask]:
+        return await self._inner._release_dead_holders(params)
 
     async def _extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
         return await self._inner._extend_lease(task_id, lease_id, ttl)

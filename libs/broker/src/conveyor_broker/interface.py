@@ -64,12 +64,14 @@ from conveyor_broker.types import (
     EnqueueResult,
     GroupConfig,
     GroupStats,
+    HolderReleaseParams,
     LeaseReapParams,
     LeaseRef,
     NewTask,
     QueuePage,
     QueueStats,
     ReapedTask,
+    ReleasedTask,
     StorageUpkeep,
     Task,
     TaskEvent,
@@ -91,6 +93,8 @@ from conveyor_broker.validation import (
     check_group_config,
     check_group_name,
     check_group_pattern,
+    check_holder,
+    check_holders,
     check_lease_ttl,
     check_lease_wants,
     check_limit,
@@ -216,7 +220,9 @@ class Broker(abc.ABC):
 
     # -------------------------------------------------------------------- lease
 
-    async def lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
+    async def lease(
+        self, queue: str, limit: int, ttl: timedelta, *, holders: Sequence[str] = ()
+    ) -> list[Task]:
         """Lease up to ``limit`` due tasks of ``queue`` in one round trip.
 
         Due: state PENDING or RETRY, ``available_at <= now`` and ``expires_at`` None or
@@ -225,27 +231,44 @@ class Broker(abc.ABC):
         ``started_at = now`` and ``progress`` None (a new attempt reports afresh).
         ``retried`` and ``last_error`` are unchanged. Concurrent callers never receive the
         same task. Pause is the dispatcher's business: lease does not look at it.
+
+        ``holders`` names who holds the leases (see :meth:`release_dead_holders`): when
+        k tasks are leased, each is held by one of the first k entries, each entry used
+        once, in no particular order (``Task.holder`` tells which); "" or no entry
+        (``holders`` may be shorter than ``limit``, not longer): by nobody.
         """
         self._check_open()
         check_queue(queue)
         check_limit(limit, upper=MAX_BATCH)
         check_lease_ttl(ttl)
-        return await self._lease(queue, limit, ttl)
+        check_holders(holders, limit=limit)
+        return await self._lease(queue, limit, ttl, tuple(holders))
 
     async def lease_many(
-        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+        self,
+        wants: Sequence[tuple[str, int]],
+        ttl: timedelta,
+        *,
+        holders: Sequence[Sequence[str]] = (),
     ) -> list[list[Task]]:
         """:meth:`lease` for several queues in one round trip: ``wants`` pairs a queue
         with its limit; the result holds each queue's leased tasks, in the order of
         ``wants``, each list as ``lease`` would return it. Queues must be distinct and the
         limits add up to at most MAX_BATCH; InvalidTask otherwise (nothing leased).
+        ``holders[i]`` is the ``holders`` of ``wants[i]`` (fewer entries than ``wants``:
+        the rest are held by nobody).
         """
         self._check_open()
         check_lease_wants(wants, upper=MAX_BATCH)
         check_lease_ttl(ttl)
+        if len(holders) > len(wants):
+            raise InvalidTask(f"{len(holders)} holder lists for {len(wants)} queues")
+        for (_, limit), queue_holders in zip(wants, holders, strict=False):
+            check_holders(queue_holders, limit=limit)
         if not wants:
             return []
-        return await self._lease_many(wants, ttl)
+        padded = [tuple(h) for h in holders] + [()] * (len(wants) - len(holders))
+        return await self._lease_many(wants, ttl, padded)
 
     async def extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
         """Set ``lease_expires_at = now + ttl`` and return it. Raises LeaseLost."""
@@ -342,6 +365,44 @@ class Broker(abc.ABC):
         check_limit(params.limit, upper=MAX_BATCH)
         check_not_negative("retry_delay", params.retry_delay)
         return await self._reap_expired_leases(params)
+
+    async def beat_holder(self, holder: str) -> None:
+        """Record that ``holder`` is alive now (its last beat: now).
+
+        A holder is a process whose gateways hold leases (an api process): the dispatcher
+        names it when it leases (``lease(holders=...)``), and once it stops beating, the
+        tasks it held are released by :meth:`release_dead_holders` instead of waiting for
+        their leases to expire. InvalidTask for a malformed name (see
+        :func:`~conveyor_broker.validation.check_holder`).
+        """
+        self._check_open()
+        check_holder(holder)
+        await self._beat_holder(holder)
+
+    async def release_dead_holders(self, params: HolderReleaseParams) -> list[ReleasedTask]:
+        """Release the tasks of dead holders.
+
+        A holder is dead when its last beat is at or before ``now - params.silence`` and
+        it is not in ``params.alive``; a holder that never beat (or was forgotten) is not
+        dead: its tasks wait for their leases to expire. The ACTIVE tasks held by dead
+        holders go back as :meth:`release` gives a task back: PENDING, due now, ``retried``
+        and ``last_error`` unchanged, lease cleared: the worker did not fail, its holder
+        went away, so no attempt is spent (a worker's late outcome finds its lease lost).
+        At most ``params.limit``, oldest ``lease_expires_at`` first, then id; returns them
+        in that order.
+
+        A dead holder that holds no ACTIVE task when the call begins is forgotten (so the
+        call after the one that released its last task forgets it); a later beat makes it
+        alive again. InvalidTask for ``silence <= 0``, a ``limit`` outside 1..MAX_BATCH or
+        a malformed name in ``alive``.
+        """
+        self._check_open()
+        if params.silence <= timedelta(0):
+            raise InvalidTask(f"silence must be > 0, got {params.silence}")
+        check_limit(params.limit, upper=MAX_BATCH)
+        for holder in params.alive:
+            check_holder(holder)
+        return await self._release_dead_holders(params)
 
     async def promote_scheduled(self, limit: int = 1000) -> dict[str, int]:
         """SCHEDULED tasks with ``available_at <= now`` become PENDING (``available_at``
@@ -783,11 +844,16 @@ class Broker(abc.ABC):
     async def _enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]: ...
 
     @abc.abstractmethod
-    async def _lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]: ...
+    async def _lease(
+        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...]
+    ) -> list[Task]: ...
 
     @abc.abstractmethod
     async def _lease_many(
-        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+        self,
+        wants: Sequence[tuple[str, int]],
+        ttl: timedelta,
+        holders: Sequence[tuple[str, ...]],
     ) -> list[list[Task]]: ...
 
     @abc.abstractmethod
@@ -820,6 +886,12 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _reap_expired_leases(self, params: LeaseReapParams) -> list[ReapedTask]: ...
+
+    @abc.abstractmethod
+    async def _beat_holder(self, holder: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _release_dead_holders(self, params: HolderReleaseParams) -> list[ReleasedTask]: ...
 
     @abc.abstractmethod
     async def _promote_scheduled(self, limit: int) -> dict[str, int]: ...

@@ -48,12 +48,14 @@ from conveyor_broker.types import (
     EnqueueResult,
     GroupConfig,
     GroupStats,
+    HolderReleaseParams,
     LeaseReapParams,
     LeaseRef,
     NewTask,
     QueuePage,
     QueueStats,
     ReapedTask,
+    ReleasedTask,
     StorageUpkeep,
     Task,
     TaskListParams,
@@ -91,6 +93,8 @@ class MemoryBroker(Broker):
         self._webhooks: dict[str, WebhookWorker] = {}
         self._cron_entries: dict[str, CronEntry] = {}
         self._group_configs: dict[tuple[str, str], GroupConfig] = {}
+        # Holder -> its last beat.
+        self._beats: dict[str, datetime] = {}
 
     # ---------------------------------------------------------------- plumbing
 
@@ -135,6 +139,7 @@ class MemoryBroker(Broker):
                 completed_at=now if exhausted else None,
                 lease_id=None,
                 lease_expires_at=None,
+                holder=None,
                 updated_at=now,
             ),
             task,
@@ -186,20 +191,31 @@ class MemoryBroker(Broker):
 
     # -------------------------------------------------------------------- lease
 
-    async def _lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
+    async def _lease(
+        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...]
+    ) -> list[Task]:
         async with self._locked() as now:
-            return self._lease_queue(queue, limit, ttl, now)
+            return self._lease_queue(queue, limit, ttl, now, holders)
 
     async def _lease_many(
-        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+        self,
+        wants: Sequence[tuple[str, int]],
+        ttl: timedelta,
+        holders: Sequence[tuple[str, ...]],
     ) -> list[list[Task]]:
         async with self._locked() as now:
-            return [self._lease_queue(queue, limit, ttl, now) for queue, limit in wants]
+            return [
+                self._lease_queue(queue, limit, ttl, now, queue_holders)
+                for (queue, limit), queue_holders in zip(wants, holders, strict=True)
+            ]
 
-    def _lease_queue(self, queue: str, limit: int, ttl: timedelta, now: datetime) -> list[Task]:
+    def _lease_queue(
+        self, queue: str, limit: int, ttl: timedelta, now: datetime, holders: tuple[str, ...]
+    ) -> list[Task]:
         due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
         leased: list[Task] = []
-        for task in heapq.nsmallest(limit, due, key=lambda t: (t.available_at, t.id)):
+        ordered = heapq.nsmallest(limit, due, key=lambda t: (t.available_at, t.id))
+        for n, task in enumerate(ordered):
             leased.append(
                 self._table.put(
                     replace(
@@ -210,6 +226,7 @@ class MemoryBroker(Broker):
                         started_at=now,
                         progress=None,
                         updated_at=now,
+                        holder=holders[n] or None if n < len(holders) else None,
                     ),
                     task,
                 )
@@ -254,6 +271,7 @@ class MemoryBroker(Broker):
                 completed_at=now,
                 lease_id=None,
                 lease_expires_at=None,
+                holder=None,
                 updated_at=now,
             ),
             task,
@@ -289,6 +307,7 @@ class MemoryBroker(Broker):
                     available_at=now,
                     lease_id=None,
                     lease_expires_at=None,
+                    holder=None,
                     updated_at=now,
                 ),
                 task,
@@ -307,6 +326,7 @@ class MemoryBroker(Broker):
                 completed_at=now,
                 lease_id=None,
                 lease_expires_at=None,
+                holder=None,
                 updated_at=now,
             ),
             task,
@@ -324,6 +344,44 @@ class MemoryBroker(Broker):
                 )
                 reaped.append(ReapedTask(task_id=done.id, queue=done.queue, state=done.state))
             return reaped
+
+    async def _beat_holder(self, holder: str) -> None:
+        async with self._locked() as now:
+            self._beats[holder] = now
+
+    async def _release_dead_holders(self, params: HolderReleaseParams) -> list[ReleasedTask]:
+        async with self._locked() as now:
+            cutoff = now - params.silence
+            dead = {
+                holder
+                for holder, beat in self._beats.items()
+                if beat <= cutoff and holder not in params.alive
+            }
+            if not dead:
+                return []
+            orphans = [
+                task
+                for task_id in self._table.ids(TaskState.ACTIVE)
+                if (task := self._table[task_id]).holder in dead
+            ]
+            for holder in dead - {task.holder for task in orphans}:
+                del self._beats[holder]  # dead and holding nothing: forgotten
+            released: list[ReleasedTask] = []
+            for task in heapq.nsmallest(params.limit, orphans, key=_lease_order):
+                self._table.put(
+                    replace(
+                        task,
+                        state=TaskState.PENDING,
+                        available_at=now,
+                        lease_id=None,
+                        lease_expires_at=None,
+                        holder=None,
+                        updated_at=now,
+                    ),
+                    task,
+                )
+                released.append(ReleasedTask(task.id, task.queue, task.holder or ""))
+            return released
 
     async def _promote_scheduled(self, limit: int) -> dict[str, int]:
         async with self._locked() as now:
@@ -778,6 +836,12 @@ class MemoryBroker(Broker):
 def _is_due(task: Task, now: datetime) -> bool:
     """What ``lease`` may pick, given the task is PENDING or RETRY."""
     return task.available_at <= now and (task.expires_at is None or task.expires_at > now)
+
+
+def _lease_order(task: Task) -> tuple[datetime, str]:
+    """Where an ACTIVE task comes in a sweep by lease expiry."""
+    assert task.lease_expires_at is not None
+    return task.lease_expires_at, task.id
 
 
 def _lease_expiry(task: Task) -> datetime | None:

@@ -91,9 +91,10 @@ class NewTask:
 class Task:
     """A stored task: identity, options, and its mutable execution fields.
 
-    ``lease_id``/``lease_expires_at`` are set only while ACTIVE. ``available_at`` is when a
-    PENDING/SCHEDULED/RETRY task becomes due. ``completed_at`` is when it reached a terminal
-    state. ``unique_until`` is when a TTL-bounded unique claim lapses.
+    ``lease_id``/``lease_expires_at`` are set only while ACTIVE, and so is ``holder``, who
+    holds the lease when the lease named one (see Broker.lease). ``available_at`` is when
+    a PENDING/SCHEDULED/RETRY task becomes due. ``completed_at`` is when it reached a
+    terminal state. ``unique_until`` is when a TTL-bounded unique claim lapses.
     """
 
     id: str
@@ -125,6 +126,7 @@ class Task:
     updated_at: datetime
     started_at: datetime | None
     completed_at: datetime | None
+    holder: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +233,27 @@ class LeaseReapParams:
 
     limit: int = 1000
     retry_delay: timedelta = timedelta(0)
+
+
+@dataclass(frozen=True, slots=True)
+class HolderReleaseParams:
+    """How :meth:`~conveyor_broker.interface.Broker.release_dead_holders` sweeps: the
+    tasks of holders that have not beaten for ``silence`` (> 0), except the holders named
+    in ``alive`` (heard from some other way), at most ``limit`` (1..MAX_BATCH) tasks."""
+
+    silence: timedelta
+    alive: frozenset[str] = frozenset()
+    limit: int = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasedTask:
+    """A task whose holder was found dead, released by ReleaseDeadHolders (it is PENDING
+    now, due at once)."""
+
+    task_id: str
+    queue: str
+    holder: str
 
 
 @dataclass(frozen=True, slots=True)

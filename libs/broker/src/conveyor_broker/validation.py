@@ -203,6 +203,30 @@ def check_lease_wants(wants: Sequence[tuple[str, int]], *, upper: int) -> None:
         raise InvalidTask(f"at most {upper} tasks in one lease, asked for {total}")
 
 
+#: The longest holder name (see Broker.beat_holder).
+MAX_HOLDER_LEN = 256
+
+
+def check_holder(holder: str) -> None:
+    """Raise InvalidTask unless ``holder`` is a holder name: 1..MAX_HOLDER_LEN characters,
+    no control character."""
+    if not isinstance(holder, str) or not 0 < len(holder) <= MAX_HOLDER_LEN:
+        raise InvalidTask(f"a holder name has 1..{MAX_HOLDER_LEN} characters, got {holder!r}")
+    check_text("holder", holder)
+
+
+def check_holders(holders: Sequence[str], *, limit: int) -> None:
+    """The holders of one queue's lease: at most ``limit``, each a holder name or ""
+    (held by nobody). Raises InvalidTask."""
+    if isinstance(holders, str):
+        raise InvalidTask("holders is a sequence of names, not one name")
+    if len(holders) > limit:
+        raise InvalidTask(f"{len(holders)} holders for a lease of at most {limit} tasks")
+    for holder in holders:
+        if holder != "":
+            check_holder(holder)
+
+
 def check_batch(
     tasks: Sequence[NewTask], *, max_batch: int, max_payload: int = MAX_PAYLOAD
 ) -> None:

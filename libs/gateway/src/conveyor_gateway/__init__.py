@@ -2,7 +2,8 @@
 api) or a webhook registration (the webhook service) reached through its own
 :class:`Transport`. Also what both services share around it: the outcome mapping
 (:class:`Outcomes`), group commit (:class:`AckBatcher`, :class:`EnqueueCommitter`) and the
-hints to dispatchers and the scheduler (:class:`WakePublisher`)."""
+hints to dispatchers and the scheduler (:class:`WakePublisher`), and a holder's liveness
+(:class:`HolderBeat`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from conveyor_gateway.config import GatewayConfig, WorkerSpec
 from conveyor_gateway.gateway import Gateway
 from conveyor_gateway.group_commit import AckBatcher, EnqueueCommitter
 from conveyor_gateway.hints import WakePublisher
+from conveyor_gateway.liveness import HolderBeat, holder_name
 from conveyor_gateway.outcomes import Outcomes
 from conveyor_gateway.transport import Transport
 
@@ -19,9 +21,11 @@ __all__ = [
     "EnqueueCommitter",
     "Gateway",
     "GatewayConfig",
+    "HolderBeat",
     "Outcomes",
     "Transport",
     "WakePublisher",
     "WorkerSpec",
+    "holder_name",
     "split_capacity",
 ]

@@ -41,3 +41,7 @@ class GatewayConfig:
     #: ``outcome_retry_max``.
     outcome_retry_first: float = 0.05
     outcome_retry_max: float = 1.0
+    #: The holder of the gateway's leases, announced in its registrations (see
+    #: :mod:`~conveyor_gateway.liveness`); "": none (its tasks come back at lease expiry
+    #: if its process dies).
+    holder: str = ""

@@ -52,8 +52,10 @@ class Credits:
         bus: Bus,
         register_tick: float,
         spawn: Callable[[Coroutine[Any, Any, None]], None],
+        holder: str = "",
     ) -> None:
         self._id = gateway_id
+        self._holder = holder
         self._spec = spec
         #: The worker's own slots per queue.
         self.capacity = split_capacity(spec.concurrency, spec.queues)
@@ -237,6 +239,7 @@ class Credits:
             labels=dict(self._spec.labels),
             closing=closing,
             returned=self.done.returned(queue),
+            holder=self._holder,
         )
 
     async def register(self, queue: str, *, closing: bool = False) -> None:

@@ -95,6 +95,7 @@ class Gateway:
             bus=bus,
             register_tick=config.register_tick,
             spawn=self._spawn,
+            holder=config.holder,
         )
         self._done = self._credits.done
         #: The worker's own slots per queue.

@@ -7,7 +7,8 @@ bytes that do not decode live here, once:
 
 - ``Wake``, ``Register``, ``Done``, ``Control`` go on their queue's subjects (the message's
   ``queue`` field names the queue); ``CancelBroadcast`` on ``cancel``, ``Resolve`` on
-  ``resolve`` (queue group ``resolvers``): :meth:`Bus.publish`, :meth:`Bus.subscribe`.
+  ``resolve`` (queue group ``resolvers``), ``HolderBeat`` on ``holder.beat`` and
+  ``DispatcherBeat`` on ``dispatcher.beat``: :meth:`Bus.publish`, :meth:`Bus.subscribe`.
 - Request/reply: ``DispatchRequest`` -> ``DispatchReply`` per gateway
   (:meth:`Bus.dispatch`, :meth:`Bus.serve_dispatch`) and ``WebhookCallback`` ->
   ``WebhookCallbackReply`` per webhook worker, queue group ``webhook``
@@ -67,11 +68,32 @@ _Done = cluster_pb2.Done
 _Control = cluster_pb2.Control
 _CancelBroadcast = cluster_pb2.CancelBroadcast
 _Resolve = cluster_pb2.Resolve
+_HolderBeat = cluster_pb2.HolderBeat
+_DispatcherBeat = cluster_pb2.DispatcherBeat
 
 #: The messages :meth:`Bus.publish` takes.
-Published: TypeAlias = _Wake | _Register | _Done | _Control | _CancelBroadcast | _Resolve
+Published: TypeAlias = (
+    _Wake
+    | _Register
+    | _Done
+    | _Control
+    | _CancelBroadcast
+    | _Resolve
+    | _HolderBeat
+    | _DispatcherBeat
+)
 #: A message type :meth:`Bus.subscribe` takes, and what its handler gets.
-M = TypeVar("M", _Wake, _Register, _Done, _Control, _CancelBroadcast, _Resolve)
+M = TypeVar(
+    "M",
+    _Wake,
+    _Register,
+    _Done,
+    _Control,
+    _CancelBroadcast,
+    _Resolve,
+    _HolderBeat,
+    _DispatcherBeat,
+)
 
 #: The queue group of the resolvers: one of them handles each ``Resolve``.
 RESOLVE_GROUP = "resolvers"
@@ -158,6 +180,7 @@ class Bus:
             subjects.control,
         )
         cancel, resolve = subjects.cancel(), subjects.resolve()
+        holder_beat, dispatcher_beat = subjects.holder_beat(), subjects.dispatcher_beat()
         # Per type, where publish puts a message: a fixed subject (tail None), or the
         # subject ``head + message.queue + tail``, cut once out of the Subjects spelling
         # so that a publish costs a concatenation rather than two calls.
@@ -168,6 +191,8 @@ class Bus:
             _Control: _around_queue(control),
             _CancelBroadcast: (cancel, None),
             _Resolve: (resolve, None),
+            _HolderBeat: (holder_beat, None),
+            _DispatcherBeat: (dispatcher_beat, None),
         }
         # Per type, what subscribe subscribes to.
         self._per_queue: dict[type[Published], Callable[[str], str]] = {
@@ -179,6 +204,8 @@ class Bus:
         self._fixed: dict[type[Published], tuple[str, str]] = {
             _CancelBroadcast: (cancel, ""),
             _Resolve: (resolve, RESOLVE_GROUP),
+            _HolderBeat: (holder_beat, ""),
+            _DispatcherBeat: (dispatcher_beat, ""),
         }
 
     @property

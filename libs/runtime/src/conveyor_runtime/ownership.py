@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -202,7 +202,8 @@ class LeaseBucket:
             logger.info("ownership.bucket_recreated bucket=%s", self.name)
             return self._kv
 
-    async def _call(self, op: Callable[[KeyValue], Awaitable[T]]) -> T:
+    async def call(self, op: Callable[[KeyValue], Awaitable[T]]) -> T:
+        """``op`` on the bucket, which is created again (once) when ``op`` finds it gone."""
         kv = self._kv
         try:
             if kv is None:
@@ -229,23 +230,23 @@ class LeaseBucket:
 
     async def create(self, key: str, value: bytes) -> int:
         """``KeyValue.create``: write ``key`` unless it exists; its revision."""
-        return await self._call(lambda kv: kv.create(key, value))
+        return await self.call(lambda kv: kv.create(key, value))
 
     async def update(self, key: str, value: bytes, last: int | None = None) -> int:
         """``KeyValue.update``: write ``key`` if its revision is ``last``; the new one."""
-        return await self._call(lambda kv: kv.update(key, value, last=last))
+        return await self.call(lambda kv: kv.update(key, value, last=last))
 
     async def put(self, key: str, value: bytes) -> int:
         """``KeyValue.put``: write ``key`` whatever it holds; its revision."""
-        return await self._call(lambda kv: kv.put(key, value))
+        return await self.call(lambda kv: kv.put(key, value))
 
     async def delete(self, key: str, last: int | None = None) -> bool:
         """``KeyValue.delete``: delete ``key`` (if its revision is ``last``, when given)."""
-        return await self._call(lambda kv: kv.delete(key, last=last))
+        return await self.call(lambda kv: kv.delete(key, last=last))
 
     async def get(self, key: str) -> KeyValue.Entry:
         """``KeyValue.get``: the latest entry of ``key`` (KeyNotFoundError: none)."""
-        return await self._call(lambda kv: kv.get(key))
+        return await self.call(lambda kv: kv.get(key))
 
 
 async def open_lease_bucket(
@@ -317,6 +318,26 @@ class KeyLease:
                 return False
             return True
         return False
+
+    async def take_over(self, revision: int) -> bool:
+        """Take the key from a holder known to be gone (it stopped beating) instead of
+        waiting for the key to expire: a compare-and-set write on ``revision``, the one
+        that holder wrote last. False when the key changed since (refreshed after all,
+        given up, expired, or taken over by someone else first).
+
+        Raises a transport error (see TRANSPORT_ERRORS) when NATS does not answer.
+        """
+        try:
+            self._revision = await self.kv.update(self.key, self.owner.encode(), last=revision)
+        except (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.KeyNotFoundError):
+            self._revision = None
+            return False
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code != _WRONG_LAST_SEQUENCE:
+                raise
+            self._revision = None
+            return False
+        return True
 
     async def refresh(self) -> bool:
         """Rewrite the key on the revision we hold, which restarts its TTL.
@@ -470,6 +491,27 @@ class LeaseKeeper:
                 self._confirmed[key] = started
             return claimed
 
+    async def take_over(self, key: str, revision: int) -> bool:
+        """Take ``key`` from a holder known to be gone, whose last write was ``revision``
+        (see :meth:`KeyLease.take_over`); True when it is (now or already) ours.
+
+        False when the key changed since or NATS does not answer (logged).
+        """
+        async with self._lock:
+            if key in self._leases:
+                return True
+            lease = KeyLease(self.kv, key, self.owner)
+            started = time.monotonic()
+            try:
+                taken = await lease.take_over(revision)
+            except TRANSPORT_ERRORS as exc:
+                logger.warning("ownership.take_over_failed key=%s error=%r", key, exc)
+                return False
+            if taken:
+                self._leases[key] = lease
+                self._confirmed[key] = started
+            return taken
+
     async def release(self, key: str) -> None:
         """Give ``key`` up (no loss is reported for it)."""
         # Forget it before waiting for the lock, so that a claim made meanwhile creates the
@@ -563,3 +605,25 @@ class LeaseKeeper:
                 await self.refresh_now()
             except Exception:
                 logger.exception("ownership.refresh_pass_failed")
+
+
+async def held_by(kv: LeaseBucket, owner: str, *, gap: float = 5.0) -> dict[str, int]:
+    """The keys of ``kv`` that ``owner`` holds now, with the revision of each: one pass
+    over the bucket's current entries (a watch of their last values, stopped at the end).
+    For taking over from an owner that is gone. Raises a transport error (TimeoutError
+    when no entry comes for ``gap`` seconds) when NATS does not answer. A bucket found
+    missing is created again first, like any other call (see :class:`LeaseBucket`)."""
+    return await kv.call(lambda bucket: _held_by(bucket, owner, gap))
+
+
+async def _held_by(kv: KeyValue, owner: str, gap: float) -> dict[str, int]:
+    # nats-py's watcher is untyped. Its consumer goes away soon after the pass.
+    watcher: Any = await kv.watchall(ignore_deletes=True, inactive_threshold=10.0)
+    held: dict[str, int] = {}
+    try:
+        while (entry := await watcher.updates(timeout=gap)) is not None:
+            if entry.value is not None and entry.value.decode(errors="replace") == owner:
+                held[entry.key] = entry.revision
+    finally:
+        await watcher.stop()
+    return held

@@ -315,6 +315,14 @@ class ApiSettings(WebhookAccessSettings):
     register_tick: float = Field(
         5.0, gt=0, description="Seconds between a gateway's capacity re-announcements"
     )
+    holder_beat: float = Field(
+        1.0,
+        ge=0,
+        description="Seconds between this process's liveness beats (a row in the broker and "
+        "a NATS message); once both stop for maintenance's holder_silence, the reaper "
+        "releases the tasks its workers held (0: no beats, its tasks come back only at "
+        "lease expiry)",
+    )
     max_payload: int = Field(1024 * 1024, gt=0, description="Largest task payload in bytes")
     max_result: int = Field(1024 * 1024, gt=0, description="Largest task result in bytes")
     outcome_backlog: int = Field(
@@ -444,6 +452,16 @@ class DispatcherSettings(ServiceSettings):
         description="Gateways' re-registration period; a registration not refreshed "
         "for 3 ticks is forgotten",
     )
+    peer_beat: float = Field(
+        0.25, gt=0, description="Seconds between this dispatcher's liveness beats on NATS"
+    )
+    peer_silence: float = Field(
+        1.0,
+        gt=0,
+        description="Seconds without a beat after which another dispatcher is taken as "
+        "dead and the queues it owned are taken over at once (instead of when their "
+        "ownership keys expire, owner_ttl); keep it at 3 peer_beat or more",
+    )
     progress_deadline: float = Field(
         30.0,
         gt=0,
@@ -451,6 +469,15 @@ class DispatcherSettings(ServiceSettings):
         "may take; past it (a wedged database connection, say) this instance gives the "
         "queue up so that another dispatcher takes it over",
     )
+
+    @model_validator(mode="after")
+    def _peers_beat_within_their_silence(self) -> Self:
+        if self.peer_silence <= 2 * self.peer_beat:
+            raise ValueError(
+                f"peer_silence ({self.peer_silence}) must be more than twice peer_beat "
+                f"({self.peer_beat}): one late beat would make a live dispatcher look dead"
+            )
+        return self
 
 
 class MaintenanceSettings(ServiceSettings):
@@ -468,6 +495,13 @@ class MaintenanceSettings(ServiceSettings):
         gt=0,
         description="Gateways' re-registration period (as the api's): the reaper wakes "
         "only queues some gateway registered on within 3 ticks",
+    )
+    holder_silence: float = Field(
+        3.0,
+        gt=0,
+        description="Seconds an api process may go without a liveness beat (in the broker "
+        "and on NATS, see the api's holder_beat) before the reaper takes it as dead and "
+        "releases the tasks its workers held, due at once, with no attempt spent",
     )
     leader_ttl: float = Field(
         5.0, gt=0, description="Seconds a leadership key lives without a refresh"

@@ -96,6 +96,17 @@ class Subjects:
         """``Resolve`` (queue group ``resolvers``): a task reached a terminal state."""
         return f"{self.prefix}.resolve"
 
+    # ---- liveness
+    def holder_beat(self) -> str:
+        """``HolderBeat``: an api process, a holder of leases, is alive (maintenance's
+        reaper spares the holders it hears from)."""
+        return f"{self.prefix}.holder.beat"
+
+    def dispatcher_beat(self) -> str:
+        """``DispatcherBeat``: a dispatcher is alive, or (``leaving``) stopping; the
+        others take the queues of one gone silent over at once."""
+        return f"{self.prefix}.dispatcher.beat"
+
     # ---- JetStream key-value buckets
     @property
     def owners_bucket(self) -> str:

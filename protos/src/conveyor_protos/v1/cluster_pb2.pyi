@@ -17,7 +17,7 @@ class Wake(_message.Message):
     def __init__(self, queue: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("gateway", "queue", "capacity", "weight", "in_flight", "labels", "closing", "returned")
+    __slots__ = ("gateway", "queue", "capacity", "weight", "in_flight", "labels", "closing", "returned", "holder")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class Register(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     CLOSING_FIELD_NUMBER: _ClassVar[int]
     RETURNED_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     gateway: str
     queue: str
     capacity: int
@@ -41,7 +42,8 @@ class Register(_message.Message):
     labels: _containers.ScalarMap[str, str]
     closing: bool
     returned: int
-    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., capacity: _Optional[int] = ..., weight: _Optional[int] = ..., in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., closing: _Optional[bool] = ..., returned: _Optional[int] = ...) -> None: ...
+    holder: str
+    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., capacity: _Optional[int] = ..., weight: _Optional[int] = ..., in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., closing: _Optional[bool] = ..., returned: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("gateway", "queue", "n", "returned")
@@ -54,6 +56,20 @@ class Done(_message.Message):
     n: int
     returned: int
     def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., n: _Optional[int] = ..., returned: _Optional[int] = ...) -> None: ...
+
+class HolderBeat(_message.Message):
+    __slots__ = ("holder",)
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    def __init__(self, holder: _Optional[str] = ...) -> None: ...
+
+class DispatcherBeat(_message.Message):
+    __slots__ = ("instance", "leaving")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    leaving: bool
+    def __init__(self, instance: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class Control(_message.Message):
     __slots__ = ("queue", "reason")

@@ -15,8 +15,10 @@ from conveyor_gateway import (
     EnqueueCommitter,
     Gateway,
     GatewayConfig,
+    HolderBeat,
     WakePublisher,
     WorkerSpec,
+    holder_name,
 )
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.bus import Bus
@@ -108,6 +110,17 @@ class ApiServer:
             max_items=settings.enqueue_batch_max,
             on_commit=lambda results: wake_for(results, self.wakes, self.clock),
         )
+        # This process holds the leases of its sessions' gateways: while it beats, they
+        # are its own; once it stops (it died), the reaper releases them (see
+        # conveyor_gateway.liveness). Without beats it names no holder.
+        self.holder_beat: HolderBeat | None = None
+        if settings.holder_beat > 0:
+            self.holder_beat = HolderBeat(
+                holder_name(settings.instance_id),
+                broker=broker,
+                bus=self.bus,
+                tick=settings.holder_beat,
+            )
         self.gateway_config = GatewayConfig(
             lease_ttl=settings.lease_ttl_delta,
             register_tick=settings.register_tick,
@@ -115,6 +128,7 @@ class ApiServer:
             timeout_grace=timedelta(seconds=settings.timeout_grace),
             clock=self.clock,
             outcome_backlog=settings.outcome_backlog,
+            holder=self.holder_beat.holder if self.holder_beat is not None else "",
         )
         self._hello_timeout = hello_timeout
         self._event_gate = event_gate
@@ -238,6 +252,8 @@ class ApiServer:
         await self.nc.flush()
         await server.start()
         self._server = server
+        if self.holder_beat is not None:
+            self.holder_beat.start()
         logger.info(
             "api.started host=%s port=%d version=%s tls=%s auth=%s read_only=%s",
             settings.host,
@@ -269,6 +285,10 @@ class ApiServer:
         await self.committer.aclose()
         await self.acks.aclose()
         await self.wakes.aclose()
+        # Only now: every session released what it held (what it could not release, the
+        # reaper will, once this holder is silent).
+        if self.holder_beat is not None:
+            await self.holder_beat.stop()
         if self._cancel_sub is not None:
             try:
                 await self._cancel_sub.unsubscribe()

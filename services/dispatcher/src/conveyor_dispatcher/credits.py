@@ -19,6 +19,7 @@ surplus (the dispatcher releases it at once), too few and the next register heal
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from conveyor_dispatcher.swrr import SmoothWeightedRoundRobin
@@ -36,6 +37,9 @@ class GatewayCredits:
     seen_at: float
     #: The gateway's running total of slots given back that these credits account for.
     returned: int = 0
+    #: The process that holds the gateway's leases ("": none), named on every lease made
+    #: for it (see Register.holder).
+    holder: str = ""
 
 
 class CreditBook:
@@ -69,6 +73,7 @@ class CreditBook:
         in_flight: int,
         now: float,
         returned: int = 0,
+        holder: str = "",
     ) -> GatewayCredits:
         """Record (or refresh) a registration: credits = capacity - in_flight (at least 0),
         plus the slots of Dones already counted that this snapshot predates."""
@@ -82,6 +87,7 @@ class CreditBook:
             credits=_clamp(capacity - max(0, in_flight) + max(0, counted - returned), capacity),
             seen_at=now,
             returned=max(counted, returned),
+            holder=holder,
         )
         self._gateways[gateway] = entry
         return entry
@@ -117,6 +123,20 @@ class CreditBook:
             entry.credits = _clamp(credits + missed, entry.capacity)
             entry.returned = max(entry.returned, returned)
 
+    def refund(self, slots: Iterable[str]) -> None:
+        """Give back slots taken by :meth:`take_slots` and not used (fewer tasks were due
+        than slots taken), one per entry, to the gateways still registered (clamped to
+        their capacity)."""
+        for gateway in slots:
+            entry = self._gateways.get(gateway)
+            if entry is not None:
+                entry.credits = _clamp(entry.credits + 1, entry.capacity)
+
+    def holder_of(self, gateway: str) -> str:
+        """The holder ``gateway`` announced ("": none, or not registered)."""
+        entry = self._gateways.get(gateway)
+        return entry.holder if entry is not None else ""
+
     def credits_of(self, gateway: str) -> int:
         """The credits of ``gateway`` (0 when it is not registered)."""
         entry = self._gateways.get(gateway)
@@ -142,6 +162,14 @@ class CreditBook:
         order each gateway was first picked; fewer than ``n`` in total when credits run out.
         """
         shares: dict[str, int] = {}
+        for gateway in self.take_slots(n):
+            shares[gateway] = shares.get(gateway, 0) + 1
+        return shares
+
+    def take_slots(self, n: int) -> list[str]:
+        """:meth:`take`, slot by slot: the gateway of each slot, in the order they were
+        picked (so any first k of them are split by weight too)."""
+        picked: list[str] = []
         candidates = {g.gateway: g.weight for g in self._gateways.values() if g.credits > 0}
         for _ in range(n):
             if not candidates:
@@ -149,10 +177,10 @@ class CreditBook:
             gateway = self._rr.pick(candidates)
             entry = self._gateways[gateway]
             entry.credits -= 1
-            shares[gateway] = shares.get(gateway, 0) + 1
+            picked.append(gateway)
             if entry.credits <= 0:
                 del candidates[gateway]
-        return shares
+        return picked
 
 
 def _clamp(credits: int, capacity: int) -> int:

@@ -18,6 +18,13 @@ leases at once.
 On start, an instance calls the roll: every gateway re-registers at once, so the queues
 that have workers are claimed now rather than at the next register tick (registrations
 sent before it subscribed never reached it).
+
+Hand-over. An instance that stops gives its keys up and announces ``owner_changed`` for
+each of its queues: the others claim them at once. One that dies cannot, so the
+instances beat on NATS (:class:`~conveyor_dispatcher.peers.PeerWatch`): when a peer falls
+silent for ``peer_silence``, every survivor lists the keys it held and takes each over
+with a compare-and-set on the revision it wrote last (one survivor wins each), instead of
+waiting up to ``owner_ttl`` for the keys to expire.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.demand import REGISTER_TICKS_TO_EXPIRE, Demand
 from conveyor_runtime.health import Health
-from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
+from conveyor_runtime.ownership import LeaseKeeper, held_by, open_lease_bucket
 from conveyor_runtime.settings import DispatcherSettings
 from conveyor_runtime.subjects import Subjects
 from conveyor_runtime.tasks import cancel_and_wait
@@ -44,9 +51,13 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
 from conveyor_dispatcher.leases import LeaseBatcher
+from conveyor_dispatcher.peers import PeerWatch
 from conveyor_dispatcher.queue import QueueConfig, QueueDispatcher
 
 logger = logging.getLogger(__name__)
+
+#: Most claims in flight at once while taking over the queues of a dead peer.
+TAKE_OVER_CONCURRENCY = 32
 
 
 class Dispatcher:
@@ -100,6 +111,7 @@ class Dispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
         self._keeper: LeaseKeeper | None = None
+        self.peers: PeerWatch | None = None
         self._housekeeper: asyncio.Task[None] | None = None
         # The NATS connection's reconnect count when housekeeping last looked.
         self._reconnects = 0
@@ -108,6 +120,8 @@ class Dispatcher:
         self.claims_refused = 0
         #: Queues given up because their lease cycle was stuck.
         self.abandoned = 0
+        #: Queues taken over from dead peers.
+        self.taken_over = 0
 
     # -------------------------------------------------------------- lifecycle
 
@@ -144,6 +158,14 @@ class Dispatcher:
             await bus.subscribe_owner_changed(self._on_owner),
         ]
         await self._nc.flush()
+        self.peers = PeerWatch(
+            self.bus,
+            self.instance_id,
+            beat=self.settings.peer_beat,
+            silence=self.settings.peer_silence,
+            on_dead=self._on_peer_dead,
+        )
+        await self.peers.start()
         self._housekeeper = asyncio.create_task(self._housekeep(), name="dispatcher-housekeeping")
         try:
             # The gateways' answers are registrations: they bring the served queues here.
@@ -180,6 +202,13 @@ class Dispatcher:
         with contextlib.suppress(Exception):
             for name, _ in queues:
                 await self.bus.publish_owner_changed(name)
+            await self._nc.flush()
+        if self.peers is not None:
+            # Last: beating until the keys are given up, then a goodbye, so that no peer
+            # takes this one for dead (and looks for keys it no longer holds).
+            await self.peers.stop()
+            self.peers = None
+        with contextlib.suppress(Exception):
             await self._nc.flush()
         logger.info("dispatcher.stopped instance=%s released=%d", self.instance_id, len(queues))
 
@@ -277,17 +306,25 @@ class Dispatcher:
         self._claiming[queue] = [reg] if reg is not None else []
         self._spawn(self._claim(queue))
 
-    async def _claim(self, queue: str) -> None:
+    async def _claim(self, queue: str, revision: int | None = None) -> None:
         try:
-            await self._try_claim(queue)
+            await self._try_claim(queue, revision)
         except Exception:
             logger.exception("dispatcher.claim_failed queue=%s", queue)
         finally:
             self._claiming.pop(queue, None)
 
-    async def _try_claim(self, queue: str) -> None:
+    async def _try_claim(self, queue: str, revision: int | None = None) -> None:
+        """Claim ``queue`` (with ``revision``: take it over from a dead owner whose last
+        write that was), then open it and announce it."""
         keeper = self._keeper
-        if keeper is None or not await keeper.claim(queue):
+        if keeper is None:
+            return
+        if revision is None:
+            claimed = await keeper.claim(queue)
+        else:
+            claimed = await keeper.take_over(queue, revision)
+        if not claimed:
             self._refused_until[queue] = self._now() + self._claim_retry
             self.claims_refused += 1
             return
@@ -308,14 +345,53 @@ class Dispatcher:
         self._refused_until.pop(queue, None)
         for reg in self._claiming.pop(queue, []):
             qd.register(reg)
+        if revision is not None:
+            self.taken_over += 1
         logger.info(
-            "dispatcher.queue_claimed queue=%s instance=%s paused=%s",
+            "dispatcher.queue_claimed queue=%s instance=%s paused=%s taken_over=%s",
             queue,
             self.instance_id,
             qd.paused,
+            revision is not None,
         )
         await self.bus.publish_owner_changed(queue)
         qd.wake()
+
+    def _on_peer_dead(self, peer: str) -> None:
+        if self._running:
+            self._spawn(self._take_over_from(peer))
+
+    async def _take_over_from(self, peer: str) -> None:
+        """Take over every queue the dead ``peer`` held (each key with a compare-and-set
+        on its last revision: of several survivors, one gets each)."""
+        keeper = self._keeper
+        if keeper is None:
+            return
+        try:
+            held = await held_by(keeper.kv, peer)
+        except Exception as exc:
+            # Its keys expire within owner_ttl, and wakes and registrations bring the
+            # queues here then, as without peer beats.
+            logger.warning("dispatcher.take_over_scan_failed peer=%s error=%r", peer, exc)
+            return
+        logger.warning(
+            "dispatcher.taking_over peer=%s queues=%d instance=%s",
+            peer,
+            len(held),
+            self.instance_id,
+        )
+        room = asyncio.Semaphore(TAKE_OVER_CONCURRENCY)
+
+        async def one(queue: str, revision: int) -> None:
+            async with room:
+                # A refusal a moment ago was the dead peer's key: try again now.
+                self._refused_until.pop(queue, None)
+                if not self._valid(queue) or not self._may_claim(queue):
+                    return
+                self._claiming[queue] = []
+                await self._claim(queue, revision)
+
+        await asyncio.gather(*(one(queue, revision) for queue, revision in held.items()))
 
     def _on_lost(self, queue: str) -> None:
         qd = self._queues.pop(queue, None)

@@ -27,6 +27,7 @@ class _Ask:
     queue: str
     limit: int
     ttl: timedelta
+    holders: tuple[str, ...]
     future: asyncio.Future[list[Task]] = field(repr=False)
 
 
@@ -41,11 +42,14 @@ class LeaseBatcher:
         self.rounds = 0
         self.asks = 0
 
-    async def lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
-        """What ``broker.lease(queue, limit, ttl)`` would return, perhaps leased together
-        with other queues' tasks. A broker error is raised to every caller of the round."""
+    async def lease(
+        self, queue: str, limit: int, ttl: timedelta, holders: Sequence[str] = ()
+    ) -> list[Task]:
+        """What ``broker.lease(queue, limit, ttl, holders=holders)`` would return, perhaps
+        leased together with other queues' tasks. A broker error is raised to every caller
+        of the round."""
         loop = asyncio.get_running_loop()
-        ask = _Ask(queue, limit, ttl, loop.create_future())
+        ask = _Ask(queue, limit, ttl, tuple(holders), loop.create_future())
         self._pending.append(ask)
         if self._runner is None or self._runner.done():
             self._runner = loop.create_task(self._run())
@@ -60,10 +64,14 @@ class LeaseBatcher:
             try:
                 if len(round_) == 1:
                     ask = round_[0]
-                    results = [await self._broker.lease(ask.queue, ask.limit, ask.ttl)]
+                    results = [
+                        await self._broker.lease(ask.queue, ask.limit, ask.ttl, holders=ask.holders)
+                    ]
                 else:
                     wants = [(ask.queue, ask.limit) for ask in round_]
-                    results = await self._broker.lease_many(wants, round_[0].ttl)
+                    results = await self._broker.lease_many(
+                        wants, round_[0].ttl, holders=[ask.holders for ask in round_]
+                    )
             except Exception as exc:
                 for ask in round_:
                     if not ask.future.done():

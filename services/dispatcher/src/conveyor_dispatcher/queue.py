@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -133,6 +134,7 @@ class QueueDispatcher:
             in_flight=msg.in_flight,
             now=self._now(),
             returned=msg.returned,
+            holder=msg.holder,
         )
         self._last_active = self._now()
         if not known:
@@ -226,27 +228,37 @@ class QueueDispatcher:
             while not self._stopped():
                 self._round_since = self._now()
                 self._dirty = False
-                want = min(self.book.total, self._config.batch_max)
+                # The slots are picked before the lease, so that each task is leased in
+                # the name of the process that will hold it (its gateway's holder): if
+                # that process dies, the reaper releases the task within seconds.
+                slots = self.book.take_slots(min(self.book.total, self._config.batch_max))
+                want = len(slots)
                 if want <= 0:
                     break
+                holders = [self.book.holder_of(gw) for gw in slots]
                 try:
-                    tasks = await self._leaser.lease(self.queue, want, self._config.lease_ttl)
+                    tasks = await self._leaser.lease(
+                        self.queue, want, self._config.lease_ttl, holders
+                    )
                 except Exception as exc:
+                    self.book.refund(slots)
                     logger.warning("dispatcher.lease_failed queue=%s error=%r", self.queue, exc)
                     await asyncio.sleep(ERROR_BACKOFF)
                     if self._dirty:
                         continue
                     break
                 if not tasks:
+                    self.book.refund(slots)
                     if self._dirty:
                         continue
                     break
                 self._last_active = self._now()
                 if self._stopped():
                     # Paused or lost the queue while leasing: give the tasks back now.
+                    self.book.refund(slots)
                     await self._release(tasks)
                     break
-                accepted, rejected = await self._dispatch(tasks)
+                accepted, rejected = await self._dispatch(tasks, slots)
                 more = len(tasks) == want or (rejected > 0 and accepted > 0)
                 if not (more or self._dirty):
                     break
@@ -258,11 +270,13 @@ class QueueDispatcher:
         finally:
             self._round_since = None
 
-    async def _dispatch(self, tasks: Sequence[Task]) -> tuple[int, int]:
-        """Send ``tasks`` to gateways by weight; release what nobody accepted.
+    async def _dispatch(self, tasks: Sequence[Task], slots: Sequence[str]) -> tuple[int, int]:
+        """Send ``tasks`` to the gateways whose ``slots`` (taken from the book for this
+        lease, the gateway of each) they were leased for; release what nobody accepted,
+        and give back the slots no task used.
 
         A task too big for any NATS message is archived first (see :func:`split_offer`):
-        it takes no credit and counts as neither accepted nor released. Returns
+        its slot is given back and it counts as neither accepted nor released. Returns
         (accepted, released).
         """
         offer, oversized = fit_offer(
@@ -270,15 +284,14 @@ class QueueDispatcher:
         )
         if oversized:
             await self._archive_oversized(oversized)
-        shares = self.book.take(len(offer))
-        plan: list[tuple[str, Sequence[tuple[Task, task_pb2.TaskEnvelope]]]] = []
-        start = 0
-        for gateway, count in shares.items():
-            plan.append((gateway, offer[start : start + count]))
-            start += count
-        # Credits can shrink while the lease runs (a gateway closed): those tasks go back.
-        leftover = [task for task, _ in offer[start:]]
-        results = await asyncio.gather(*(self._send(gw, batch) for gw, batch in plan))
+        plan, unused = assign(offer, slots, self.book.holder_of)
+        self.book.refund(unused)
+        # A gateway forgotten while the lease ran (it closed) gets nothing: its tasks go
+        # back at once.
+        leftover = [task for gw, batch in plan.items() if gw not in self.book for task, _ in batch]
+        results = await asyncio.gather(
+            *(self._send(gw, batch) for gw, batch in plan.items() if gw in self.book)
+        )
         rejected = leftover + [task for batch in results for task in batch]
         await self._release(rejected)
         accepted = len(offer) - len(rejected)
@@ -414,6 +427,36 @@ _Offer = list[tuple[Task, task_pb2.TaskEnvelope]]
 
 def _size(envelope: task_pb2.TaskEnvelope) -> int:
     return envelope.ByteSize() + _ENVELOPE_FRAMING
+
+
+def assign(
+    offer: Sequence[tuple[Task, task_pb2.TaskEnvelope]],
+    slots: Sequence[str],
+    holder_of: Callable[[str], str],
+) -> tuple[dict[str, _Offer], list[str]]:
+    """Give each task of ``offer`` one of the ``slots`` (the gateway of each, in the order
+    they were picked): the first one left whose gateway's holder is the one the task was
+    leased for (leasing k tasks, the broker names the holders of the first k slots, in
+    some order), else the first one left. Returns the tasks per gateway and the slots
+    left unused. So k tasks take the first k slots, split between gateways by weight."""
+    pools: dict[str, deque[int]] = {}
+    for index, gw in enumerate(slots):
+        pools.setdefault(holder_of(gw), deque()).append(index)
+    plan: dict[str, _Offer] = {}
+    unmatched: _Offer = []
+    for item in offer:
+        pool = pools.get(item[0].holder or "")
+        if pool:
+            plan.setdefault(slots[pool.popleft()], []).append(item)
+        else:
+            unmatched.append(item)
+    rest = sorted(index for pool in pools.values() for index in pool)
+    # A task whose holder no slot left has (a broker of an older release names none):
+    # the first slots left.
+    for item, index in zip(unmatched, rest, strict=False):
+        plan.setdefault(slots[index], []).append(item)
+    left = [slots[index] for index in rest[len(unmatched) :]]
+    return plan, left
 
 
 def fit_offer(

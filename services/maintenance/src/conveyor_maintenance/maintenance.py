@@ -10,13 +10,18 @@ skipped one only delays work.
   when a scheduled task it stored falls due): SCHEDULED tasks that are due become
   PENDING, and their queues are woken; then every cron entry whose next run has come
   fires (see :meth:`Maintenance.cron_pass`).
-- reaper, every ``reap_tick``: expired leases go back to RETRY (their queues are woken),
-  pre-dispatch TTLs are enforced, old terminal rows are purged, and every queue with due
-  work that some gateway serves is woken, which repairs any wake that was lost on the
-  way. Which queues are served it learns from the gateways' registrations, as the
+- reaper, every ``reap_tick``: the tasks held by dead api processes are released (a
+  *holder* silent for ``holder_silence`` both in the broker and on NATS: see
+  :mod:`conveyor_gateway.liveness`), expired leases go back to RETRY (their queues are
+  woken), pre-dispatch TTLs are enforced, old terminal rows are purged, and every queue
+  with due work that some gateway serves is woken, which repairs any wake that was lost
+  on the way. Which queues are served it learns from the gateways' registrations, as the
   dispatchers do (:class:`~conveyor_runtime.demand.Demand`): a queue nobody serves needs
   no wake (its work can go nowhere), and asking the broker about the served queues only
-  keeps a pass's cost to the queues in use, however many others hold work.
+  keeps a pass's cost to the queues in use, however many others hold work. Every
+  instance listens to the holders' NATS beats (the leader's successor knows who is
+  alive), and an instance that has listened for less than ``holder_silence`` judges
+  nobody.
 - storage, every ``storage_tick`` (unless ``storage_upkeep`` is off): the broker's
   storage upkeep (for Postgres, an ANALYZE or VACUUM of the task table when a burst has
   left its statistics or indexes behind). Its own role and loop, so a long VACUUM never
@@ -39,6 +44,7 @@ from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.types import (
     CronEntry,
     CronFired,
+    HolderReleaseParams,
     LeaseReapParams,
     StorageUpkeep,
     TaskState,
@@ -89,6 +95,8 @@ class ReaperReport:
     """What one reaper pass did."""
 
     reaped: int = 0
+    #: Tasks released because their holder (an api process) died.
+    released: int = 0
     archived: int = 0
     purged: int = 0
     woken: frozenset[str] = field(default_factory=frozenset)
@@ -129,6 +137,10 @@ class Maintenance:
         #: The queues some gateway serves, from the registrations every instance hears
         #: (a standby too: it may lead the reaper next).
         self.demand = Demand(settings.register_tick * REGISTER_TICKS_TO_EXPIRE)
+        self._beat_sub: Subscription | None = None
+        #: Holder -> when its last NATS beat arrived (loop time); since when we listen.
+        self._heard: dict[str, float] = {}
+        self._listening_since: float | None = None
         self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0}
 
     # -------------------------------------------------------------- lifecycle
@@ -152,6 +164,9 @@ class Maintenance:
         await self._keeper.start()
         self._hint_sub = await self.bus.subscribe_promote(self._promote_hint.set)
         self._register_sub = await self.bus.subscribe(cluster_pb2.Register, self._on_register)
+        self._beat_sub = await self.bus.subscribe(cluster_pb2.HolderBeat, self._on_holder_beat)
+        await self._nc.flush()
+        self._listening_since = self._now()
         self._loops = [
             asyncio.create_task(
                 self._lead(
@@ -178,11 +193,11 @@ class Maintenance:
 
     async def stop(self) -> None:
         """Stop the loops and give up any role held, so another instance takes over now."""
-        for sub in (self._hint_sub, self._register_sub):
+        for sub in (self._hint_sub, self._register_sub, self._beat_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-        self._hint_sub = self._register_sub = None
+        self._hint_sub = self._register_sub = self._beat_sub = None
         await cancel_and_wait(self._loops)
         self._loops = []
         if self._keeper is not None:
@@ -195,6 +210,27 @@ class Maintenance:
         if reg.gateway and QUEUE_RE.fullmatch(reg.queue):
             now = asyncio.get_running_loop().time()
             self.demand.heard(reg.queue, reg.gateway, closing=reg.closing, now=now)
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+    def _on_holder_beat(self, beat: cluster_pb2.HolderBeat) -> None:
+        if beat.holder:
+            self._heard[beat.holder] = self._now()
+
+    def alive_holders(self) -> frozenset[str] | None:
+        """The holders heard on NATS within ``holder_silence`` (the others are forgotten
+        here); None while this instance has listened for less than that, when silence
+        proves nothing."""
+        silence = self.settings.holder_silence
+        now = self._now()
+        if self._listening_since is None or now - self._listening_since < silence:
+            return None
+        for holder, at in list(self._heard.items()):
+            if now - at >= silence:
+                del self._heard[holder]
+        return frozenset(self._heard)
 
     def _on_lost(self, role: str) -> None:
         logger.warning("maintenance.leadership_lost role=%s instance=%s", role, self.instance_id)
@@ -365,7 +401,7 @@ class Maintenance:
         limit = self._limit
         failed: list[str] = []
         to_wake: set[str] = set()
-        reaped = archived = purged = 0
+        reaped = released = archived = purged = 0
         now = asyncio.get_running_loop().time()
         self.demand.expire(now)
         served = self.demand.queues(now)
@@ -376,6 +412,27 @@ class Maintenance:
             except Exception:
                 failed.append(name)
                 logger.exception("maintenance.step_failed step=%s", name)
+
+        async def release_dead_holders() -> None:
+            nonlocal released
+            alive = self.alive_holders()
+            if alive is None:
+                return
+            tasks = await self._broker.release_dead_holders(
+                HolderReleaseParams(
+                    silence=timedelta(seconds=self.settings.holder_silence),
+                    alive=alive,
+                    limit=limit,
+                )
+            )
+            released = len(tasks)
+            to_wake.update(t.queue for t in tasks)
+            for holder in sorted({t.holder for t in tasks}):
+                logger.warning(
+                    "maintenance.holder_dead holder=%s released=%d",
+                    holder,
+                    sum(1 for t in tasks if t.holder == holder),
+                )
 
         async def reap() -> None:
             nonlocal reaped
@@ -404,6 +461,7 @@ class Maintenance:
             for start in range(0, len(served), limit):
                 to_wake.update(await self._broker.due_among(served[start : start + limit]))
 
+        await step("release_dead_holders", release_dead_holders)
         await step("reap", reap)
         await step("archive_expired", archive_expired)
         await step("purge", purge)
@@ -411,16 +469,18 @@ class Maintenance:
         await step("wake", lambda: self.wake(sorted(to_wake)))
         report = ReaperReport(
             reaped=reaped,
+            released=released,
             archived=archived,
             purged=purged,
             woken=frozenset(to_wake),
             served=len(served),
             failed_steps=tuple(failed),
         )
-        if reaped or archived or purged:
+        if reaped or released or archived or purged:
             logger.info(
-                "maintenance.reaped reaped=%d archived=%d purged=%d woken=%d",
+                "maintenance.reaped reaped=%d released=%d archived=%d purged=%d woken=%d",
                 reaped,
+                released,
                 archived,
                 purged,
                 len(to_wake),

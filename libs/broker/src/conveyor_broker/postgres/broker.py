@@ -88,6 +88,8 @@ from conveyor_broker.postgres.queries.lease import (
 from conveyor_broker.postgres.queries.outcomes import ACK, ACK_BATCH, ARCHIVE, FAIL, RELEASE
 from conveyor_broker.postgres.queries.sweeps import (
     ARCHIVE_EXPIRED,
+    BEAT_HOLDER,
+    DEAD_HOLDERS,
     DUE_AMONG,
     DUE_QUEUES,
     FREE_ALL_LAPSED_CLAIMS,
@@ -96,6 +98,7 @@ from conveyor_broker.postgres.queries.sweeps import (
     PROMOTE_SCHEDULED,
     PURGE_TERMINAL,
     REAP_EXPIRED_LEASES,
+    RELEASE_DEAD_HOLDERS,
 )
 from conveyor_broker.postgres.queries.webhooks import (
     DELETE_WEBHOOK_WORKER,
@@ -125,12 +128,14 @@ from conveyor_broker.types import (
     EnqueueResult,
     GroupConfig,
     GroupStats,
+    HolderReleaseParams,
     LeaseReapParams,
     LeaseRef,
     NewTask,
     QueuePage,
     QueueStats,
     ReapedTask,
+    ReleasedTask,
     StorageUpkeep,
     Task,
     TaskEvent,
@@ -294,10 +299,12 @@ class PostgresBroker(Broker):
 
     # --------------------------------------------------------------------- lease
 
-    async def _lease(self, queue: str, limit: int, ttl: timedelta) -> list[Task]:
+    async def _lease(
+        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...]
+    ) -> list[Task]:
         now = self._clock.now()
         lease_ids = new_ids(now, limit)
-        rows = await self._fetch(LEASE, queue, now, limit, lease_ids, now + ttl)
+        rows = await self._fetch(LEASE, queue, now, limit, lease_ids, now + ttl, holders)
         return self._leased(rows, now)
 
     def _leased(self, rows: Iterable[asyncpg.Record], now: datetime) -> list[Task]:
@@ -310,11 +317,23 @@ class PostgresBroker(Broker):
         return [task for task, _ in leased]
 
     async def _lease_many(
-        self, wants: Sequence[tuple[str, int]], ttl: timedelta
+        self,
+        wants: Sequence[tuple[str, int]],
+        ttl: timedelta,
+        holders: Sequence[tuple[str, ...]],
     ) -> list[list[Task]]:
         # One statement for every queue.
         now = self._clock.now()
         lease_ids = new_ids(now, sum(limit for _, limit in wants))
+        # Each queue's holders padded to its limit, one after another ([] when none).
+        offsets: list[int] = []
+        flat: list[str] = []
+        named = any(holders)
+        for (_, limit), queue_holders in zip(wants, holders, strict=True):
+            offsets.append(len(flat))
+            if named:
+                flat += queue_holders
+                flat += [""] * (limit - len(queue_holders))
         rows = await self._fetch(
             LEASE_MANY,
             [queue for queue, _ in wants],
@@ -322,6 +341,8 @@ class PostgresBroker(Broker):
             now,
             lease_ids,
             now + ttl,
+            offsets,
+            flat,
         )
         by_queue: dict[str, list[Task]] = {queue: [] for queue, _ in wants}
         for task in self._leased(rows, now):
@@ -434,6 +455,29 @@ class PostgresBroker(Broker):
         if reaped:
             logger.info("broker.leases.reaped count=%d", len(reaped), extra={"count": len(reaped)})
         return reaped
+
+    async def _beat_holder(self, holder: str) -> None:
+        await self._execute(BEAT_HOLDER, holder, self._clock.now())
+
+    async def _release_dead_holders(self, params: HolderReleaseParams) -> list[ReleasedTask]:
+        now = self._clock.now()
+        cutoff = now - params.silence
+        # The common case (nobody dead) costs one look at a table of a few rows.
+        dead = [row["holder"] for row in await self._fetch(DEAD_HOLDERS, cutoff, params.alive)]
+        if not dead:
+            return []
+        rows = await self._fetch(RELEASE_DEAD_HOLDERS, now, cutoff, dead, params.limit)
+        rows = sorted(rows, key=lambda row: (row["lease_expires_at"], row["id"]))
+        self._emit(
+            TaskEvent(
+                row["id"], row["queue"], row["type"], TaskState.PENDING, TaskState.ACTIVE, now
+            )
+            for row in rows
+        )
+        released = [ReleasedTask(row["id"], row["queue"], row["holder"]) for row in rows]
+        if released:
+            logger.info("broker.holders.released count=%d", len(released))
+        return released
 
     async def _promote_scheduled(self, limit: int) -> dict[str, int]:
         now = self._clock.now()

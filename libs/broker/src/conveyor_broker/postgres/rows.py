@@ -87,6 +87,7 @@ def task_from_row(row: asyncpg.Record) -> Task:
         updated_at,
         started_at,
         completed_at,
+        holder,
     ) = row[:TASK_FIELD_COUNT]
     return Task(
         id=task_id,
@@ -118,6 +119,7 @@ def task_from_row(row: asyncpg.Record) -> Task:
         updated_at=updated_at,
         started_at=started_at,
         completed_at=completed_at,
+        holder=holder,
     )
 
 

@@ -49,6 +49,9 @@ CREATE TABLE conveyor_tasks (
     -- When a COMPLETED task with a retention of its own may be purged (completed_at +
     -- retention); NULL on every other row. Kept by the statements that complete a task.
     purge_at         timestamptz,
+    -- Who holds the lease (an api process, see conveyor_holders) while ACTIVE; NULL when
+    -- the dispatcher named nobody. Set by every lease, cleared when a lease ends.
+    holder           text,
     CONSTRAINT conveyor_tasks_pkey PRIMARY KEY (id),
     CONSTRAINT conveyor_tasks_state_check CHECK (state IN (
         'pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry',
@@ -214,3 +217,11 @@ CREATE TABLE conveyor_group_configs (
 -- GroupStats, DueGroups and LeaseGroup: the waiting members of each group, in join order.
 CREATE INDEX conveyor_tasks_aggregating_idx ON conveyor_tasks (queue, group_key, created_at, id)
     WHERE state = 'aggregating';
+-- Holders: the processes whose gateways hold leases (api processes), and when each last
+-- beat. The reaper releases the ACTIVE tasks of a holder silent for too long, and forgets
+-- a silent holder once it holds nothing.
+CREATE TABLE conveyor_holders (
+    holder  text NOT NULL,
+    seen_at timestamptz NOT NULL,
+    CONSTRAINT conveyor_holders_pkey PRIMARY KEY (holder)
+);

@@ -27,6 +27,7 @@ pytest.register_assert_rewrite(
     "conveyor_broker.testing.enqueue",
     "conveyor_broker.testing.events",
     "conveyor_broker.testing.groups",
+    "conveyor_broker.testing.holders",
     "conveyor_broker.testing.lease",
     "conveyor_broker.testing.outcomes",
     "conveyor_broker.testing.sweeps",
@@ -39,6 +40,7 @@ from conveyor_broker.testing.cron import CronTests  # noqa: E402
 from conveyor_broker.testing.enqueue import EnqueueTests  # noqa: E402
 from conveyor_broker.testing.events import EventTests  # noqa: E402
 from conveyor_broker.testing.groups import GroupTests  # noqa: E402
+from conveyor_broker.testing.holders import HolderTests  # noqa: E402
 from conveyor_broker.testing.lease import LeaseTests  # noqa: E402
 from conveyor_broker.testing.outcomes import OutcomeTests  # noqa: E402
 from conveyor_broker.testing.sweeps import SweepTests  # noqa: E402
@@ -50,6 +52,7 @@ class BrokerConformance(
     LeaseTests,
     OutcomeTests,
     SweepTests,
+    HolderTests,
     AdminTests,
     EventTests,
     WebhookTests,

@@ -49,6 +49,7 @@ TASK_FIELDS = (
     "updated_at",
     "started_at",
     "completed_at",
+    "holder",
 )
 
 #: Every column of a task row, in TASK_FIELDS order, qualified with the alias ``t``;

@@ -128,7 +128,7 @@ WITH old AS (
     SET state = CASE WHEN old.state = 'active' THEN 'archived' ELSE 'canceled' END,
         last_error = CASE WHEN old.state = 'active' THEN '{CANCELED_WHILE_RUNNING_ERROR}'
                           ELSE t.last_error END,
-        completed_at = $2, lease_id = NULL, lease_expires_at = NULL,
+        completed_at = $2, lease_id = NULL, lease_expires_at = NULL, holder = NULL,
         updated_at = $2::timestamptz
     FROM old
     WHERE t.id = old.id

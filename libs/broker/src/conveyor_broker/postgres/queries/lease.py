@@ -1,15 +1,19 @@
 """Statements of Lease, LeaseMany, ExtendLease(s) and SetProgress.
 
 A lease picks the due rows (locked with SKIP LOCKED, so concurrent leasers never
-collide), numbers them, and makes each ACTIVE with the next of the lease ids it was given.
+collide), numbers them, and makes each ACTIVE with the next of the lease ids it was given
+and the next of the holders ("" or none: NULL). The numbering follows no order (no sort:
+the plan stays a walk of the due index): the rows of one queue are numbered 1..k, so
+they take the first k holders, which is all the contract says.
 """
 
 from __future__ import annotations
 
 from conveyor_broker.postgres.queries import TASK_COLUMNS
 
-#: Lease up to $3 due tasks of queue $1 at now $2, handing out the lease ids $4 and
-#: expiry $5. The state list is written as conveyor_tasks_due_idx's predicate is.
+#: Lease up to $3 due tasks of queue $1 at now $2, handing out the lease ids $4, expiry
+#: $5 and the holders $6. The state list is written as conveyor_tasks_due_idx's
+#: predicate is.
 LEASE = f"""
 WITH due AS (
     SELECT id, state FROM conveyor_tasks
@@ -23,32 +27,37 @@ WITH due AS (
 )
 UPDATE conveyor_tasks t
 SET state = 'active', lease_id = ($4::text[])[numbered.n],
-    lease_expires_at = $5, started_at = $2, updated_at = $2, progress = NULL
+    lease_expires_at = $5, started_at = $2, updated_at = $2, progress = NULL,
+    holder = NULLIF(($6::text[])[numbered.n], '')
 FROM numbered
 WHERE t.id = numbered.id
 RETURNING {TASK_COLUMNS}, numbered.state AS previous_state
 """
 
 #: LEASE for several queues: $1 queues and $2 their limits (one lateral probe of the due
-#: index per queue), $3 now, $4 lease ids, $5 expiry.
+#: index per queue), $3 now, $4 lease ids, $5 expiry; $7 the holders of every queue, each
+#: queue's padded to its limit, and $6 where each queue's begin (0-based).
 LEASE_MANY = f"""
 WITH due AS (
-    SELECT d.id, d.state
-    FROM unnest($1::text[], $2::int[]) AS r(queue, n)
+    SELECT d.id, d.state, r.off + d.k AS h
+    FROM unnest($1::text[], $2::int[], $6::int[]) AS r(queue, n, off)
     CROSS JOIN LATERAL (
-        SELECT c.id, c.state FROM conveyor_tasks c
-        WHERE c.queue = r.queue AND c.state IN ('pending', 'retry') AND c.available_at <= $3
-          AND (c.expires_at IS NULL OR c.expires_at > $3)
-        ORDER BY c.available_at, c.id
-        LIMIT r.n
-        FOR UPDATE SKIP LOCKED
+        SELECT x.id, x.state, row_number() OVER () AS k FROM (
+            SELECT c.id, c.state FROM conveyor_tasks c
+            WHERE c.queue = r.queue AND c.state IN ('pending', 'retry')
+              AND c.available_at <= $3 AND (c.expires_at IS NULL OR c.expires_at > $3)
+            ORDER BY c.available_at, c.id
+            LIMIT r.n
+            FOR UPDATE SKIP LOCKED
+        ) x
     ) d
 ), numbered AS (
-    SELECT id, state, row_number() OVER () AS n FROM due
+    SELECT id, state, h, row_number() OVER () AS n FROM due
 )
 UPDATE conveyor_tasks t
 SET state = 'active', lease_id = ($4::text[])[numbered.n],
-    lease_expires_at = $5, started_at = $3, updated_at = $3, progress = NULL
+    lease_expires_at = $5, started_at = $3, updated_at = $3, progress = NULL,
+    holder = NULLIF(($7::text[])[numbered.h], '')
 FROM numbered
 WHERE t.id = numbered.id
 RETURNING {TASK_COLUMNS}, numbered.state AS previous_state

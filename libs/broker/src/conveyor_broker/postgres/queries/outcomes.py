@@ -18,7 +18,7 @@ ACK = f"""
 UPDATE conveyor_tasks t
 SET state = 'completed', result = $3, completed_at = $4, updated_at = $4,
     purge_at = $4::timestamptz + make_interval(secs => extract(epoch FROM t.retention)::float8),
-    lease_id = NULL, lease_expires_at = NULL
+    lease_id = NULL, lease_expires_at = NULL, holder = NULL
 WHERE t.id = $1 AND t.state = 'active' AND t.lease_id = $2
 RETURNING {TASK_COLUMNS}
 """
@@ -29,7 +29,7 @@ ACK_BATCH = """
 UPDATE conveyor_tasks t
 SET state = 'completed', result = u.result, completed_at = $4, updated_at = $4,
     purge_at = $4::timestamptz + make_interval(secs => extract(epoch FROM t.retention)::float8),
-    lease_id = NULL, lease_expires_at = NULL
+    lease_id = NULL, lease_expires_at = NULL, holder = NULL
 FROM unnest($1::text[], $2::text[], $3::bytea[]) AS u(id, lease_id, result)
 WHERE t.id = u.id AND t.lease_id = u.lease_id AND t.lease_expires_at IS NOT NULL
 RETURNING t.id, t.queue, t.type
@@ -47,7 +47,7 @@ SET state = CASE WHEN ($5::boolean OR t.retried >= t.max_retry) THEN 'archived'
     completed_at = CASE WHEN ($5::boolean OR t.retried >= t.max_retry) THEN $4::timestamptz
                         END,
     retried = t.retried + 1, last_error = $3, updated_at = $4,
-    lease_id = NULL, lease_expires_at = NULL
+    lease_id = NULL, lease_expires_at = NULL, holder = NULL
 WHERE t.id = $1 AND t.state = 'active' AND t.lease_id = $2
 RETURNING {TASK_COLUMNS}
 """
@@ -56,7 +56,7 @@ RETURNING {TASK_COLUMNS}
 RELEASE = f"""
 UPDATE conveyor_tasks t
 SET state = 'pending', available_at = $3, updated_at = $3,
-    lease_id = NULL, lease_expires_at = NULL
+    lease_id = NULL, lease_expires_at = NULL, holder = NULL
 WHERE t.id = $1 AND t.state = 'active' AND t.lease_id = $2
 RETURNING {TASK_COLUMNS}
 """
@@ -65,7 +65,7 @@ RETURNING {TASK_COLUMNS}
 ARCHIVE = f"""
 UPDATE conveyor_tasks t
 SET state = 'archived', last_error = $3, completed_at = $4, updated_at = $4,
-    lease_id = NULL, lease_expires_at = NULL
+    lease_id = NULL, lease_expires_at = NULL, holder = NULL
 WHERE t.id = $1 AND t.state = 'active' AND t.lease_id = $2
 RETURNING {TASK_COLUMNS}
 """

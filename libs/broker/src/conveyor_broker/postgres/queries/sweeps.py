@@ -25,10 +25,50 @@ SET state = CASE WHEN t.retried >= t.max_retry THEN 'archived' ELSE 'retry' END,
                         ELSE $3::timestamptz END,
     completed_at = CASE WHEN t.retried >= t.max_retry THEN $1::timestamptz END,
     retried = t.retried + 1, last_error = '{LEASE_EXPIRED_ERROR}', updated_at = $1,
-    lease_id = NULL, lease_expires_at = NULL
+    lease_id = NULL, lease_expires_at = NULL, holder = NULL
 FROM expired
 WHERE t.id = expired.id
 RETURNING t.id, t.queue, t.type, t.state, expired.lease_expires_at
+"""
+
+#: BeatHolder: holder $1 is alive at now $2.
+BEAT_HOLDER = """
+INSERT INTO conveyor_holders (holder, seen_at) VALUES ($1, $2)
+ON CONFLICT (holder) DO UPDATE SET seen_at = EXCLUDED.seen_at
+"""
+
+#: The holders whose last beat is at or before $1, but those in $2. (A small table: one
+#: row per api process that ran lately.)
+DEAD_HOLDERS = """
+SELECT holder FROM conveyor_holders WHERE seen_at <= $1 AND NOT (holder = ANY($2::text[]))
+"""
+
+#: The ACTIVE tasks of the dead holders $3 go back to PENDING at now $1 (at most $4, by
+#: lease expiry), as RELEASE gives a task back; and the holders of $3 that hold no ACTIVE
+#: task (as the statement's snapshot sees it: before the release) and have not beaten
+#: since $2 are forgotten. The tasks are found through conveyor_tasks_lease_expiry_idx
+#: (every ACTIVE row): the statement runs only while a holder is dead.
+RELEASE_DEAD_HOLDERS = """
+WITH forgotten AS (
+    DELETE FROM conveyor_holders h
+    WHERE h.holder = ANY($3::text[]) AND h.seen_at <= $2
+      AND NOT EXISTS (
+          SELECT 1 FROM conveyor_tasks c WHERE c.state = 'active' AND c.holder = h.holder
+      )
+    RETURNING h.holder
+), orphaned AS (
+    SELECT id, holder, lease_expires_at FROM conveyor_tasks
+    WHERE state = 'active' AND holder = ANY($3::text[])
+    ORDER BY lease_expires_at, id
+    LIMIT $4
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE conveyor_tasks t
+SET state = 'pending', available_at = $1, updated_at = $1,
+    lease_id = NULL, lease_expires_at = NULL, holder = NULL
+FROM orphaned
+WHERE t.id = orphaned.id
+RETURNING t.id, t.queue, t.type, orphaned.holder, orphaned.lease_expires_at
 """
 
 #: Due SCHEDULED tasks at now $1 become PENDING, at most $2 of them.
