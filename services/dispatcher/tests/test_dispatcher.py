@@ -645,15 +645,15 @@ async def test_an_owner_that_dies_is_replaced_as_soon_as_its_beats_stop(
     await wait_until(
         lambda: survivor.peers is not None and doomed.instance_id in survivor.peers.peers
     )
-    refused = survivor.claims_refused
 
     loop = asyncio.get_running_loop()
     died = loop.time()
     await close_nats(doomed_nc, drain=False)  # no release, no owner_changed, no goodbye
     await wait_until(lambda: {queue_name, other_queue} <= survivor.owned)
     assert loop.time() - died < 5.0  # well before the keys could expire (60 s)
+    # Taken over, not claimed (the keys live a minute): a claim refused meanwhile (the
+    # answers to the survivor's roll call can come late) changes nothing.
     assert survivor.taken_over == 2
-    assert survivor.claims_refused == refused
     # The gateways heard of the new owner and re-registered: it dispatches at once.
     await wait_until(lambda: (qd := survivor.queue(queue_name)) is not None and gw.id in qd.book)
     await enqueue(broker, queue_name, 1)
