@@ -466,6 +466,10 @@ class AdminTests:
         assert info.version
 
     async def test_upkeep_storage_on_a_quiet_store_does_nothing(self, broker: Broker) -> None:
+        # The first pass may catch up with what earlier tests left in a shared store's
+        # counters (they are not reset with the rows, and autovacuum may lag): after it,
+        # a store that only gained one row has nothing to do.
+        await broker.upkeep_storage()
         await enqueue(broker)
         report = await broker.upkeep_storage()
         assert not report.analyzed
