@@ -23,6 +23,11 @@ medians of each and their difference. ``--payload-bytes`` pads each task's paylo
 
 Prints a summary and writes bench/results/e2e.json (``--encryption both``:
 bench/results/e2e-encryption.json, every run and the medians).
+Prints a summary and writes bench/results/e2e.json.
+
+``--many-queues N`` runs another mode instead (bench/many_queues.py): one task in each of
+N queues that no worker serves, a busy queue beside them, and what they cost in NATS
+messages, JetStream operations and CPU, and in the busy queue's latency.
 """
 
 from __future__ import annotations
@@ -333,7 +338,27 @@ def main() -> None:
         "--payload-bytes", type=int, default=0, help="pad each task's payload to about this"
     )
     parser.add_argument("--admin-dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    many = parser.add_argument_group("many-queues mode")
+    many.add_argument(
+        "--many-queues",
+        type=int,
+        default=0,
+        metavar="N",
+        help="one task into each of N queues no worker serves, beside a busy queue",
+    )
+    many.add_argument("--busy-rate", type=float, default=500.0, help="busy queue's tasks/s")
+    many.add_argument("--window", type=float, default=20.0, help="seconds per measured window")
+    many.add_argument(
+        "--settle", type=float, default=5.0, help="seconds after the N enqueues before measuring"
+    )
     args = parser.parse_args()
+    if args.many_queues:
+        from bench import many_queues
+
+        found = uvloop.run(many_queues.run_many_queues(args))
+        many_queues.write(found)
+        print(many_queues.report(found))
+        return
     # The producer runs on uvloop, as the services and the SDK's Worker do. On the default
     # asyncio loop, grpc's asyncio client costs about 1 ms more per call here (measured:
     # light-load p50 5.2-5.7 ms instead of 4.1-4.6 ms).
