@@ -27,7 +27,9 @@ from typing import Any, TypeVar
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
 from nats.js.api import StorageType
+from nats.js.client import KV_PRE_TEMPLATE, KV_STREAM_TEMPLATE
 from nats.js.kv import KeyValue
 
 from conveyor_runtime.health import Health
@@ -53,6 +55,9 @@ STORAGE = StorageType.FILE
 HEALTH_TTLS = 3.0
 #: Least seconds between two attempts to create a missing bucket again.
 RECREATE_GAP = 0.5
+#: Seconds a service waits at start for NATS to create (or find) its bucket: making a
+#: file-backed stream, replicated on a cluster, may take longer than a key operation.
+OPEN_TIMEOUT = 5.0
 #: Seconds between two log lines about failing claims of one keeper (the next line
 #: counts those in between): a NATS without JetStream must not flood the logs.
 FAILURE_LOG_PERIOD = 5.0
@@ -111,6 +116,7 @@ class LeaseBucket:
         self.ttl = ttl
         self.replicas = replicas
         self._js = nc.jetstream(timeout=max(1.0, ttl / 3))
+        self._js_open = nc.jetstream(timeout=max(OPEN_TIMEOUT, ttl / 3))
         self._kv: KeyValue | None = None
         self._lock = asyncio.Lock()
         self._last_attempt = -math.inf
@@ -131,10 +137,10 @@ class LeaseBucket:
         replica count the cluster cannot hold, say) is raised.
         """
         async with self._lock:
-            self._last_attempt = time.monotonic()
             try:
-                self._kv = await self._create()
+                self._kv = await self._create(self._js_open)
             except Exception as exc:
+                self._last_attempt = time.monotonic()
                 self._note(exc)
                 if answered(exc):
                     why = getattr(exc, "description", None) or repr(exc)
@@ -153,9 +159,21 @@ class LeaseBucket:
                 return
             self._note(None)
 
-    async def _create(self) -> KeyValue:
+    async def _create(self, js: JetStreamContext) -> KeyValue:
+        """Create or find the bucket through ``js``; the handle for key operations, which
+        always go through ``self._js`` (its timeout) and plain (not direct) gets."""
+        await self._make(js)
+        return KeyValue(
+            name=self.name,
+            stream=KV_STREAM_TEMPLATE.format(bucket=self.name),
+            pre=KV_PRE_TEMPLATE.format(bucket=self.name),
+            js=self._js,
+            direct=False,
+        )
+
+    async def _make(self, js: JetStreamContext) -> None:
         try:
-            return await self._js.create_key_value(
+            await js.create_key_value(
                 bucket=self.name,
                 ttl=self.ttl,
                 history=1,
@@ -173,7 +191,7 @@ class LeaseBucket:
                 self.replicas,
                 STORAGE.value,
             )
-            return await self._js.key_value(self.name)
+            await js.key_value(self.name)
 
     async def _recreate(self, failed: KeyValue | None, exc: BaseException) -> KeyValue:
         """The bucket after a call through ``failed`` found it missing (``exc``)."""
@@ -186,7 +204,7 @@ class LeaseBucket:
                 logger.warning("ownership.bucket_missing bucket=%s error=%r", self.name, exc)
             self._last_attempt = time.monotonic()
             try:
-                self._kv = await self._create()
+                self._kv = await self._create(self._js)
             except Exception as failure:
                 if not self._create_failing:
                     # Logged once until it works: the health check says how long.
