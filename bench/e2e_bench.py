@@ -1,6 +1,7 @@
 """End-to-end benchmark: Postgres-backed services as processes, SDK workers, no-op tasks.
 
     uv run python -m bench.e2e_bench [--tasks 20000] [--workers 2] [--concurrency 64]
+    uv run python -m bench.e2e_bench --recovery [--rounds 3]
 
 Starts a private nats-server, a throwaway database (dropped afterwards), one api, one
 dispatcher, one maintenance process and SDK worker processes; with ``--retained N`` the
@@ -14,7 +15,10 @@ in production; vacuumed and analyzed); then
 2. latency at light load: enqueues one task at a time at a low rate and reports
    enqueue -> handler-start latency p50/p95/p99 (both ends read CLOCK_MONOTONIC).
 
-Prints a summary and writes bench/results/e2e.json.
+Prints a summary and writes bench/results/e2e.json. With ``--recovery`` it measures
+recovery instead: the stall after the queue's owning dispatcher is killed (or stopped)
+and how soon a killed api's tasks run again (bench/recovery_bench.py; writes
+bench/results/recovery.json).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from conveyor_broker.postgres import migrate
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_testkit.polling import wait_until
 
+from bench.recovery_bench import report as recovery_report
+from bench.recovery_bench import run_recovery
 from tests.e2e.harness import POLL_INTERVAL, Cluster
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -266,7 +272,19 @@ def main() -> None:
     parser.add_argument("--latency-samples", type=int, default=300)
     parser.add_argument("--latency-rate", type=float, default=50.0, help="tasks/s at light load")
     parser.add_argument("--admin-dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument(
+        "--recovery",
+        action="store_true",
+        help="measure recovery after kill -9 of the owning dispatcher and of an api instead",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="--recovery: rounds to run")
     args = parser.parse_args()
+    if args.recovery:
+        recovery = uvloop.run(run_recovery(args))
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "recovery.json").write_text(json.dumps(recovery, indent=2) + "\n")
+        print(recovery_report(recovery))
+        return
     # The producer runs on uvloop, as the services and the SDK's Worker do. On the default
     # asyncio loop, grpc's asyncio client costs about 1 ms more per call here (measured:
     # light-load p50 5.2-5.7 ms instead of 4.1-4.6 ms).
