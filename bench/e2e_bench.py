@@ -2,6 +2,7 @@
 
     uv run python -m bench.e2e_bench [--tasks 20000] [--workers 2] [--concurrency 64]
     uv run python -m bench.e2e_bench --encryption both --rounds 3   # its cost, on vs off
+    uv run python -m bench.e2e_bench --recovery [--rounds 3]
 
 Starts a private nats-server, a throwaway database (dropped afterwards), one api, one
 dispatcher, one maintenance process and SDK worker processes; with ``--retained N`` the
@@ -23,11 +24,14 @@ medians of each and their difference. ``--payload-bytes`` pads each task's paylo
 
 Prints a summary and writes bench/results/e2e.json (``--encryption both``:
 bench/results/e2e-encryption.json, every run and the medians).
-Prints a summary and writes bench/results/e2e.json.
 
 ``--many-queues N`` runs another mode instead (bench/many_queues.py): one task in each of
 N queues that no worker serves, a busy queue beside them, and what they cost in NATS
 messages, JetStream operations and CPU, and in the busy queue's latency.
+
+With ``--recovery`` it measures recovery instead: the stall after the queue's owning dispatcher is killed (or stopped)
+and how soon a killed api's tasks run again (bench/recovery_bench.py; writes
+bench/results/recovery.json).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ from conveyor_broker.postgres import migrate
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_testkit.polling import wait_until
 
+from bench.recovery_bench import report as recovery_report
+from bench.recovery_bench import run_recovery
 from tests.e2e.harness import POLL_INTERVAL, Cluster
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -332,7 +338,10 @@ def main() -> None:
         help="store task values encrypted (on), or compare (both: see --rounds)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="with --encryption both: pairs of runs"
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --encryption both: pairs of runs; with --recovery: rounds",
     )
     parser.add_argument(
         "--payload-bytes", type=int, default=0, help="pad each task's payload to about this"
@@ -351,6 +360,11 @@ def main() -> None:
     many.add_argument(
         "--settle", type=float, default=5.0, help="seconds after the N enqueues before measuring"
     )
+    parser.add_argument(
+        "--recovery",
+        action="store_true",
+        help="measure recovery after kill -9 of the owning dispatcher and of an api instead",
+    )
     args = parser.parse_args()
     if args.many_queues:
         from bench import many_queues
@@ -358,6 +372,12 @@ def main() -> None:
         found = uvloop.run(many_queues.run_many_queues(args))
         many_queues.write(found)
         print(many_queues.report(found))
+        return
+    if args.recovery:
+        recovery = uvloop.run(run_recovery(args))
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "recovery.json").write_text(json.dumps(recovery, indent=2) + "\n")
+        print(recovery_report(recovery))
         return
     # The producer runs on uvloop, as the services and the SDK's Worker do. On the default
     # asyncio loop, grpc's asyncio client costs about 1 ms more per call here (measured:

@@ -242,14 +242,15 @@ def _leased(holders: list[str | None]) -> list[tuple[Task, task_pb2.TaskEnvelope
 def test_assign_gives_each_task_a_slot_of_its_holder_in_pick_order() -> None:
     holder_of = {"a1": "A", "a2": "A", "b1": "B", "none": ""}.__getitem__
     slots = ["a1", "b1", "a2", "a1", "none", "b1"]
+    holders = [holder_of(gw) for gw in slots]
     # Three tasks: the broker named the holders of the first three slots (A, B, A).
     offer = _leased(["A", "A", "B"])
-    plan, left = assign(offer, slots, holder_of)
+    plan, left = assign(offer, slots, holders)
     assert {gw: len(batch) for gw, batch in plan.items()} == {"a1": 1, "a2": 1, "b1": 1}
     assert all(holder_of(gw) == t.holder for gw, batch in plan.items() for t, _ in batch)
     assert left == ["a1", "none", "b1"]
     # A task leased for nobody takes a slot of a gateway that names nobody.
-    plan, left = assign(_leased([None]), ["a1", "none"], holder_of)
+    plan, left = assign(_leased([None]), ["a1", "none"], ["A", ""])
     assert list(plan) == ["none"]
     assert left == ["a1"]
 
@@ -257,7 +258,6 @@ def test_assign_gives_each_task_a_slot_of_its_holder_in_pick_order() -> None:
 def test_assign_falls_back_to_the_first_slots_left_when_holders_do_not_match() -> None:
     """A broker of an older release names no holder: the tasks still go out, to the
     first slots, and the rest is given back."""
-    holder_of = {"a": "A", "b": "B"}.__getitem__
-    plan, left = assign(_leased([None, None]), ["b", "a", "b"], holder_of)
+    plan, left = assign(_leased([None, None]), ["b", "a", "b"], ["B", "A", "B"])
     assert {gw: len(batch) for gw, batch in plan.items()} == {"b": 1, "a": 1}
     assert left == ["b"]

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -258,7 +258,7 @@ class QueueDispatcher:
                     self.book.refund(slots)
                     await self._release(tasks)
                     break
-                accepted, rejected = await self._dispatch(tasks, slots)
+                accepted, rejected = await self._dispatch(tasks, slots, holders)
                 more = len(tasks) == want or (rejected > 0 and accepted > 0)
                 if not (more or self._dirty):
                     break
@@ -270,10 +270,12 @@ class QueueDispatcher:
         finally:
             self._round_since = None
 
-    async def _dispatch(self, tasks: Sequence[Task], slots: Sequence[str]) -> tuple[int, int]:
+    async def _dispatch(
+        self, tasks: Sequence[Task], slots: Sequence[str], holders: Sequence[str]
+    ) -> tuple[int, int]:
         """Send ``tasks`` to the gateways whose ``slots`` (taken from the book for this
-        lease, the gateway of each) they were leased for; release what nobody accepted,
-        and give back the slots no task used.
+        lease, the gateway of each, named as ``holders`` in the lease) they were leased
+        for; release what nobody accepted, and give back the slots no task used.
 
         A task too big for any NATS message is archived first (see :func:`split_offer`):
         its slot is given back and it counts as neither accepted nor released. Returns
@@ -284,7 +286,7 @@ class QueueDispatcher:
         )
         if oversized:
             await self._archive_oversized(oversized)
-        plan, unused = assign(offer, slots, self.book.holder_of)
+        plan, unused = assign(offer, slots, holders)
         self.book.refund(unused)
         # A gateway forgotten while the lease ran (it closed) gets nothing: its tasks go
         # back at once.
@@ -432,16 +434,17 @@ def _size(envelope: task_pb2.TaskEnvelope) -> int:
 def assign(
     offer: Sequence[tuple[Task, task_pb2.TaskEnvelope]],
     slots: Sequence[str],
-    holder_of: Callable[[str], str],
+    holders: Sequence[str],
 ) -> tuple[dict[str, _Offer], list[str]]:
     """Give each task of ``offer`` one of the ``slots`` (the gateway of each, in the order
-    they were picked): the first one left whose gateway's holder is the one the task was
-    leased for (leasing k tasks, the broker names the holders of the first k slots, in
-    some order), else the first one left. Returns the tasks per gateway and the slots
-    left unused. So k tasks take the first k slots, split between gateways by weight."""
+    they were picked, and ``holders``, the holder the lease named for each): the first
+    one left whose holder is the one the task was leased for (leasing k tasks, the broker
+    names the holders of the first k slots, in some order), else the first one left.
+    Returns the tasks per gateway and the slots left unused. So k tasks take the first k
+    slots, split between gateways by weight."""
     pools: dict[str, deque[int]] = {}
-    for index, gw in enumerate(slots):
-        pools.setdefault(holder_of(gw), deque()).append(index)
+    for index, holder in enumerate(holders):
+        pools.setdefault(holder, deque()).append(index)
     plan: dict[str, _Offer] = {}
     unmatched: _Offer = []
     for item in offer:
