@@ -1,11 +1,14 @@
-"""NATS restarts under load (issue 11), through real processes: an api, a dispatcher, a
-maintenance process and two SDK workers on a real Postgres and a private nats-server.
+"""NATS restarts and failover under load (issue 11), through real processes: an api, a
+dispatcher, a maintenance process and two SDK workers on a real Postgres and private
+nats-servers.
 
 While a producer enqueues a steady stream of tasks, nats-server is killed and started
-again, with its store or with an empty one (a lost disk, a new pod). Every task must
-complete, none may run twice, and tasks must flow again within seconds of NATS being
-back: the ownership and leaders buckets come back (on disk, or created again), the
-services take their keys back, and the health files say what is going on meanwhile.
+again, with its store or with an empty one (a lost disk, a new pod); or it comes back
+without JetStream; or, in a 3-node cluster, the node the dispatcher is on dies. Every
+task must complete, none may run twice, and tasks must flow again within seconds of NATS
+being back: the ownership and leaders buckets come back (on disk, replicated, or created
+again), the services take their keys back, and the health files say meanwhile whether
+each service can do its job.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class Producer:
 
 @dataclass
 class Stack:
+    """The processes of one test, their health files and the workers' record."""
+
     cluster: Cluster
     target: str
     record: Path
