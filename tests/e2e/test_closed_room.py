@@ -15,11 +15,13 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from conveyor import AsyncClient
 from conveyor_broker import NewTask, TaskState
+from conveyor_broker.ids import new_id
 from conveyor_broker.postgres import PostgresBroker
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
@@ -119,7 +121,7 @@ async def test_a_forged_dispatch_never_reaches_the_worker(
         return request.SerializeToString()
 
     for how, auth in forgers(cluster).items():
-        await send(intruder, subject, forged(f"forged-{how}"), auth)
+        await send(intruder, subject, forged(new_id(datetime.now(UTC))), auth)
         await wait_until(
             lambda how=how: refused(api, "DispatchRequest", how),  # type: ignore[misc]
             message=how,
@@ -128,14 +130,16 @@ async def test_a_forged_dispatch_never_reaches_the_worker(
         )
     # The same dispatch sealed with the cluster key does reach the worker: the door the
     # forgeries knocked on is the real one.
-    await send(intruder, subject, forged("sealed-1"), auth_of(cluster.cluster_key))
+    # (A gateway takes only task ids that are ULIDs, as the broker's are.)
+    sealed = new_id(datetime.now(UTC))
+    await send(intruder, subject, forged(sealed), auth_of(cluster.cluster_key))
     await wait_until(
-        lambda: "sealed-1" in started(record),
+        lambda: sealed in started(record),
         message="the sealed dispatch to run",
         within=30,
         interval=POLL_INTERVAL,
     )
-    assert started(record) == ["sealed-1"]
+    assert started(record) == [sealed]
 
 
 async def test_a_forged_cancel_leaves_the_running_task_alone(

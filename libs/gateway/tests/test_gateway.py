@@ -175,6 +175,39 @@ async def test_an_offer_with_times_protobuf_refuses_is_refused_alone(parts: Part
     assert not any(gateway.holds(t.id) for t in tasks[1:])
 
 
+async def test_an_envelope_whose_id_is_no_task_id_is_refused_alone(parts: Parts) -> None:
+    # Found by the fuzz suite: a forged offer (sealed, so believed) of a task "fz" was
+    # held and run; its ack then made the broker refuse the whole group commit it was in
+    # (InvalidTask), so the other workers' acks in that batch were dropped too.
+    gateway, transport = parts.gateway(concurrency=3)
+    good, other = await parts.leased(2)
+    forged = task_pb2.TaskEnvelope(id="fz", queue="q", lease_id="l-forged", attempt=1)
+
+    accepted = gateway.accept(
+        cluster_pb2.DispatchRequest(
+            queue="q", tasks=[task_to_envelope(good), forged, task_to_envelope(other)]
+        )
+    )
+
+    assert accepted == [good.id, other.id]
+    assert transport.dispatched == [accepted]
+    assert not gateway.holds("fz")
+    gateway.on_results(
+        [
+            result(good, service_pb2.OUTCOME_SUCCESS),
+            service_pb2.Result(
+                task_id="fz", lease_id="l-forged", outcome=service_pb2.OUTCOME_SUCCESS
+            ),
+            result(other, service_pb2.OUTCOME_SUCCESS),
+        ]
+    )
+
+    async def completed() -> bool:
+        return [await parts.state(t.id) for t in (good, other)] == [TaskState.COMPLETED] * 2
+
+    await wait_until(completed)
+
+
 # ------------------------------------------------------------- results
 
 

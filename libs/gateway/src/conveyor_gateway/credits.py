@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Coroutine
 from typing import Any
 
+from conveyor_broker.ids import is_ulid
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from nats.aio.subscription import Subscription
@@ -166,7 +167,9 @@ class Credits:
         for env in request.tasks:
             if room <= 0:
                 break
-            if not env.id or not env.lease_id or env.lease_id in held:
+            # A task id that is no ULID comes only from a broken or forged offer, and
+            # the broker would refuse its ack and every ack committed with it.
+            if not is_ulid(env.id) or not env.lease_id or env.lease_id in held:
                 logger.warning(
                     "gateway.bad_envelope gateway=%s task=%s lease=%s",
                     self._id,
