@@ -23,6 +23,7 @@ import pytest
 pytest.register_assert_rewrite(
     "conveyor_broker.testing.admin",
     "conveyor_broker.testing.builders",
+    "conveyor_broker.testing.dependencies",
     "conveyor_broker.testing.enqueue",
     "conveyor_broker.testing.events",
     "conveyor_broker.testing.lease",
@@ -33,6 +34,7 @@ pytest.register_assert_rewrite(
 
 from conveyor_broker.clock import FakeClock  # noqa: E402
 from conveyor_broker.testing.admin import AdminTests  # noqa: E402
+from conveyor_broker.testing.dependencies import DependencyTests  # noqa: E402
 from conveyor_broker.testing.enqueue import EnqueueTests  # noqa: E402
 from conveyor_broker.testing.events import EventTests  # noqa: E402
 from conveyor_broker.testing.lease import LeaseTests  # noqa: E402
@@ -42,7 +44,14 @@ from conveyor_broker.testing.webhooks import WebhookTests  # noqa: E402
 
 
 class BrokerConformance(
-    EnqueueTests, LeaseTests, OutcomeTests, SweepTests, AdminTests, EventTests, WebhookTests
+    EnqueueTests,
+    LeaseTests,
+    OutcomeTests,
+    SweepTests,
+    DependencyTests,
+    AdminTests,
+    EventTests,
+    WebhookTests,
 ):
     """Every behaviour the Broker interface promises. Subclass it and provide the
     ``clock`` and ``broker`` fixtures (see the module docstring)."""
