@@ -419,15 +419,16 @@ MAY_PUBLISH = {
         "watch",
         "callback",
         "events",
+        "resolve",
     },
     "dispatcher": {"dispatch", "owner", "events", "owners kv"},
-    "maintenance": {"wake", "events", "leaders kv"},
-    "webhook": {"wake", "register", "done", "events", "leaders kv"},
+    "maintenance": {"wake", "events", "leaders kv", "resolve"},
+    "webhook": {"wake", "register", "done", "events", "leaders kv", "resolve"},
 }
 MAY_SUBSCRIBE = {
     "api": {"dispatch", "every dispatch", "owner", "cancel", "watch", "events", "inbox"},
     "dispatcher": {"wake", "register", "done", "control", "owner", "watch", "inbox"},
-    "maintenance": {"promote", "watch", "inbox"},
+    "maintenance": {"promote", "watch", "inbox", "resolve"},
     "webhook": {"dispatch", "every dispatch", "owner", "cancel", "callback", "watch", "inbox"},
 }
 

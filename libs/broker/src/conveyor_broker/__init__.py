@@ -16,7 +16,13 @@ from conveyor_broker.errors import (
     TaskNotFound,
     WebhookWorkerNotFound,
 )
-from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, EventSink
+from conveyor_broker.interface import (
+    DEFAULT_MAX_RETRY,
+    MAX_BATCH,
+    Broker,
+    DependencySink,
+    EventSink,
+)
 from conveyor_broker.types import (
     INCOMPLETE_STATES,
     LEASABLE_STATES,
@@ -24,6 +30,10 @@ from conveyor_broker.types import (
     WAITING_STATES,
     AckItem,
     BrokerInfo,
+    DependencyLink,
+    DependencyListParams,
+    DependencyOutcome,
+    DependencyPage,
     EnqueueResult,
     LeaseReapParams,
     LeaseRef,
@@ -32,6 +42,7 @@ from conveyor_broker.types import (
     QueuePage,
     QueueStats,
     ReapedTask,
+    Resolution,
     StorageUpkeep,
     Task,
     TaskEvent,
@@ -58,6 +69,11 @@ __all__ = [
     "BrokerInfo",
     "Clock",
     "DatabaseUnavailable",
+    "DependencyLink",
+    "DependencyListParams",
+    "DependencyOutcome",
+    "DependencyPage",
+    "DependencySink",
     "DuplicateTask",
     "EnqueueResult",
     "EventSink",
@@ -73,6 +89,7 @@ __all__ = [
     "QueuePage",
     "QueueStats",
     "ReapedTask",
+    "Resolution",
     "StorageUpkeep",
     "SystemClock",
     "Task",

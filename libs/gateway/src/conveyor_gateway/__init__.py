@@ -2,7 +2,8 @@
 api) or a webhook registration (the webhook service) reached through its own
 :class:`Transport`. Also what both services share around it: the outcome mapping
 (:class:`Outcomes`), group commit (:class:`AckBatcher`, :class:`EnqueueCommitter`) and the
-hints to dispatchers and the scheduler (:class:`WakePublisher`)."""
+hints to dispatchers, the scheduler and the resolver (:class:`WakePublisher`,
+:class:`ResolvePublisher`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from conveyor_gateway.capacity import split_capacity
 from conveyor_gateway.config import GatewayConfig, WorkerSpec
 from conveyor_gateway.gateway import Gateway
 from conveyor_gateway.group_commit import AckBatcher, EnqueueCommitter
-from conveyor_gateway.hints import WakePublisher
+from conveyor_gateway.hints import ResolvePublisher, WakePublisher
 from conveyor_gateway.outcomes import Outcomes
 from conveyor_gateway.transport import Transport
 
@@ -20,6 +21,7 @@ __all__ = [
     "Gateway",
     "GatewayConfig",
     "Outcomes",
+    "ResolvePublisher",
     "Transport",
     "WakePublisher",
     "WorkerSpec",

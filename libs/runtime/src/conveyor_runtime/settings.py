@@ -415,7 +415,8 @@ class DispatcherSettings(ServiceSettings):
 
 
 class MaintenanceSettings(ServiceSettings):
-    """services/maintenance: scheduler and reaper (leader-elected)."""
+    """services/maintenance: scheduler, reaper, dependency resolver and storage upkeep
+    (leader-elected)."""
 
     promote_tick: float = Field(
         1.0,
@@ -434,6 +435,12 @@ class MaintenanceSettings(ServiceSettings):
         86400.0, ge=0, description="Seconds a completed task is kept when it sets no retention"
     )
     sweep_limit: int = Field(1000, ge=1, description="Most rows one sweep touches")
+    resolve_sweep_age: float = Field(
+        2.0,
+        ge=0,
+        description="Seconds the reaper leaves an ended task's dependents to the resolver "
+        "before its sweep resolves them itself (a lost Resolve, a resolver that died)",
+    )
     storage_upkeep: bool = Field(
         True,
         description="ANALYZE and VACUUM the task table when a burst has left its planner "

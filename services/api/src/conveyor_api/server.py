@@ -15,6 +15,7 @@ from conveyor_gateway import (
     EnqueueCommitter,
     Gateway,
     GatewayConfig,
+    ResolvePublisher,
     WakePublisher,
     WorkerSpec,
 )
@@ -101,6 +102,9 @@ class ApiServer:
         self.port = 0
         self.registry = SessionRegistry()
         self.wakes = WakePublisher(self.bus)
+        # The broker reports the ends of tasks others wait for (acks, failures, admin
+        # cancels, archives and deletes): they go to the resolver.
+        self.resolves = ResolvePublisher(self.bus, self.wakes)
         self.acks = AckBatcher(broker)
         self.committer = EnqueueCommitter(
             broker,
@@ -234,6 +238,7 @@ class ApiServer:
         self._cancel_sub = await self.bus.subscribe(
             cluster_pb2.CancelBroadcast, self._on_cancel_broadcast
         )
+        self.resolves.attach(self.broker)
         await self.nc.flush()
         await server.start()
         self._server = server
@@ -267,6 +272,8 @@ class ApiServer:
         await self.registry.shutdown()
         await self.committer.aclose()
         await self.acks.aclose()
+        self.resolves.detach(self.broker)
+        await self.resolves.aclose()
         await self.wakes.aclose()
         if self._cancel_sub is not None:
             try:

@@ -1,5 +1,5 @@
-"""Maintenance: the scheduler, the reaper and storage upkeep, each a leader-elected
-cluster singleton.
+"""Maintenance: the scheduler, the reaper, the dependency resolver and storage upkeep,
+each a leader-elected cluster singleton.
 
 Every instance runs every role loop; only the holder of a role's key in the leaders
 bucket runs its passes, the others try to claim the key every ``leader_ttl / 2``. A pass
@@ -10,8 +10,13 @@ skipped one only delays work.
   when a scheduled task it stored falls due): SCHEDULED tasks that are due become
   PENDING, and their queues are woken.
 - reaper, every ``reap_tick``: expired leases go back to RETRY (their queues are woken),
-  pre-dispatch TTLs are enforced, old terminal rows are purged, and every queue with due
-  work is woken, which repairs any wake that was lost on the way.
+  pre-dispatch TTLs are enforced, old terminal rows are purged, ended tasks whose
+  dependents were left unresolved for ``resolve_sweep_age`` are resolved (a lost
+  Resolve, a resolver that died mid-cascade), and every queue with due work is woken,
+  which repairs any wake that was lost on the way.
+- resolver, as ``Resolve`` messages arrive: the dependents of ended tasks are promoted,
+  canceled or left blocked, and promoted queues woken (see
+  :mod:`conveyor_maintenance.resolver`).
 - storage, every ``storage_tick`` (unless ``storage_upkeep`` is off): the broker's
   storage upkeep (for Postgres, an ANALYZE or VACUUM of the task table when a burst has
   left its statistics or indexes behind). Its own role and loop, so a long VACUUM never
@@ -31,6 +36,7 @@ from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.types import (
     LeaseReapParams,
+    Resolution,
     StorageUpkeep,
     TaskState,
     TerminalPurgeParams,
@@ -47,6 +53,8 @@ from conveyor_runtime.tracing import tracer
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
+from conveyor_maintenance.resolver import DependencyResolver
+
 logger = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 
@@ -57,6 +65,8 @@ STORAGE = "storage"
 MAX_PROMOTE_ROUNDS = 10
 #: Least seconds between the end of one scheduler pass and a pass a promote hint asks for.
 HINT_GAP = 0.05
+#: Most resolution calls in one reaper pass (each settles up to sweep_limit edges).
+MAX_RESOLVE_ROUNDS = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,8 @@ class ReaperReport:
     reaped: int = 0
     archived: int = 0
     purged: int = 0
+    #: Dependency edges the sweep settled (ends the resolver had not resolved).
+    resolved: int = 0
     woken: frozenset[str] = field(default_factory=frozenset)
     failed_steps: tuple[str, ...] = ()
 
@@ -95,11 +107,20 @@ class Maintenance:
         self._promote_hint = asyncio.Event()
         self._hint_sub: Subscription | None = None
         self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0}
+        self.resolver = DependencyResolver(
+            broker,
+            self.bus,
+            limit=self._limit,
+            wake=self.wake,
+            retry=settings.leader_ttl / 2,
+        )
+        self._background: set[asyncio.Task[None]] = set()
 
     # -------------------------------------------------------------- lifecycle
 
     def leads(self, role: str) -> bool:
-        """True while this instance holds ``role`` (scheduler, reaper or storage)."""
+        """True while this instance holds ``role`` (scheduler, reaper, resolver or
+        storage)."""
         return self._keeper is not None and self._keeper.holds(role)
 
     async def start(self) -> None:
@@ -112,6 +133,8 @@ class Maintenance:
         self._keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
         await self._keeper.start()
         self._hint_sub = await self.bus.subscribe_promote(self._promote_hint.set)
+        # The ends this process makes (reaped leases, expired tasks) go to the resolver.
+        self._broker.set_dependency_sink(self._on_dependency_work)
         self._loops = [
             asyncio.create_task(
                 self._lead(
@@ -126,6 +149,7 @@ class Maintenance:
                 self._lead(REAPER, self.settings.reap_tick, self.reaper_pass),
                 name="maintenance-reaper",
             ),
+            asyncio.create_task(self.resolver.run(self._keeper), name="maintenance-resolver"),
         ]
         if self.settings.storage_upkeep:
             self._loops.append(
@@ -144,10 +168,22 @@ class Maintenance:
             self._hint_sub = None
         await cancel_and_wait(self._loops)
         self._loops = []
+        if self._broker.dependency_sink == self._on_dependency_work:
+            self._broker.set_dependency_sink(None)
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         if self._keeper is not None:
             await self._keeper.stop(release=True)
             self._keeper = None
         logger.info("maintenance.stopped instance=%s", self.instance_id)
+
+    def _on_dependency_work(self, resolution: Resolution) -> None:
+        # Called by the broker after a commit: take note, never wait.
+        self.resolver.heard(resolution.pending)
+        if resolution.promoted:
+            task = asyncio.get_running_loop().create_task(self.wake(resolution.promoted))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _on_lost(self, role: str) -> None:
         logger.warning("maintenance.leadership_lost role=%s instance=%s", role, self.instance_id)
@@ -240,7 +276,7 @@ class Maintenance:
         limit = self._limit
         failed: list[str] = []
         to_wake: set[str] = set()
-        reaped = archived = purged = 0
+        reaped = archived = purged = resolved = 0
 
         async def step(name: str, call: Callable[[], Awaitable[None]]) -> None:
             try:
@@ -269,6 +305,22 @@ class Maintenance:
                 )
             )
 
+        async def resolve_missed() -> None:
+            # Ends the resolver left (a lost Resolve, a leader that died mid-cascade):
+            # found from an index, settled a bounded number of edges at a time.
+            nonlocal resolved
+            done = await self._broker.promote_ready_dependents(
+                limit, min_age=timedelta(seconds=self.settings.resolve_sweep_age)
+            )
+            for _ in range(MAX_RESOLVE_ROUNDS):
+                resolved += done.edges
+                to_wake.update(done.promoted)
+                if not done.pending:
+                    return
+                done = await self._broker.resolve_dependents(done.pending[:MAX_BATCH], limit)
+            # More than a pass's share: the resolver (or the next pass) goes on with it.
+            self.resolver.heard(done.pending)
+
         async def sweep_pending() -> None:
             # Which queues have due work, a page of names at a time: the broker finds them
             # without counting their tasks, so a pass costs the same with a million due.
@@ -282,6 +334,7 @@ class Maintenance:
 
         await step("reap", reap)
         await step("archive_expired", archive_expired)
+        await step("resolve_missed", resolve_missed)
         await step("purge", purge)
         await step("pending_sweep", sweep_pending)
         await step("wake", lambda: self.wake(sorted(to_wake)))
@@ -289,15 +342,17 @@ class Maintenance:
             reaped=reaped,
             archived=archived,
             purged=purged,
+            resolved=resolved,
             woken=frozenset(to_wake),
             failed_steps=tuple(failed),
         )
-        if reaped or archived or purged:
+        if reaped or archived or purged or resolved:
             logger.info(
-                "maintenance.reaped reaped=%d archived=%d purged=%d woken=%d",
+                "maintenance.reaped reaped=%d archived=%d purged=%d resolved=%d woken=%d",
                 reaped,
                 archived,
                 purged,
+                resolved,
                 len(to_wake),
             )
         return report
