@@ -465,10 +465,11 @@ MAY_PUBLISH = {
         "holder beat",
         "callback",
         "events",
+        "resolve",
     },
     "dispatcher": {"dispatch", "owner", "roll call", "dispatcher beat", "events", "owners kv"},
-    "maintenance": {"wake", "events", "leaders kv"},
-    "webhook": {"wake", "register", "done", "events", "leaders kv"},
+    "maintenance": {"wake", "events", "leaders kv", "resolve"},
+    "webhook": {"wake", "register", "done", "events", "leaders kv", "resolve"},
 }
 MAY_SUBSCRIBE = {
     "api": {
@@ -491,7 +492,7 @@ MAY_SUBSCRIBE = {
         "dispatcher beat",
         "inbox",
     },
-    "maintenance": {"register", "promote", "watch", "holder beat", "inbox"},
+    "maintenance": {"register", "promote", "watch", "holder beat", "inbox", "resolve"},
     "webhook": {
         "dispatch",
         "every dispatch",

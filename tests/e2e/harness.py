@@ -162,9 +162,12 @@ class Cluster:
         self.procs.append(proc.start())
         return proc
 
-    async def start_api(self, env: Mapping[str, str] | None = None) -> Proc:
-        """An api process on a free port; returns once it accepts connections."""
-        port = free_port()
+    async def start_api(
+        self, env: Mapping[str, str] | None = None, *, port: int | None = None
+    ) -> Proc:
+        """An api process on ``port`` (default: a free one); returns once it accepts
+        connections."""
+        port = port or free_port()
         # On loopback only: plaintext needs no CONVEYOR_ALLOW_PLAINTEXT there.
         proc = self.spawn(
             "api",

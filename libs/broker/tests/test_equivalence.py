@@ -4,10 +4,11 @@ Each example applies one random sequence of operations to a MemoryBroker and to 
 PostgresBroker (in a fresh schema), each on its own FakeClock moved identically. Task ids
 come from a small fixed pool so operations collide (idempotent enqueue, unique keys,
 lease-scoped calls on the wrong task). After every operation the two must agree on the
-outcome (value or exception type), the events reported, and the observable state: every
-task (except its lease id, which is random), queue_stats, pending_count, due_queues,
-due_among, the webhook worker registrations, the cron entries (with what is due), and
-the group configs, stats and due groups.
+outcome (value or exception type), the events reported, the dependency work reported to
+the dependency sink, and the observable state: every task (except its lease id, which is
+random), queue_stats, pending_count, due_queues, due_among, the webhook worker
+registrations, the cron entries (with what is due), the group configs, stats and due
+groups, and each task's dependency edges both ways.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ from conveyor_broker.types import (
     CronEntrySpec,
     CronFired,
     CronMisfire,
+    DependencyListParams,
+    DependencyPage,
     DueGroup,
     EnqueueResult,
     GroupConfig,
@@ -39,9 +42,11 @@ from conveyor_broker.types import (
     HolderReleaseParams,
     LeaseReapParams,
     NewTask,
+    OnFailure,
     QueueStats,
     ReapedTask,
     ReleasedTask,
+    Resolution,
     Task,
     TaskEvent,
     TaskListParams,
@@ -71,12 +76,14 @@ STALE_LEASE = str(ULID.from_int(7))
 
 @dataclass
 class Side:
-    """One broker under test, its clock, the lease ids it handed out and its events."""
+    """One broker under test, its clock, the lease ids it handed out, its events and
+    what it reported to its dependency sink."""
 
     broker: Broker
     clock: FakeClock
     leases: dict[str, str]
     events: list[TaskEvent]
+    resolutions: list[Resolution] = field(default_factory=list)
 
     async def lease(
         self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...] = ()
@@ -123,7 +130,9 @@ class Spec:
     expires_in: int | None
     max_retry: int
     group: bool
-    dep: int | None
+    #: Dependencies, as offsets from ``slot``.
+    deps: tuple[int, ...]
+    on_failure: OnFailure
     retention: int | None
 
     def build(self, now: datetime) -> NewTask:
@@ -143,7 +152,8 @@ class Spec:
             if self.unique is None or self.unique_ttl is None
             else timedelta(seconds=self.unique_ttl),
             group="g" if self.group else None,
-            depends_on=() if self.dep is None else (IDS[self.dep],),
+            depends_on=tuple(IDS[(self.slot + dep) % SLOTS] for dep in self.deps),
+            on_failure=self.on_failure,
         )
 
 
@@ -220,7 +230,7 @@ class Op:
     async def apply(self, side: Side) -> Any:
         b, now, a = side.broker, side.clock.now(), self.args
         match self.name:
-            case "enqueue":
+            case "enqueue" | "enqueue_run":
                 return await b.enqueue_batch([spec.build(now) for spec in a[0]])
             case "lease":
                 queue = a[0]
@@ -280,6 +290,23 @@ class Op:
                 return await b.revive_task(IDS[a[0]])
             case "delete":
                 return await b.delete_task(IDS[a[0]])
+            case "finish":
+                # End what is due (a few of each queue), so dependencies end often.
+                ended = []
+                for queue in sorted(await b.pending_count()):
+                    for task in await side.lease(queue, 3, timedelta(seconds=30)):
+                        lease = task.lease_id or ""
+                        if a[0]:
+                            ended.append(await b.ack(task.id, lease, b"ok"))
+                        else:
+                            ended.append(
+                                await b.fail(task.id, lease, "no", timedelta(0), skip_retry=True)
+                            )
+                return ended
+            case "resolve":
+                return await b.resolve_dependents([IDS[slot] for slot in a[0]], a[1])
+            case "sweep":
+                return await b.promote_ready_dependents(a[0], min_age=timedelta(seconds=a[1]))
             case "pause":
                 return await b.set_queue_paused(a[0], a[1])
             case "advance":
@@ -335,8 +362,10 @@ specs = st.builds(
     max_retry=st.integers(0, 3),
     # Grouped tasks wait for lease_group.
     group=st.sampled_from([False] * 5 + [True]),
-    # Rare: an unknown dependency fails the whole batch.
-    dep=st.sampled_from([None] * 8 + [0, 1]),
+    # Slots a few after or before the task's own (so never itself): often stored or in
+    # the same batch; an unknown one fails the whole batch, and so does a cycle.
+    deps=st.sampled_from([()] * 4 + [(1,), (SLOTS - 1,), (SLOTS - 2,), (1, SLOTS - 1), (2,)]),
+    on_failure=st.sampled_from(list(OnFailure)),
     retention=st.sampled_from([None, None, 0, 10]),
 )
 
@@ -374,6 +403,12 @@ _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     ),
     "beat": st.tuples(st.sampled_from(HOLDERS)),
     "release_dead": st.tuples(st.integers(1, 20), st.sampled_from([(), (), ("h2",)]), limits),
+    # Neighbouring slots in one batch, so that their dependencies meet within it.
+    "enqueue_run": st.tuples(
+        st.tuples(slots, st.lists(specs, min_size=2, max_size=4)).map(
+            lambda v: tuple(replace(spec, slot=(v[0] + i) % SLOTS) for i, spec in enumerate(v[1]))
+        )
+    ),
     "extend": targets,
     "ack": targets,
     "fail": st.tuples(targets, st.integers(0, 10), st.sampled_from([False] * 3 + [True])).map(
@@ -391,6 +426,9 @@ _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "archive_task": st.tuples(slots),
     "revive": st.tuples(slots),
     "delete": st.tuples(slots),
+    "resolve": st.tuples(st.lists(slots, min_size=1, max_size=4).map(tuple), limits),
+    "sweep": st.tuples(limits, st.sampled_from([0, 0, 5])),
+    "finish": st.tuples(st.sampled_from([True, True, False])),
     "pause": st.tuples(queues, st.booleans()),
     "advance": st.tuples(st.integers(1, 15_000)),
     "webhook_upsert": st.tuples(st.lists(hooks, min_size=1, max_size=4).map(tuple)),
@@ -421,9 +459,11 @@ _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
 # (one_of does not weight repeated branches; sampled_from does.)
 _KINDS = [
     *["enqueue", "lease"] * 6,
+    *["enqueue_run"] * 3,
     *["fail"] * 4,
     *["ack", "advance"] * 3,
     *["beat", "release_dead"] * 2,
+    *["resolve", "sweep", "finish"] * 2,
     "release",
     "webhook_upsert",
     "cron_upsert",
@@ -455,6 +495,10 @@ def _normal(value: Any) -> Any:
         return (value.queue, value.paused, dict(value.counts))
     if isinstance(value, WebhookWorker):
         return replace(value, queues=dict(value.queues))
+    if isinstance(value, Resolution):
+        return replace(value, promoted=dict(value.promoted))
+    if isinstance(value, DependencyPage):
+        return (value.links, value.next_cursor)
     if isinstance(value, CronEntry):
         return replace(value, task=replace(value.task, headers=dict(value.task.headers)))
     if isinstance(value, CronFired):
@@ -477,6 +521,11 @@ async def _outcome(op: Op, side: Side) -> Any:
 
 async def _snapshot(broker: Broker) -> tuple[Any, ...]:
     page = await broker.list_tasks(TaskListParams(limit=1000))
+    edges = [
+        _normal(await broker.list_dependencies(DependencyListParams(t.id, dependents=both)))
+        for t in page.tasks
+        for both in (False, True)
+    ]
     return (
         _normal(page.tasks),
         page.next_cursor,
@@ -490,6 +539,7 @@ async def _snapshot(broker: Broker) -> tuple[Any, ...]:
         await broker.list_group_configs(),
         await broker.group_stats(),
         await broker.due_groups(),
+        edges,
     )
 
 
@@ -563,11 +613,15 @@ async def test_memory_and_postgres_agree(schema: Schema, ops: list[Op]) -> None:
     ]
     for side in sides:
         side.broker.set_event_sink(side.events.append)
+        side.broker.set_dependency_sink(side.resolutions.append)
     memory, pg = sides
     for step, op in enumerate(ops):
         expected, got = await _outcome(op, memory), await _outcome(op, pg)
         assert got == expected, f"step {step}: {op}"
         assert _drain(pg) == _drain(memory), f"events of step {step}: {op}"
+        assert _normal(pg.resolutions) == _normal(memory.resolutions), f"sink, step {step}: {op}"
+        for side in sides:
+            side.resolutions.clear()
         assert await _snapshot(pg.broker) == await _snapshot(memory.broker), (
             f"state after step {step}: {op}"
         )

@@ -1,5 +1,6 @@
 """Postgres migrations: they produce the declared schema, apply once (also when run
-concurrently), honour a target, and what migration 003 (purge_at) changed.
+concurrently), honour a target, and what migrations 003 (purge_at) and 004 (dependency
+resolution) changed.
 
 Each test works in a database or schema of its own, so none depends on another's rows.
 """
@@ -286,3 +287,91 @@ async def test_a_row_completed_by_a_release_before_003_goes_by_its_own_retention
         )
         with pytest.raises(TaskNotFound):
             await broker.get_task(old_release.id)
+
+
+async def test_migration_004_makes_edges_stored_before_it_resolvable(pg_dsn: str) -> None:
+    """Edges stored before 004 were never resolved: they come out open (counted on their
+    waiting task, flagged on their dependency), an edge to a task no longer stored comes
+    out failed, and the sweep then resolves what has ended."""
+    clock = FakeClock()
+    start = clock.now()
+    done, running, gone = (
+        "01J00000000000000000000DN1",
+        "01J00000000000000000000RN1",
+        "01J00000000000000000000GN1",
+    )
+    waits, orphan = "01J00000000000000000000WT1", "01J00000000000000000000XR1"
+    async with scratch_database(pg_dsn) as dsn:
+        assert await migrate(dsn, target=3) == [1, 2, 3]
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows = [
+                new_task(
+                    NewTask("q", "t"), task_id=done, state=TaskState.PENDING, now=start, max_retry=3
+                ),
+                new_task(
+                    NewTask("q", "t"),
+                    task_id=running,
+                    state=TaskState.PENDING,
+                    now=start,
+                    max_retry=3,
+                ),
+                new_task(
+                    NewTask("w", "t", depends_on=(done, running)),
+                    task_id=waits,
+                    state=TaskState.BLOCKED,
+                    now=start,
+                    max_retry=3,
+                ),
+                new_task(
+                    NewTask("w", "t", depends_on=(gone,)),
+                    task_id=orphan,
+                    state=TaskState.BLOCKED,
+                    now=start,
+                    max_retry=3,
+                ),
+            ]
+            await conn.fetch(ENQUEUE, *enqueue_params(rows, start))
+            await conn.execute(
+                "UPDATE conveyor_tasks SET state = 'completed', completed_at = $2 WHERE id = $1",
+                done,
+                start,
+            )
+            await conn.execute(
+                "INSERT INTO conveyor_task_dependencies (task_id, depends_on) "
+                "SELECT * FROM unnest($1::text[], $2::text[])",
+                [waits, waits, orphan],
+                [done, running, gone],
+            )
+            assert await migrate(dsn) == [4]
+            tasks = {
+                row["id"]: tuple(row[1:])
+                for row in await conn.fetch(
+                    "SELECT id, deps_open, deps_failed, dependents_pending FROM conveyor_tasks"
+                )
+            }
+            edges = {
+                (row["task_id"], row["depends_on"]): row["outcome"]
+                for row in await conn.fetch("SELECT * FROM conveyor_task_dependencies")
+            }
+        finally:
+            await conn.close()
+        assert tasks == {
+            done: (0, 0, True),
+            running: (0, 0, True),
+            waits: (2, 0, False),
+            orphan: (0, 1, False),
+        }
+        assert edges == {(waits, done): None, (waits, running): None, (orphan, gone): "failed"}
+        broker = await PostgresBroker.connect(dsn, clock)
+        try:
+            assert (await broker.promote_ready_dependents()).edges == 1
+            assert (await broker.get_task(waits)).state == TaskState.BLOCKED
+            [leased] = await broker.lease("q", 1, TTL)
+            assert leased.id == running
+            await broker.ack(leased.id, leased.lease_id or "")
+            assert (await broker.resolve_dependents([running])).promoted == {"w": 1}
+            assert (await broker.get_task(waits)).state == TaskState.PENDING
+            assert (await broker.get_task(orphan)).state == TaskState.BLOCKED
+        finally:
+            await broker.close()

@@ -14,6 +14,11 @@ from typing import Any
 import asyncpg
 import pytest
 from conveyor_broker import AckItem, FakeClock, NewTask
+from conveyor_broker.postgres.queries.dependencies import (
+    LOCK_DEPENDENCIES,
+    READY_TO_RESOLVE,
+    RESOLVE_DEPENDENTS,
+)
 from conveyor_broker.postgres.queries.lease import EXTEND_LEASES, LEASE, LEASE_MANY
 from conveyor_broker.postgres.queries.outcomes import ACK_BATCH
 from conveyor_broker.postgres.queries.sweeps import DUE_AMONG, DUE_QUEUES, PURGE_TERMINAL
@@ -288,3 +293,95 @@ async def test_purge_and_due_queues_walk_their_indexes_on_a_never_analyzed_table
             "conveyor_tasks_due_idx"
         }, mode
         _assert_reads_little(mode, nodes, most=1)
+
+
+async def test_dependency_statements_walk_their_indexes_on_a_never_analyzed_table(
+    pg_dsn: str,
+) -> None:
+    """A fan-in of 5,000 parents to one child and a fan-out of one parent to 5,000
+    children, every parent completed, on a table whose statistics were never gathered:
+    resolving 100 of them reads their open edges from the open-edge index (at most
+    limit + 1 per parent), the sweep reads its limit from its own index, and the enqueue
+    locks its dependencies by primary key; none scans a table, custom plan or generic."""
+    clock = FakeClock()
+    async with scratch_schema(pg_dsn) as dsn, brokers(dsn, clock, 1) as [broker]:
+        conn = await asyncpg.connect(dsn)
+        try:
+            for table in ("conveyor_tasks", "conveyor_task_dependencies"):
+                await conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
+            parents: list[str] = []
+            for _ in range(5):
+                batch = await broker.enqueue_batch([NewTask("fan-in", "t") for _ in range(1000)])
+                parents += [r.task.id for r in batch]
+            await broker.enqueue(NewTask("child", "t", depends_on=tuple(parents)))
+            [root] = await broker.enqueue_batch([NewTask("fan-out", "t")])
+            for _ in range(5):
+                await broker.enqueue_batch(
+                    [NewTask("children", "t", depends_on=(root.task.id,)) for _ in range(1000)]
+                )
+            for queue, count in (("fan-in", 5000), ("fan-out", 1)):
+                while count:
+                    leased = await broker.lease(queue, min(count, 1000), TTL)
+                    acked = await broker.ack_batch(
+                        [AckItem(t.id, t.lease_id or "") for t in leased]
+                    )
+                    assert all(acked)
+                    count -= len(leased)
+            analyzed = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_user_tables WHERE schemaname = current_schema() "
+                "AND coalesce(last_analyze, last_autoanalyze) IS NOT NULL"
+            )
+            assert analyzed == 0
+            now = clock.now()
+            await conn.execute(
+                "PREPARE resolve_plan(text[], timestamptz, integer) AS " + RESOLVE_DEPENDENTS
+            )
+            await conn.execute("PREPARE ready_plan(timestamptz, integer) AS " + READY_TO_RESOLVE)
+            await conn.execute("PREPARE lock_plan(text[]) AS " + LOCK_DEPENDENCIES)
+            some = "ARRAY[" + ", ".join(f"'{p}'" for p in sorted(parents)[:100]) + "]"
+            fan_in = await _explain_analyze(
+                conn, f"EXECUTE resolve_plan({some}, '{now.isoformat()}', 100)"
+            )
+            fan_out = await _explain_analyze(
+                conn, f"EXECUTE resolve_plan(ARRAY['{root.task.id}'], '{now.isoformat()}', 100)"
+            )
+            ready = await _explain_analyze(conn, f"EXECUTE ready_plan('{now.isoformat()}', 50)")
+            lock = await _explain_analyze(conn, f"EXECUTE lock_plan({some})")
+        finally:
+            await conn.close()
+    for name, plans, most in (("fan-in", fan_in, 100), ("fan-out", fan_out, 101)):
+        for mode, nodes in plans.items():
+            scans = [
+                (n["Node Type"], n.get("Index Name"), n["Actual Rows"])
+                for n in nodes
+                if n["Node Type"].endswith("Scan") and "Relation Name" in n
+            ]
+            assert "conveyor_task_dependencies_open_idx" in [s[1] for s in scans], (name, scans)
+            # By index only (a bitmap of the primary key for the ids asked for will do),
+            # each read bounded by the limit.
+            for kind, _, rows in scans:
+                assert kind in ("Index Scan", "Index Only Scan", "Bitmap Heap Scan"), (
+                    name,
+                    mode,
+                    scans,
+                )
+                assert rows <= most, (name, mode, scans)
+            bitmaps = {n.get("Index Name") for n in nodes if n["Node Type"] == "Bitmap Index Scan"}
+            assert bitmaps <= {"conveyor_tasks_pkey"}, (name, mode, bitmaps)
+    for mode, nodes in ready.items():
+        assert {n.get("Index Name") for n in nodes if "Index Name" in n} == {
+            "conveyor_tasks_resolve_idx"
+        }, mode
+        _assert_reads_little(mode, nodes, most=50)
+    for mode, nodes in lock.items():
+        locks = [
+            (n["Node Type"], n.get("Index Name"))
+            for n in nodes
+            if "Relation Name" in n and n["Node Type"].endswith("Scan")
+        ]
+        assert locks, mode
+        for kind, index in locks:
+            assert kind in ("Index Scan", "Bitmap Heap Scan"), (mode, locks)
+            assert kind != "Index Scan" or index == "conveyor_tasks_pkey", (mode, locks)
+        bitmaps = {n.get("Index Name") for n in nodes if n["Node Type"] == "Bitmap Index Scan"}
+        assert bitmaps <= {"conveyor_tasks_pkey"}, (mode, bitmaps)

@@ -11,10 +11,11 @@ from types import ModuleType
 import pytest
 from conveyor_broker.postgres import queries
 from conveyor_broker.postgres.migrations import declared_schema, load_migrations
-from conveyor_broker.postgres.queries import admin, enqueue, lease, sweeps
+from conveyor_broker.postgres.queries import admin, dependencies, enqueue, lease, sweeps
 from conveyor_broker.types import (
     INCOMPLETE_STATES,
     LEASABLE_STATES,
+    TERMINAL_STATES,
     WAITING_STATES,
     TaskState,
 )
@@ -37,6 +38,7 @@ def test_no_sql_reads_the_database_clock() -> None:
     modules = _statement_modules()
     assert {m.__name__.rpartition(".")[2] for m in modules} >= {
         "admin",
+        "dependencies",
         "enqueue",
         "lease",
         "outcomes",
@@ -61,7 +63,8 @@ def _sql_list(states: frozenset[TaskState]) -> str:
     return "(" + ", ".join(f"'{state.value}'" for state in TaskState if state in states) + ")"
 
 
-_RUNNABLE_NOW = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
+_RESCHEDULABLE = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
+_RUNNABLE_NOW = _RESCHEDULABLE | {TaskState.BLOCKED}
 
 
 #: Statement -> (its text, the states each of its state lists must hold).
@@ -76,7 +79,7 @@ _STATE_LISTS = {
     "admin.ARCHIVE_TASK": (admin.ARCHIVE_TASK, WAITING_STATES),
     "admin.CANCEL_TASK": (admin.CANCEL_TASK, WAITING_STATES | {TaskState.ACTIVE}),
     "admin.RUN_TASK_NOW": (admin.RUN_TASK_NOW, _RUNNABLE_NOW),
-    "admin.RESCHEDULE_TASK": (admin.RESCHEDULE_TASK, _RUNNABLE_NOW),
+    "admin.RESCHEDULE_TASK": (admin.RESCHEDULE_TASK, _RESCHEDULABLE),
     "admin.REVIVE_TASK": (admin.REVIVE_TASK, frozenset({TaskState.ARCHIVED})),
     "enqueue.FREE_LAPSED_CLAIMS": (enqueue.FREE_LAPSED_CLAIMS, INCOMPLETE_STATES),
     "enqueue.FREE_LAPSED_CLAIMS_AND_READ_HOLDERS": (
@@ -84,6 +87,9 @@ _STATE_LISTS = {
         INCOMPLETE_STATES,
     ),
     "enqueue.UNIQUE_HOLDER": (enqueue.UNIQUE_HOLDER, INCOMPLETE_STATES),
+    "dependencies.RESOLVE_DEPENDENTS": (dependencies.RESOLVE_DEPENDENTS, TERMINAL_STATES),
+    "dependencies.READY_TO_RESOLVE": (dependencies.READY_TO_RESOLVE, TERMINAL_STATES),
+    "dependencies.LOCK_DEPENDENCIES": (dependencies.LOCK_DEPENDENCIES, TERMINAL_STATES),
 }
 
 
@@ -91,6 +97,6 @@ _STATE_LISTS = {
 def test_state_lists_are_the_state_sets(name: str) -> None:
     """Every ``state IN (...)`` of the statement lists its states, in TaskState order."""
     statement, states = _STATE_LISTS[name]
-    lists = re.findall(r"state IN (\([^)]*\))", statement)
+    lists = re.findall(r"state (?:NOT )?IN (\([^)]*\))", statement)
     assert lists, "no state list"
     assert set(lists) == {_sql_list(states)}

@@ -1,5 +1,6 @@
 """WakePublisher.wake_later against the session's private nats-server: wakes for work that
-falls due later (a retry after its backoff) go out when it is due, coalesced per tick."""
+falls due later (a retry after its backoff) go out when it is due, coalesced per tick.
+And ResolvePublisher: the ends a broker reports go out as few Resolve messages."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import asyncio
 import time
 from datetime import timedelta
 
-from conveyor_broker import FakeClock, NewTask, TaskState
+from conveyor_broker import FakeClock, NewTask, Resolution, TaskState
 from conveyor_broker.memory import MemoryBroker
-from conveyor_gateway.hints import WakePublisher
+from conveyor_gateway.hints import ResolvePublisher, WakePublisher
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_testkit.polling import wait_until
@@ -188,4 +189,56 @@ async def test_when_due_hints_whoever_acts_on_the_task(bus: Bus, clock: FakeCloc
     assert promotes[0] - asked >= 0.3
     assert dict(wakes.seen)["retrying"] - asked >= 0.3
     assert wakes.queues() == ["ready", "retrying"]
+    await publisher.aclose()
+
+
+# ------------------------------------------------------------------ ResolvePublisher
+
+
+async def test_the_ends_of_one_turn_go_out_as_one_resolve(bus: Bus, clock: FakeClock) -> None:
+    heard: list[list[str]] = []
+
+    def on_resolve(message: cluster_pb2.Resolve) -> None:
+        heard.append(list(message.task_ids))
+
+    await bus.subscribe(cluster_pb2.Resolve, on_resolve)
+    wakes = await listen(bus)
+    await bus.nc.flush()
+    publisher = ResolvePublisher(bus, WakePublisher(bus))
+    publisher(Resolution(pending=("a", "b")))
+    publisher(Resolution(pending=("b", "c"), promoted={"q": 2}))
+    await wait_until(lambda: heard == [["a", "b", "c"]] and wakes.queues() == ["q"], within=5)
+    assert publisher.published == 3
+    await publisher.aclose()
+
+
+async def test_a_long_list_of_ends_is_split(bus: Bus) -> None:
+    heard: list[int] = []
+    await bus.subscribe(cluster_pb2.Resolve, lambda m: heard.append(len(m.task_ids)))
+    await bus.nc.flush()
+    publisher = ResolvePublisher(bus, WakePublisher(bus))
+    publisher(Resolution(pending=tuple(f"t{n}" for n in range(ResolvePublisher.MAX_IDS + 5))))
+    await wait_until(lambda: sorted(heard) == [5, ResolvePublisher.MAX_IDS], within=5)
+    await publisher.aclose()
+
+
+async def test_the_broker_reports_to_the_attached_publisher(bus: Bus, clock: FakeClock) -> None:
+    heard: list[list[str]] = []
+    await bus.subscribe(cluster_pb2.Resolve, lambda m: heard.append(list(m.task_ids)))
+    await bus.nc.flush()
+    broker = MemoryBroker(clock)
+
+    def earlier(resolution: Resolution) -> None:
+        """Another service's sink on the same broker (conveyor dev shares one)."""
+
+    broker.set_dependency_sink(earlier)
+    publisher = ResolvePublisher(bus, WakePublisher(bus))
+    publisher.attach(broker)
+    dep = (await broker.enqueue(NewTask("q", "t"))).task
+    await broker.enqueue(NewTask("q", "t", depends_on=(dep.id,)))
+    [leased] = await broker.lease("q", 1, timedelta(seconds=30))
+    await broker.ack(leased.id, leased.lease_id or "")
+    await wait_until(lambda: heard == [[dep.id]], within=5)
+    publisher.detach(broker)
+    assert broker.dependency_sink is earlier
     await publisher.aclose()

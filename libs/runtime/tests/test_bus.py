@@ -90,7 +90,7 @@ async def test_each_message_type_goes_on_its_subject_with_its_bytes(
         (cluster_pb2.Done(gateway="g", queue="c", n=2, returned=9), f"{p}.q.c.done"),
         (cluster_pb2.Control(queue="d", reason="paused"), f"{p}.q.d.control"),
         (cluster_pb2.CancelBroadcast(task_id="t1", reason="operator"), f"{p}.cancel"),
-        (cluster_pb2.Resolve(task_id="t2", queue="e"), f"{p}.resolve"),
+        (cluster_pb2.Resolve(task_ids=["t2", "t3"]), f"{p}.resolve"),
         (cluster_pb2.HolderBeat(holder="api-1"), f"{p}.holder.beat"),
         (cluster_pb2.DispatcherBeat(instance="d-1", leaving=True), f"{p}.dispatcher.beat"),
     ]
@@ -163,7 +163,7 @@ async def test_every_type_round_trips_to_its_handler(bus: Bus, nc: NatsClient) -
         cluster_pb2.Done(gateway="g", queue="c", n=1, returned=1),
         cluster_pb2.Control(queue="d", reason="resumed"),
         cluster_pb2.CancelBroadcast(task_id="t1", reason="operator"),
-        cluster_pb2.Resolve(task_id="t2", queue="e"),
+        cluster_pb2.Resolve(task_ids=["t2", "t3"]),
         cluster_pb2.HolderBeat(holder="api-1"),
         cluster_pb2.DispatcherBeat(instance="d-1"),
     ]
@@ -255,10 +255,10 @@ async def test_resolve_is_subscribed_in_its_queue_group(bus: Bus, nc: NatsClient
     await nc.flush()
     assert sub.queue == RESOLVE_GROUP
     for n in range(20):
-        await bus.publish(cluster_pb2.Resolve(task_id=f"t{n}", queue="q"))
+        await bus.publish(cluster_pb2.Resolve(task_ids=[f"t{n}"]))
     await wait_until(lambda: len(first) + len(second) == 20, within=TIMEOUT)
     # One member of the group takes each: none arrives twice.
-    assert sorted(r.task_id for r in first + second) == sorted(f"t{n}" for n in range(20))
+    assert sorted(r.task_ids[0] for r in first + second) == sorted(f"t{n}" for n in range(20))
 
 
 async def test_subscribe_refuses_what_it_cannot_route(bus: Bus) -> None:

@@ -233,7 +233,7 @@ def _leased(holders: list[str | None]) -> list[tuple[Task, task_pb2.TaskEnvelope
     """Leased tasks held by ``holders`` (None: nobody), as an offer."""
     now = datetime(2030, 1, 1, tzinfo=UTC)
     tasks = [
-        replace(new_row(f"t{i}", NewTask("q", "t"), now, blocked=False, max_retry=0), holder=h)
+        replace(new_row(f"t{i}", NewTask("q", "t"), now, start=None, max_retry=0), holder=h)
         for i, h in enumerate(holders)
     ]
     return [(task, task_pb2.TaskEnvelope(id=task.id)) for task in tasks]

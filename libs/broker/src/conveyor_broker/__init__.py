@@ -18,7 +18,13 @@ from conveyor_broker.errors import (
     TaskNotFound,
     WebhookWorkerNotFound,
 )
-from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, EventSink
+from conveyor_broker.interface import (
+    DEFAULT_MAX_RETRY,
+    MAX_BATCH,
+    Broker,
+    DependencySink,
+    EventSink,
+)
 from conveyor_broker.types import (
     INCOMPLETE_STATES,
     LEASABLE_STATES,
@@ -30,6 +36,10 @@ from conveyor_broker.types import (
     CronEntrySpec,
     CronFired,
     CronMisfire,
+    DependencyLink,
+    DependencyListParams,
+    DependencyOutcome,
+    DependencyPage,
     DueGroup,
     EnqueueResult,
     GroupConfig,
@@ -44,6 +54,7 @@ from conveyor_broker.types import (
     QueueStats,
     ReapedTask,
     ReleasedTask,
+    Resolution,
     StorageUpkeep,
     Task,
     TaskEvent,
@@ -75,6 +86,11 @@ __all__ = [
     "CronFired",
     "CronMisfire",
     "DatabaseUnavailable",
+    "DependencyLink",
+    "DependencyListParams",
+    "DependencyOutcome",
+    "DependencyPage",
+    "DependencySink",
     "DueGroup",
     "DuplicateTask",
     "EnqueueResult",
@@ -97,6 +113,7 @@ __all__ = [
     "QueueStats",
     "ReapedTask",
     "ReleasedTask",
+    "Resolution",
     "StorageUpkeep",
     "SystemClock",
     "Task",

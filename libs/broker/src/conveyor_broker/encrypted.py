@@ -50,7 +50,7 @@ from typing import Any, Generic, TypeVar
 from conveyor_broker.backoff import Backoff
 from conveyor_broker.errors import NotSupported
 from conveyor_broker.ids import new_ids
-from conveyor_broker.interface import Broker, EventSink
+from conveyor_broker.interface import Broker, DependencySink, EventSink
 from conveyor_broker.keyring import (
     HEADER,
     LAST_ERROR,
@@ -66,6 +66,8 @@ from conveyor_broker.types import (
     CronEntry,
     CronEntrySpec,
     CronFired,
+    DependencyListParams,
+    DependencyPage,
     DueGroup,
     EnqueueResult,
     GroupConfig,
@@ -78,6 +80,7 @@ from conveyor_broker.types import (
     QueueStats,
     ReapedTask,
     ReleasedTask,
+    Resolution,
     StorageUpkeep,
     Task,
     TaskEvent,
@@ -253,6 +256,12 @@ class EncryptedBroker(Broker):
         their errors opened."""
         self._sink = sink
         self._inner.set_event_sink(None if sink is None else self._relay)
+
+    def set_dependency_sink(self, sink: DependencySink | None) -> None:
+        """Report the dependency work the inner broker's commits leave to ``sink`` (ids and
+        queues only: nothing sealed)."""
+        super().set_dependency_sink(sink)
+        self._inner.set_dependency_sink(sink)
 
     def _relay(self, event: TaskEvent) -> None:
         if event.error is not None:
@@ -496,6 +505,17 @@ class EncryptedBroker(Broker):
         return await self._inner._replace_webhook_secrets(name, expected, secrets)
 
     # ----------------------------------------------------------------- lifecycle
+
+    # ------------------------------------------------------------ dependencies
+
+    async def _resolve_dependents(self, task_ids: Sequence[str], limit: int) -> Resolution:
+        return await self._inner._resolve_dependents(task_ids, limit)
+
+    async def _promote_ready_dependents(self, limit: int, min_age: timedelta) -> Resolution:
+        return await self._inner._promote_ready_dependents(limit, min_age)
+
+    async def _list_dependencies(self, params: DependencyListParams) -> DependencyPage:
+        return await self._inner._list_dependencies(params)
 
     # ---------------------------------------------------------------- due work
 

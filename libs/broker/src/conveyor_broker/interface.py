@@ -19,7 +19,16 @@ Every implementation (memory, postgres) passes the same conformance suite
   was (``extend_lease``, ``set_progress``, ``run_task_now`` of a PENDING task, a
   ``reschedule_task`` that stays SCHEDULED, an idempotent re-enqueue) report nothing.
   ``error`` is the task's ``last_error`` when the new state is RETRY or ARCHIVED, else
-  None. An exception raised by the sink is logged and swallowed.
+  None. An exception raised by the sink is logged and swallowed;
+- dependencies (see :mod:`conveyor_broker.dependencies`): a change that ends a task
+  (COMPLETED, ARCHIVED, CANCELED, or deleted) whose dependents are not resolved yet, or
+  whose deletion settled some, reports that work to the dependency sink after the commit
+  (:meth:`Broker.set_dependency_sink`), as a :class:`~conveyor_broker.types.Resolution`:
+  who holds the sink resolves it (:meth:`Broker.resolve_dependents`) and wakes the
+  queues of what was promoted. Nothing is lost if no one does: the sweep
+  :meth:`Broker.promote_ready_dependents` finds every ended task with unresolved
+  dependents. ``resolve_dependents`` and ``promote_ready_dependents`` report nothing
+  there: they return their work.
 
 Conventions of every method:
 
@@ -33,7 +42,8 @@ Conventions of every method:
 - a sweep with a ``limit`` takes the oldest rows first, then by id: by
   ``lease_expires_at`` (reap), ``available_at`` (promote), ``expires_at``
   (archive_expired), ``completed_at`` plus the retention that applies (purge);
-- after ``close`` every method except ``close`` and ``set_event_sink`` raises BrokerClosed.
+- after ``close`` every method except ``close``, ``set_event_sink`` and
+  ``set_dependency_sink`` raises BrokerClosed.
 
 How the work is shared: :class:`Broker`'s public methods are the contract. Each one
 raises BrokerClosed on a closed broker and InvalidTask for bad input, then hands the call
@@ -53,6 +63,7 @@ from importlib import metadata
 
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.cron import CronSchedule
+from conveyor_broker.dependencies import unique_dependencies
 from conveyor_broker.errors import BrokerClosed, InvalidTask
 from conveyor_broker.types import (
     AckItem,
@@ -60,6 +71,8 @@ from conveyor_broker.types import (
     CronEntry,
     CronEntrySpec,
     CronFired,
+    DependencyListParams,
+    DependencyPage,
     DueGroup,
     EnqueueResult,
     GroupConfig,
@@ -72,6 +85,7 @@ from conveyor_broker.types import (
     QueueStats,
     ReapedTask,
     ReleasedTask,
+    Resolution,
     StorageUpkeep,
     Task,
     TaskEvent,
@@ -112,6 +126,9 @@ logger = logging.getLogger(__name__)
 
 #: Called once per committed state change, in commit order. Must not block.
 EventSink = Callable[[TaskEvent], None]
+#: Called after a commit that left dependency work (see the module docstring). Must not
+#: block.
+DependencySink = Callable[[Resolution], None]
 
 #: Most tasks one EnqueueBatch may carry.
 MAX_BATCH = 1000
@@ -158,6 +175,7 @@ class Broker(abc.ABC):
         #: Set by ``close`` (each implementation's own), read by every public method.
         self._closed = False
         self._sink: EventSink | None = None
+        self._dependency_sink: DependencySink | None = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -178,6 +196,16 @@ class Broker(abc.ABC):
                     "broker.event_sink_failed task_id=%s state=%s", event.task_id, event.state
                 )
 
+    def _report(self, resolution: Resolution) -> None:
+        """Report dependency work a committed change left to the dependency sink."""
+        sink = self._dependency_sink
+        if sink is None or not resolution:
+            return
+        try:
+            sink(resolution)
+        except Exception:
+            logger.exception("broker.dependency_sink_failed pending=%d", len(resolution.pending))
+
     # ------------------------------------------------------------------ enqueue
 
     async def enqueue(self, task: NewTask) -> EnqueueResult:
@@ -187,12 +215,21 @@ class Broker(abc.ABC):
     async def enqueue_batch(self, tasks: Sequence[NewTask]) -> list[EnqueueResult]:
         """Store up to MAX_BATCH tasks, all-or-nothing, and return them in order.
 
-        Items are taken in order, so an item may name an earlier item of the same batch
-        (in ``depends_on`` or as a repeated id) as if it were already stored.
+        Dependencies: ``depends_on`` names stored tasks or items of the same batch
+        (earlier or later), each at most :data:`~conveyor_broker.validation.MAX_DEPENDENCIES`
+        (repeats count once and are stored once). InvalidTask for an unknown id (the first,
+        in batch order) or for a cycle among the batch's items (naming it). The initial
+        state follows from the dependencies' states (see
+        :func:`~conveyor_broker.dependencies.verdict`): CANCELED when one failed (ARCHIVED
+        or CANCELED, or an item born CANCELED) and ``on_failure`` is CASCADE_CANCEL
+        (``completed_at = now``, ``last_error`` naming the smallest such id); else BLOCKED
+        while one has not ended, or when one failed and ``on_failure`` is BLOCK; else
+        (every one COMPLETED, or ended and ``on_failure`` is CONTINUE) as without
+        dependencies: AGGREGATING when ``group`` is set, else SCHEDULED when
+        ``process_at`` is after now, else PENDING. A task born CANCELED takes no unique
+        claim and is not checked against one. Items that name a repeated id refer to its
+        first occurrence.
 
-        The initial state is BLOCKED when ``depends_on`` names a task that is not
-        COMPLETED (unknown ids raise InvalidTask), else AGGREGATING when ``group`` is set,
-        else SCHEDULED when ``process_at`` is after now, else PENDING.
         ``available_at`` is ``process_at`` or now. ``max_retry`` None takes the broker's
         default; ``unique_until`` is ``now + unique_ttl`` (None without a ``unique_ttl``);
         ``created_at = updated_at = now``; ``retried`` is 0; the other execution fields are
@@ -201,10 +238,11 @@ class Broker(abc.ABC):
         Idempotent on id: a task whose id is already stored is returned as stored, with
         ``created=False``, and nothing about it changes (the new request is not compared
         with it, and its unique key is not checked). Raises InvalidTask for bad input
-        (see ``conveyor_broker.validation``) or an unknown dependency, DuplicateTask when
-        a unique key is held by a live task (or twice within the batch). InvalidTask wins
-        when a batch has both. With several conflicts, ``existing_id`` names the holder
-        of one of them (a stored task or an earlier item of the batch).
+        (see ``conveyor_broker.validation``) or an unknown dependency or a cycle,
+        DuplicateTask when a unique key is held by a live task (or twice within the
+        batch). InvalidTask wins when a batch has both. With several conflicts,
+        ``existing_id`` names the holder of one of them (a stored task or an earlier item
+        of the batch).
 
         Unique claims: a task holds the claim on ``(queue, unique_key)`` while its state is
         not terminal and ``unique_until`` is None or after now. So a claim lapses at
@@ -216,6 +254,12 @@ class Broker(abc.ABC):
         check_batch(tasks, max_batch=MAX_BATCH, max_payload=self._max_payload)
         if not tasks:
             return []
+        tasks = [
+            task
+            if len(task.depends_on) < 2 or len(set(task.depends_on)) == len(task.depends_on)
+            else replace(task, depends_on=unique_dependencies(task.depends_on))
+            for task in tasks
+        ]
         return await self._enqueue_batch(tasks)
 
     # -------------------------------------------------------------------- lease
@@ -418,7 +462,10 @@ class Broker(abc.ABC):
         COMPLETED rows go when ``completed_at + retention <= now``, where a task's own
         ``retention`` (zero included) wins over ``params.default_retention`` when it is
         set; ARCHIVED and CANCELED rows when ``completed_at + params.archive_retention <=
-        now``. Rows in other states are never purged. With more rows past their retention
+        now``. Rows in other states are never purged, nor ended rows whose dependents are
+        not resolved yet (they wait for :meth:`resolve_dependents` or the sweep). A
+        purged task's edges to the tasks it waited for go with it; edges of tasks that
+        waited for it stay (with their outcome). With more rows past their retention
         than ``params.limit``, the ones whose purge time (``completed_at`` plus the
         retention that applies) is oldest go first, then by id, whatever their state.
         Purged rows report no events. An implementation may also drop lapsed unique claims
@@ -437,6 +484,65 @@ class Broker(abc.ABC):
         self._check_open()
         check_limit(limit, upper=MAX_BATCH)
         return await self._archive_expired(limit)
+
+    # ------------------------------------------------------------- dependencies
+
+    async def resolve_dependents(self, task_ids: Sequence[str], limit: int = 1000) -> Resolution:
+        """Settle the edges of the tasks that wait for ``task_ids`` (up to MAX_BATCH ids),
+        at most ``limit`` edges (1..MAX_BATCH) in one transaction.
+
+        Only ended tasks (COMPLETED, ARCHIVED, CANCELED) whose dependents are not all
+        resolved take part; other ids are ignored. Their open edges are taken by
+        dependency id, then dependent id, the first ``limit``: each becomes SATISFIED
+        (the dependency completed) or FAILED, and the dependent's counters follow. A
+        dependent still BLOCKED then follows its :func:`~conveyor_broker.dependencies.verdict`:
+        RUN promotes it (AGGREGATING when ``group`` is set, else SCHEDULED when
+        ``process_at`` is after now, else PENDING; ``available_at`` unchanged), CANCEL
+        cancels it (``completed_at = now``, ``last_error`` naming the smallest dependency
+        id that failed among the edges settled here for it), WAIT leaves it BLOCKED.
+        Dependents in other states (run now, canceled by an operator) only have their
+        edges settled. Every change sets ``updated_at = now`` on the dependent.
+
+        Returns the work done and left: ``promoted`` (PENDING, per queue), ``canceled``,
+        ``edges`` (settled), and ``pending``: the ids whose edges are not all settled yet
+        and the canceled tasks that have dependents of their own, in id order (call again
+        with them). A resolution repeated (a notification heard twice, the sweep after
+        the resolver) settles nothing twice. Events are reported as always.
+        """
+        self._check_open()
+        check_batch_size(task_ids, upper=MAX_BATCH)
+        for task_id in task_ids:
+            check_task_id(task_id)
+        check_limit(limit, upper=MAX_BATCH)
+        if not task_ids:
+            return Resolution()
+        return await self._resolve_dependents(sorted(set(task_ids)), limit)
+
+    async def promote_ready_dependents(
+        self, limit: int = 1000, *, min_age: timedelta = timedelta(0)
+    ) -> Resolution:
+        """The sweep behind resolution: find up to ``limit`` ended tasks whose dependents
+        are not all resolved and that ended at least ``min_age`` ago (oldest
+        ``completed_at`` first, then id), and :meth:`resolve_dependents` them (at most
+        ``limit`` edges). Catches what a lost notification or a resolver that died
+        mid-cascade left. Bounded: an index walk of ``limit`` rows, never a scan."""
+        self._check_open()
+        check_limit(limit, upper=MAX_BATCH)
+        check_not_negative("min_age", min_age)
+        return await self._promote_ready_dependents(limit, min_age)
+
+    async def list_dependencies(self, params: DependencyListParams) -> DependencyPage:
+        """A page of the edges of task ``params.task_id``: to the tasks it waits for, or
+        (``params.dependents``) from the tasks that wait for it, by the other task's id
+        after ``params.cursor``, at most ``params.limit`` (1..MAX_BATCH). Each names how
+        the edge stands and the other task's queue, type and state (None when it is no
+        longer stored). Raises TaskNotFound for an unknown task; InvalidTask for bad
+        input."""
+        self._check_open()
+        check_task_id(params.task_id)
+        check_limit(params.limit, upper=MAX_BATCH)
+        check_cursor(params.cursor)
+        return await self._list_dependencies(params)
 
     # ------------------------------------------------------- inspection / admin
 
@@ -536,14 +642,19 @@ class Broker(abc.ABC):
 
     async def delete_task(self, task_id: str) -> None:
         """Delete a task that is not ACTIVE (InvalidState if it is). Its unique claim,
-        if any, is freed."""
+        if any, is freed. Tasks that wait for it are resolved first, in the same
+        transaction, as if it had failed (or completed, when it had): a deleted task
+        never completes. What that promoted, or left to resolve, goes to the dependency
+        sink."""
         self._check_open()
         check_task_id(task_id)
         await self._delete_task(task_id)
 
     async def run_task_now(self, task_id: str) -> Task:
-        """SCHEDULED, RETRY or PENDING -> PENDING, due now (``available_at = now``).
-        Other states: InvalidState."""
+        """SCHEDULED, RETRY, PENDING or BLOCKED -> PENDING, due now (``available_at =
+        now``). A BLOCKED task runs despite its unmet dependencies (an operator's
+        override): their later outcomes settle its edges but no longer move it. Other
+        states: InvalidState."""
         self._check_open()
         check_task_id(task_id)
         return await self._run_task_now(task_id)
@@ -831,6 +942,16 @@ class Broker(abc.ABC):
         """Report every committed state change to ``sink`` (None stops reporting)."""
         self._sink = sink
 
+    def set_dependency_sink(self, sink: DependencySink | None) -> None:
+        """Report the dependency work that committed changes leave to ``sink`` (None stops
+        reporting): see the module docstring."""
+        self._dependency_sink = sink
+
+    @property
+    def dependency_sink(self) -> DependencySink | None:
+        """The dependency sink set now, if any."""
+        return self._dependency_sink
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release resources and set ``_closed``: later calls raise BrokerClosed; closing
@@ -901,6 +1022,15 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _archive_expired(self, limit: int) -> list[Task]: ...
+
+    @abc.abstractmethod
+    async def _resolve_dependents(self, task_ids: Sequence[str], limit: int) -> Resolution: ...
+
+    @abc.abstractmethod
+    async def _promote_ready_dependents(self, limit: int, min_age: timedelta) -> Resolution: ...
+
+    @abc.abstractmethod
+    async def _list_dependencies(self, params: DependencyListParams) -> DependencyPage: ...
 
     @abc.abstractmethod
     async def _pending_count(self, queue: str | None) -> dict[str, int]: ...

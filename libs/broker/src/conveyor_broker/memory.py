@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import datetime, timedelta
@@ -18,19 +18,27 @@ from types import MappingProxyType
 
 from conveyor_broker import cron, groups
 from conveyor_broker.clock import Clock
+from conveyor_broker.dependencies import (
+    BatchItem,
+    Verdict,
+    dependency_failed_error,
+    edge_outcome,
+    plan_starts,
+    verdict,
+)
 from conveyor_broker.errors import (
     BrokerClosed,
     CronEntryNotFound,
     DuplicateTask,
     GroupConfigNotFound,
     InvalidState,
-    InvalidTask,
     LeaseLost,
     TaskNotFound,
     WebhookWorkerNotFound,
 )
 from conveyor_broker.ids import new_id
-from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker, package_version
+from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, package_version
+from conveyor_broker.memory_graph import DependencyGraph
 from conveyor_broker.memory_table import TaskTable, new_row
 from conveyor_broker.types import (
     ARCHIVED_BY_ADMIN_ERROR,
@@ -44,6 +52,10 @@ from conveyor_broker.types import (
     CronEntry,
     CronEntrySpec,
     CronFired,
+    DependencyLink,
+    DependencyListParams,
+    DependencyOutcome,
+    DependencyPage,
     DueGroup,
     EnqueueResult,
     GroupConfig,
@@ -56,6 +68,7 @@ from conveyor_broker.types import (
     QueueStats,
     ReapedTask,
     ReleasedTask,
+    Resolution,
     StorageUpkeep,
     Task,
     TaskListParams,
@@ -70,7 +83,8 @@ from conveyor_broker.types import (
 )
 from conveyor_broker.validation import MAX_PAYLOAD, check_new_task
 
-_RUNNABLE_NOW = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
+_RESCHEDULABLE = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
+_RUNNABLE_NOW = _RESCHEDULABLE | {TaskState.BLOCKED}
 
 
 class MemoryBroker(Broker):
@@ -89,12 +103,17 @@ class MemoryBroker(Broker):
         super().__init__(clock, max_payload=max_payload, default_max_retry=default_max_retry)
         self._lock = asyncio.Lock()
         self._table = TaskTable()
+        self._graph = DependencyGraph()
         self._paused: dict[str, bool] = {}
         self._webhooks: dict[str, WebhookWorker] = {}
         self._cron_entries: dict[str, CronEntry] = {}
         self._group_configs: dict[tuple[str, str], GroupConfig] = {}
         # Holder -> its last beat.
         self._beats: dict[str, datetime] = {}
+        # Dependency work the call holding the lock leaves for the sink (besides the ended
+        # tasks its events name), and whether it returns its work instead.
+        self._left_promoted: dict[str, int] = {}
+        self._returns_resolution = False
 
     # ---------------------------------------------------------------- plumbing
 
@@ -111,7 +130,18 @@ class MemoryBroker(Broker):
             try:
                 yield self._clock.now()
             finally:
-                self._emit(self._table.take_events())
+                events = self._table.take_events()
+                self._emit(events)
+                promoted, self._left_promoted = self._left_promoted, {}
+                returned, self._returns_resolution = self._returns_resolution, False
+                if not returned:
+                    pending = self._graph.pending
+                    ended = {
+                        e.task_id
+                        for e in events
+                        if e.state in TERMINAL_STATES and e.task_id in pending
+                    }
+                    self._report(Resolution(promoted=promoted, pending=tuple(sorted(ended))))
 
     def _get(self, task_id: str) -> Task:
         task = self._table.get(task_id)
@@ -153,40 +183,54 @@ class MemoryBroker(Broker):
 
     def _store(self, tasks: Sequence[NewTask], now: datetime) -> list[EnqueueResult]:
         """Enqueue ``tasks`` (the lock held): all or nothing."""
+        # Everything is decided before anything is stored, so a raise stores nothing.
+        ids: list[str] = []
+        first: dict[str, int] = {}
+        items: list[BatchItem] = []
+        for index, new in enumerate(tasks):
+            task_id = new.id or new_id(now)
+            ids.append(task_id)
+            if task_id not in first:
+                first[task_id] = index
+                if self._table.get(task_id) is None:
+                    items.append(BatchItem(index, task_id, new))
+        stored = {
+            dep: task.state
+            for item in items
+            for dep in item.task.depends_on
+            if (task := self._table.get(dep)) is not None
+        }
+        # Unknown dependencies and cycles are bad input: they outrank a conflict.
+        starts = plan_starts(items, stored)
         staged: dict[str, Task] = {}
         claimed: dict[tuple[str, str], str] = {}
-        results: list[EnqueueResult] = []
-        # Bad input outranks a conflict, so a duplicate is raised only after every item
-        # was checked for unknown dependencies.
         conflict: DuplicateTask | None = None
-        # Everything is decided before anything is stored, so a raise stores nothing.
-        for index, new in enumerate(tasks):
-            if new.id is not None:
-                existing = staged.get(new.id) or self._table.get(new.id)
-                if existing is not None:
-                    results.append(EnqueueResult(existing, created=False))
-                    continue
-            task_id = new.id or new_id(now)
-            blocked = False
-            for dep_id in new.depends_on:
-                dep = staged.get(dep_id) or self._table.get(dep_id)
-                if dep is None:
-                    raise InvalidTask(f"task {index}: unknown dependency {dep_id!r}")
-                blocked = blocked or dep.state != TaskState.COMPLETED
-            if new.unique_key is not None:
+        for item in items:
+            new, task_id = item.task, item.task_id
+            start = starts.get(task_id)
+            born_canceled = start is not None and start.state is TaskState.CANCELED
+            if new.unique_key is not None and not born_canceled:
                 key = (new.queue, new.unique_key)
                 holder = claimed.get(key) or self._table.claim_holder(*key, now)
                 if holder is not None:
                     conflict = conflict or DuplicateTask(new.queue, new.unique_key, holder)
                 claimed[key] = task_id
             staged[task_id] = new_row(
-                task_id, new, now, blocked=blocked, max_retry=self._default_max_retry
+                task_id, new, now, start=start, max_retry=self._default_max_retry
             )
-            results.append(EnqueueResult(staged[task_id], created=True))
         if conflict is not None:
             raise conflict
         for task in staged.values():
             self._table.put(task, None)
+            start = starts.get(task.id)
+            if start is not None:
+                self._graph.add(task.id, start)
+        results: list[EnqueueResult] = []
+        for index, task_id in enumerate(ids):
+            if task_id in staged:
+                results.append(EnqueueResult(staged[task_id], created=first[task_id] == index))
+            else:
+                results.append(EnqueueResult(self._table[task_id], created=False))
         return results
 
     # -------------------------------------------------------------------- lease
@@ -398,6 +442,8 @@ class MemoryBroker(Broker):
                 # Oldest purge time goes first; rows not due yet are left out by oldest().
                 if task.completed_at is None:  # pragma: no cover - terminal rows have it
                     return None
+                if task.id in self._graph.pending:
+                    return None  # its dependents are not resolved yet
                 if task.state == TaskState.COMPLETED:
                     keep = params.default_retention if task.retention is None else task.retention
                 else:
@@ -407,6 +453,7 @@ class MemoryBroker(Broker):
             doomed = self._table.oldest(TERMINAL_STATES, purge_at, now, params.limit)
             for task in doomed:
                 self._table.drop(task, now, report=False)
+                self._graph.drop(task.id)
             self._table.free_lapsed_claims(now)
             return len(doomed)
 
@@ -414,6 +461,133 @@ class MemoryBroker(Broker):
         async with self._locked() as now:
             expired = self._table.oldest(WAITING_STATES, _expires_at, now, limit)
             return [self._archived(task, now, EXPIRED_ERROR) for task in expired]
+
+    # ------------------------------------------------------------- dependencies
+
+    async def _resolve_dependents(self, task_ids: Sequence[str], limit: int) -> Resolution:
+        async with self._locked() as now:
+            self._returns_resolution = True
+            return self._resolve(self._ended(task_ids), limit, now)
+
+    async def _promote_ready_dependents(self, limit: int, min_age: timedelta) -> Resolution:
+        async with self._locked() as now:
+            self._returns_resolution = True
+            ended: list[tuple[datetime, str]] = []
+            for task_id in self._graph.pending:
+                task = self._table.get(task_id)
+                if (
+                    task is not None
+                    and task.state in TERMINAL_STATES
+                    and task.completed_at is not None
+                    and task.completed_at <= now - min_age
+                ):
+                    ended.append((task.completed_at, task_id))
+            found = [task_id for _, task_id in heapq.nsmallest(limit, ended)]
+            if not found:
+                return Resolution()
+            return self._resolve(self._ended(sorted(found)), limit, now)
+
+    def _ended(self, task_ids: Sequence[str]) -> dict[str, TaskState]:
+        """The ended tasks among ``task_ids`` whose dependents are not all resolved, with
+        their states, in the order given."""
+        ended: dict[str, TaskState] = {}
+        for task_id in task_ids:
+            task = self._table.get(task_id)
+            if (
+                task is not None
+                and task.state in TERMINAL_STATES
+                and task_id in self._graph.pending
+            ):
+                ended[task_id] = task.state
+        return ended
+
+    def _resolve(self, ended: Mapping[str, TaskState], limit: int, now: datetime) -> Resolution:
+        """Settle at most ``limit`` open edges of the tasks ``ended`` (by id: ended, with
+        their dependents not all resolved; each with the state it ended in); see
+        Broker.resolve_dependents."""
+        graph = self._graph
+        picked = [
+            (dep, waiting) for dep in ended for waiting in graph.open_dependents(dep, limit + 1)
+        ]
+        picked.sort()
+        settled, beyond = picked[:limit], picked[limit:]
+        unfinished = {dep for dep, _ in beyond}
+        # Per dependent: edges closed, of which failed, and the smallest failed dependency.
+        tally: dict[str, tuple[int, int, str | None]] = {}
+        for dep, waiting in settled:
+            outcome = edge_outcome(ended[dep])
+            graph.settle(waiting, dep, outcome)
+            closed, failed, first = tally.get(waiting, (0, 0, None))
+            if outcome is DependencyOutcome.FAILED:
+                failed += 1
+                first = dep if first is None else min(first, dep)
+            tally[waiting] = (closed + 1, failed, first)
+        for dep in ended:
+            if dep not in unfinished:
+                graph.pending.discard(dep)
+        promoted: dict[str, int] = {}
+        canceled: list[str] = []
+        left = set(unfinished)
+        for waiting in sorted(tally):
+            task = self._table.get(waiting)
+            if task is None or task.state is not TaskState.BLOCKED:
+                continue
+            closed, failed, first = tally[waiting]
+            open_count, failed_count = graph.counts(waiting)
+            open_count, failed_count = open_count - closed, failed_count + failed
+            graph.set_counts(waiting, open_count, failed_count)
+            match verdict(open_count, failed_count, task.on_failure):
+                case Verdict.CANCEL:
+                    self._table.put(
+                        replace(
+                            task,
+                            state=TaskState.CANCELED,
+                            completed_at=now,
+                            last_error=dependency_failed_error(first or ""),
+                            updated_at=now,
+                        ),
+                        task,
+                    )
+                    canceled.append(waiting)
+                    if waiting in graph.pending:
+                        left.add(waiting)
+                case Verdict.RUN:
+                    state = _promoted_state(task, now)
+                    self._table.put(replace(task, state=state, updated_at=now), task)
+                    if state is TaskState.PENDING:
+                        promoted[task.queue] = promoted.get(task.queue, 0) + 1
+                case Verdict.WAIT:
+                    self._table.put(replace(task, updated_at=now), task)
+        return Resolution(
+            promoted=promoted,
+            pending=tuple(sorted(left)),
+            canceled=tuple(canceled),
+            edges=len(settled),
+        )
+
+    async def _list_dependencies(self, params: DependencyListParams) -> DependencyPage:
+        async with self._locked():
+            self._get(params.task_id)
+            if params.dependents:
+                edges = self._graph.dependents(params.task_id)
+            else:
+                edges = self._graph.dependencies(params.task_id)
+            after = params.cursor or ""
+            ids = heapq.nsmallest(params.limit + 1, (i for i in edges if i > after))
+            links = []
+            for other in ids[: params.limit]:
+                task = self._table.get(other)
+                links.append(
+                    DependencyLink(
+                        task_id=other,
+                        outcome=edges[other],
+                        queue=None if task is None else task.queue,
+                        type=None if task is None else task.type,
+                        state=None if task is None else task.state,
+                    )
+                )
+            more = len(ids) > params.limit
+            return DependencyPage(links, links[-1].task_id if more else None)
 
     # ------------------------------------------------------- inspection / admin
 
@@ -514,7 +688,17 @@ class MemoryBroker(Broker):
             task = self._get(task_id)
             if task.state == TaskState.ACTIVE:
                 raise InvalidState(task_id, task.state, "delete")
+            promoted: dict[str, int] = {}
+            # Those that wait for it resolve as if it had failed (or completed, when it
+            # had): it never will now.
+            ended = {task_id: task.state if task.state in TERMINAL_STATES else TaskState.CANCELED}
+            while task_id in self._graph.pending:
+                done = self._resolve(ended, MAX_BATCH, now)
+                for queue, n in done.promoted.items():
+                    promoted[queue] = promoted.get(queue, 0) + n
             self._table.drop(task, now, report=True)
+            self._graph.drop(task_id)
+            self._left_promoted = promoted
 
     async def _run_task_now(self, task_id: str) -> Task:
         async with self._locked() as now:
@@ -528,7 +712,7 @@ class MemoryBroker(Broker):
     async def _reschedule_task(self, task_id: str, process_at: datetime) -> Task:
         async with self._locked() as now:
             task = self._get(task_id)
-            if task.state not in _RUNNABLE_NOW:
+            if task.state not in _RESCHEDULABLE:
                 raise InvalidState(task_id, task.state, "reschedule")
             later = process_at > now
             return self._table.put(
@@ -828,9 +1012,19 @@ class MemoryBroker(Broker):
         async with self._lock:
             self._closed = True
             self._table = TaskTable()
+            self._graph = DependencyGraph()
             self._webhooks = {}
             self._cron_entries = {}
             self._group_configs = {}
+
+
+def _promoted_state(task: Task, now: datetime) -> TaskState:
+    """Where a BLOCKED task goes once its dependencies let it run."""
+    if task.group is not None:
+        return TaskState.AGGREGATING
+    if task.process_at is not None and task.process_at > now:
+        return TaskState.SCHEDULED
+    return TaskState.PENDING
 
 
 def _is_due(task: Task, now: datetime) -> bool:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 from types import MappingProxyType
 
+from conveyor_broker.dependencies import Start
 from conveyor_broker.types import (
     INCOMPLETE_STATES,
     LEASABLE_STATES,
@@ -29,13 +30,17 @@ from conveyor_broker.types import (
 _ERROR_STATES = frozenset({TaskState.RETRY, TaskState.ARCHIVED})
 
 
-def new_row(task_id: str, new: NewTask, now: datetime, *, blocked: bool, max_retry: int) -> Task:
+def new_row(
+    task_id: str, new: NewTask, now: datetime, *, start: Start | None, max_retry: int
+) -> Task:
     """The Task that enqueuing ``new`` stores (see Broker.enqueue_batch for the rules).
 
-    ``max_retry`` is the broker's default, used when ``new.max_retry`` is None.
+    ``start`` is how its dependencies settled it (None: it has none); ``max_retry`` is the
+    broker's default, used when ``new.max_retry`` is None.
     """
-    if blocked:
-        state = TaskState.BLOCKED
+    canceled = start is not None and start.state is TaskState.CANCELED
+    if start is not None and start.state is not None:
+        state = start.state
     elif new.group is not None:
         state = TaskState.AGGREGATING
     elif new.process_at is not None and new.process_at > now:
@@ -68,11 +73,11 @@ def new_row(task_id: str, new: NewTask, now: datetime, *, blocked: bool, max_ret
         lease_expires_at=None,
         progress=None,
         result=None,
-        last_error=None,
+        last_error=start.error if start is not None else None,
         created_at=now,
         updated_at=now,
         started_at=None,
-        completed_at=None,
+        completed_at=now if canceled else None,
     )
 
 

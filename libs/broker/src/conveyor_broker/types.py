@@ -58,6 +58,20 @@ CANCELED_WHILE_RUNNING_ERROR = "canceled by an operator while running"
 ARCHIVED_BY_ADMIN_ERROR = "archived by an operator"
 #: last_error of a task whose lease expired (set by ReapExpiredLeases).
 LEASE_EXPIRED_ERROR = "lease expired"
+#: last_error of a task canceled because a dependency failed (on_failure CASCADE_CANCEL):
+#: the format takes the id of that dependency.
+DEPENDENCY_FAILED_ERROR = "canceled: dependency {} did not complete"
+
+
+class DependencyOutcome(StrEnum):
+    """How one dependency edge was settled, seen from the task that waits on it."""
+
+    #: The dependency has not ended yet (or its end has not been resolved yet).
+    OPEN = "open"
+    #: The dependency completed.
+    SATISFIED = "satisfied"
+    #: The dependency ended without completing: archived, canceled or deleted.
+    FAILED = "failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +340,61 @@ class TaskEvent:
     previous_state: TaskState | None
     at: datetime
     error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """Dependency work: what a resolution did, or what a change left to resolve.
+
+    ``promoted`` counts, per queue, the tasks that became PENDING (their queues have due
+    work: wake them). ``pending`` names terminal tasks whose dependents are not all
+    resolved yet (pass them to :meth:`~conveyor_broker.interface.Broker.resolve_dependents`).
+    ``canceled`` names the tasks a cascade canceled, and ``edges`` counts the edges
+    settled (both for logs and metrics).
+    """
+
+    promoted: Mapping[str, int] = field(default_factory=dict)
+    pending: tuple[str, ...] = ()
+    canceled: tuple[str, ...] = ()
+    edges: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.promoted or self.pending or self.canceled or self.edges)
+
+
+@dataclass(frozen=True, slots=True)
+class DependencyLink:
+    """One edge of the dependency graph, seen from a task: the task at its other end and
+    how the edge stands. ``queue``, ``type`` and ``state`` are None when that task is no
+    longer stored (purged or deleted)."""
+
+    task_id: str
+    outcome: DependencyOutcome
+    queue: str | None
+    type: str | None
+    state: TaskState | None
+
+
+@dataclass(frozen=True, slots=True)
+class DependencyPage:
+    """One page of :meth:`~conveyor_broker.interface.Broker.list_dependencies`, by the
+    other task's id; ``next_cursor`` is None on the last page."""
+
+    links: list[DependencyLink]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class DependencyListParams:
+    """Which edges :meth:`~conveyor_broker.interface.Broker.list_dependencies` returns:
+    those of ``task_id`` to the tasks it waits for (``dependents=False``) or from the tasks
+    that wait for it (``dependents=True``), a page of at most ``limit`` (1..MAX_BATCH)
+    after ``cursor`` (the ``next_cursor`` of the previous page)."""
+
+    task_id: str
+    dependents: bool = False
+    limit: int = 100
+    cursor: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

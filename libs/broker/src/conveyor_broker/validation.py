@@ -40,7 +40,8 @@ MAX_ERROR_LEN = 4096
 #: Default cap on one task's payload.
 MAX_PAYLOAD = 1024 * 1024
 MAX_RETRY_CAP = 1000
-MAX_DEPENDENCIES = 100
+#: Most dependencies one task may wait for (a fan-in of this many parents to one child).
+MAX_DEPENDENCIES = 10_000
 _BYTES = (bytes, bytearray, memoryview)
 
 
@@ -180,7 +181,9 @@ def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
             raise InvalidTask(f"{name} must be 1-{MAX_KEY_LEN} characters")
         check_text(name, key_value)
     if len(task.depends_on) > MAX_DEPENDENCIES:
-        raise InvalidTask(f"at most {MAX_DEPENDENCIES} dependencies")
+        raise InvalidTask(
+            f"a task depends on at most {MAX_DEPENDENCIES} tasks, got {len(task.depends_on)}"
+        )
     for dep in task.depends_on:
         check_task_id(dep)
     if task.id is not None and task.id in task.depends_on:

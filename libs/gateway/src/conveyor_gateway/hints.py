@@ -1,8 +1,9 @@
-"""Coalesced NATS hints: wakes per queue and Done credit refills per gateway.
+"""Coalesced NATS hints: wakes per queue, Done credit refills per gateway, and Resolve for
+the ends of tasks that others wait for.
 
-Both are hints (losing one delays work, never loses it), so bursts collapse into as few
-messages as possible: at most one Wake per queue is pending at a time, and completions
-of one loop turn add up into one Done per queue.
+All are hints (losing one delays work, never loses it), so bursts collapse into as few
+messages as possible: at most one Wake per queue is pending at a time, completions of one
+loop turn add up into one Done per queue, and the ends of one loop turn into one Resolve.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 from collections import Counter
 from datetime import datetime
 
-from conveyor_broker import Task, TaskState
+from conveyor_broker import Broker, DependencySink, Resolution, Task, TaskState
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 
@@ -241,3 +242,57 @@ class DonePublisher(_Coalescer):
         publish, gateway = self._bus.publish, self._gateway
         for queue, (n, returned) in sorted(pending.items()):
             await publish(cluster_pb2.Done(gateway=gateway, queue=queue, n=n, returned=returned))
+
+
+class ResolvePublisher(_Coalescer):
+    """A process's dependency sink (:meth:`conveyor_broker.Broker.set_dependency_sink`):
+    the ends of tasks that others wait for go to the resolver as ``Resolve`` messages on
+    the ``bus`` (the ids of one loop turn together, at most :attr:`MAX_IDS` to a message),
+    and queues a resolution promoted tasks into are woken through ``wakes``.
+
+    Nothing here waits: the broker calls it right after its commit, and it only takes
+    note. A Resolve that is lost (this process dies first, NATS drops it) delays the
+    dependents until the maintenance sweep finds the end, never more.
+    """
+
+    #: Most task ids in one Resolve (26 bytes each: about 27 KiB).
+    MAX_IDS = 1000
+
+    def __init__(self, bus: Bus, wakes: WakePublisher) -> None:
+        super().__init__()
+        self._bus = bus
+        self._wakes = wakes
+        self._pending: dict[str, None] = {}
+        self._previous: dict[int, DependencySink | None] = {}
+        #: Task ids published so far (for metrics and tests).
+        self.published = 0
+
+    def __call__(self, resolution: Resolution) -> None:
+        for queue in resolution.promoted:
+            self._wakes.wake(queue)
+        if resolution.pending:
+            self._pending.update(dict.fromkeys(resolution.pending))
+            self._schedule()
+
+    def attach(self, broker: Broker) -> None:
+        """Become ``broker``'s dependency sink (several services of one process may share
+        a broker: :meth:`detach` puts back the sink that was there before)."""
+        self._previous[id(broker)] = broker.dependency_sink
+        broker.set_dependency_sink(self)
+
+    def detach(self, broker: Broker) -> None:
+        """Stop being ``broker``'s dependency sink, if it still is."""
+        previous = self._previous.pop(id(broker), None)
+        if broker.dependency_sink is self:
+            broker.set_dependency_sink(previous)
+
+    def _has_pending(self) -> bool:
+        return bool(self._pending)
+
+    async def _drain(self) -> None:
+        ids = list(self._pending)
+        self._pending.clear()
+        for start in range(0, len(ids), self.MAX_IDS):
+            chunk = ids[start : start + self.MAX_IDS]
+            await self._bus.publish(cluster_pb2.Resolve(task_ids=chunk))
+            self.published += len(chunk)

@@ -481,7 +481,8 @@ class DispatcherSettings(ServiceSettings):
 
 
 class MaintenanceSettings(ServiceSettings):
-    """services/maintenance: scheduler and reaper (leader-elected)."""
+    """services/maintenance: scheduler, reaper, dependency resolver and storage upkeep
+    (leader-elected)."""
 
     promote_tick: float = Field(
         1.0,
@@ -519,6 +520,12 @@ class MaintenanceSettings(ServiceSettings):
         description="Seconds a cron slot may be late and still fire as usual; a slot the "
         "scheduler comes to later than that was missed (the cluster was down), and its "
         "entry's misfire policy applies",
+    )
+    resolve_sweep_age: float = Field(
+        2.0,
+        ge=0,
+        description="Seconds the reaper leaves an ended task's dependents to the resolver "
+        "before its sweep resolves them itself (a lost Resolve, a resolver that died)",
     )
     storage_upkeep: bool = Field(
         True,

@@ -108,14 +108,10 @@ class CancelRequest(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Resolve(_message.Message):
-    __slots__ = ("task_id", "queue", "state")
-    TASK_ID_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_FIELD_NUMBER: _ClassVar[int]
-    STATE_FIELD_NUMBER: _ClassVar[int]
-    task_id: str
-    queue: str
-    state: _task_pb2.TaskState
-    def __init__(self, task_id: _Optional[str] = ..., queue: _Optional[str] = ..., state: _Optional[_Union[_task_pb2.TaskState, str]] = ...) -> None: ...
+    __slots__ = ("task_ids",)
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CancelBroadcast(_message.Message):
     __slots__ = ("task_id", "reason")

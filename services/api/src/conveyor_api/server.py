@@ -16,6 +16,7 @@ from conveyor_gateway import (
     Gateway,
     GatewayConfig,
     HolderBeat,
+    ResolvePublisher,
     WakePublisher,
     WorkerSpec,
     holder_name,
@@ -103,6 +104,9 @@ class ApiServer:
         self.port = 0
         self.registry = SessionRegistry()
         self.wakes = WakePublisher(self.bus)
+        # The broker reports the ends of tasks others wait for (acks, failures, admin
+        # cancels, archives and deletes): they go to the resolver.
+        self.resolves = ResolvePublisher(self.bus, self.wakes)
         self.acks = AckBatcher(broker)
         self.committer = EnqueueCommitter(
             broker,
@@ -249,6 +253,7 @@ class ApiServer:
         self._cancel_sub = await self.bus.subscribe(
             cluster_pb2.CancelBroadcast, self._on_cancel_broadcast
         )
+        self.resolves.attach(self.broker)
         await self.nc.flush()
         await server.start()
         self._server = server
@@ -284,6 +289,8 @@ class ApiServer:
         await self.registry.shutdown()
         await self.committer.aclose()
         await self.acks.aclose()
+        self.resolves.detach(self.broker)
+        await self.resolves.aclose()
         await self.wakes.aclose()
         # Only now: every session released what it held (what it could not release, the
         # reaper will, once this holder is silent).

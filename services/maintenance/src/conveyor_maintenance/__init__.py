@@ -1,4 +1,5 @@
-"""Conveyor maintenance service: the leader-elected scheduler, reaper and storage upkeep."""
+"""Conveyor maintenance service: the leader-elected scheduler, reaper, dependency resolver
+and storage upkeep."""
 
 from __future__ import annotations
 
@@ -10,5 +11,15 @@ from conveyor_maintenance.maintenance import (
     Maintenance,
     ReaperReport,
 )
+from conveyor_maintenance.resolver import RESOLVER, DependencyResolver
 
-__all__ = ["REAPER", "SCHEDULER", "STORAGE", "CronReport", "Maintenance", "ReaperReport"]
+__all__ = [
+    "REAPER",
+    "RESOLVER",
+    "SCHEDULER",
+    "STORAGE",
+    "CronReport",
+    "DependencyResolver",
+    "Maintenance",
+    "ReaperReport",
+]

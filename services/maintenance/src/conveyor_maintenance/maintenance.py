@@ -1,5 +1,5 @@
-"""Maintenance: the scheduler, the reaper and storage upkeep, each a leader-elected
-cluster singleton.
+"""Maintenance: the scheduler, the reaper, the dependency resolver and storage upkeep,
+each a leader-elected cluster singleton.
 
 Every instance runs every role loop; only the holder of a role's key in the leaders
 bucket runs its passes, the others try to claim the key every ``leader_ttl / 2``. A pass
@@ -13,15 +13,19 @@ skipped one only delays work.
 - reaper, every ``reap_tick``: the tasks held by dead api processes are released (a
   *holder* silent for ``holder_silence`` both in the broker and on NATS: see
   :mod:`conveyor_gateway.liveness`), expired leases go back to RETRY (their queues are
-  woken), pre-dispatch TTLs are enforced, old terminal rows are purged, and every queue
-  with due work that some gateway serves is woken, which repairs any wake that was lost
-  on the way. Which queues are served it learns from the gateways' registrations, as the
-  dispatchers do (:class:`~conveyor_runtime.demand.Demand`): a queue nobody serves needs
-  no wake (its work can go nowhere), and asking the broker about the served queues only
-  keeps a pass's cost to the queues in use, however many others hold work. Every
-  instance listens to the holders' NATS beats (the leader's successor knows who is
-  alive), and an instance that has listened for less than ``holder_silence`` judges
-  nobody.
+  woken), pre-dispatch TTLs are enforced, old terminal rows are purged, ended tasks whose
+  dependents were left unresolved for ``resolve_sweep_age`` are resolved (a lost
+  Resolve, a resolver that died mid-cascade), and every queue with due work that some
+  gateway serves is woken, which repairs any wake that was lost on the way. Which queues
+  are served it learns from the gateways' registrations, as the dispatchers do
+  (:class:`~conveyor_runtime.demand.Demand`): a queue nobody serves needs no wake (its
+  work can go nowhere), and asking the broker about the served queues only keeps a
+  pass's cost to the queues in use, however many others hold work. Every instance
+  listens to the holders' NATS beats (the leader's successor knows who is alive), and an
+  instance that has listened for less than ``holder_silence`` judges nobody.
+- resolver, as ``Resolve`` messages arrive: the dependents of ended tasks are promoted,
+  canceled or left blocked, and promoted queues woken (see
+  :mod:`conveyor_maintenance.resolver`).
 - storage, every ``storage_tick`` (unless ``storage_upkeep`` is off): the broker's
   storage upkeep (for Postgres, an ANALYZE or VACUUM of the task table when a burst has
   left its statistics or indexes behind). Its own role and loop, so a long VACUUM never
@@ -46,6 +50,7 @@ from conveyor_broker.types import (
     CronFired,
     HolderReleaseParams,
     LeaseReapParams,
+    Resolution,
     StorageUpkeep,
     TaskState,
     TerminalPurgeParams,
@@ -64,6 +69,8 @@ from conveyor_runtime.tracing import tracer
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
+from conveyor_maintenance.resolver import DependencyResolver
+
 logger = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 
@@ -74,6 +81,9 @@ STORAGE = "storage"
 MAX_PROMOTE_ROUNDS = 10
 #: Least seconds between the end of one scheduler pass and a pass a promote hint asks for.
 HINT_GAP = 0.05
+#: Most resolution calls in one reaper pass (each settles up to sweep_limit edges).
+MAX_RESOLVE_ROUNDS = 10
+
 #: Most rounds of due cron entries in one scheduler pass: an entry some slots behind
 #: fires one slot per round.
 MAX_CRON_ROUNDS = 100
@@ -99,6 +109,8 @@ class ReaperReport:
     released: int = 0
     archived: int = 0
     purged: int = 0
+    #: Dependency edges the sweep settled (ends the resolver had not resolved).
+    resolved: int = 0
     woken: frozenset[str] = field(default_factory=frozenset)
     #: Queues some gateway served, the ones whose due work the pass looked for.
     served: int = 0
@@ -142,11 +154,20 @@ class Maintenance:
         self._heard: dict[str, float] = {}
         self._listening_since: float | None = None
         self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0}
+        self.resolver = DependencyResolver(
+            broker,
+            self.bus,
+            limit=self._limit,
+            wake=self.wake,
+            retry=settings.leader_ttl / 2,
+        )
+        self._background: set[asyncio.Task[None]] = set()
 
     # -------------------------------------------------------------- lifecycle
 
     def leads(self, role: str) -> bool:
-        """True while this instance holds ``role`` (scheduler, reaper or storage)."""
+        """True while this instance holds ``role`` (scheduler, reaper, resolver or
+        storage)."""
         return self._keeper is not None and self._keeper.holds(role)
 
     async def start(self) -> None:
@@ -167,6 +188,8 @@ class Maintenance:
         self._beat_sub = await self.bus.subscribe(cluster_pb2.HolderBeat, self._on_holder_beat)
         await self._nc.flush()
         self._listening_since = self._now()
+        # The ends this process makes (reaped leases, expired tasks) go to the resolver.
+        self._broker.set_dependency_sink(self._on_dependency_work)
         self._loops = [
             asyncio.create_task(
                 self._lead(
@@ -181,6 +204,7 @@ class Maintenance:
                 self._lead(REAPER, self.settings.reap_tick, self.reaper_pass),
                 name="maintenance-reaper",
             ),
+            asyncio.create_task(self.resolver.run(self._keeper), name="maintenance-resolver"),
         ]
         if self.settings.storage_upkeep:
             self._loops.append(
@@ -200,6 +224,10 @@ class Maintenance:
         self._hint_sub = self._register_sub = self._beat_sub = None
         await cancel_and_wait(self._loops)
         self._loops = []
+        if self._broker.dependency_sink == self._on_dependency_work:
+            self._broker.set_dependency_sink(None)
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         if self._keeper is not None:
             await self._keeper.stop(release=True)
             self._keeper = None
@@ -231,6 +259,14 @@ class Maintenance:
             if now - at >= silence:
                 del self._heard[holder]
         return frozenset(self._heard)
+
+    def _on_dependency_work(self, resolution: Resolution) -> None:
+        # Called by the broker after a commit: take note, never wait.
+        self.resolver.heard(resolution.pending)
+        if resolution.promoted:
+            task = asyncio.get_running_loop().create_task(self.wake(resolution.promoted))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _on_lost(self, role: str) -> None:
         logger.warning("maintenance.leadership_lost role=%s instance=%s", role, self.instance_id)
@@ -401,7 +437,7 @@ class Maintenance:
         limit = self._limit
         failed: list[str] = []
         to_wake: set[str] = set()
-        reaped = released = archived = purged = 0
+        reaped = released = archived = purged = resolved = 0
         now = asyncio.get_running_loop().time()
         self.demand.expire(now)
         served = self.demand.queues(now)
@@ -454,6 +490,22 @@ class Maintenance:
                 )
             )
 
+        async def resolve_missed() -> None:
+            # Ends the resolver left (a lost Resolve, a leader that died mid-cascade):
+            # found from an index, settled a bounded number of edges at a time.
+            nonlocal resolved
+            done = await self._broker.promote_ready_dependents(
+                limit, min_age=timedelta(seconds=self.settings.resolve_sweep_age)
+            )
+            for _ in range(MAX_RESOLVE_ROUNDS):
+                resolved += done.edges
+                to_wake.update(done.promoted)
+                if not done.pending:
+                    return
+                done = await self._broker.resolve_dependents(done.pending[:MAX_BATCH], limit)
+            # More than a pass's share: the resolver (or the next pass) goes on with it.
+            self.resolver.heard(done.pending)
+
         async def sweep_pending() -> None:
             # Which served queues have due work, a page of names at a time: one index
             # probe per name, so the pass costs the same with a million tasks due, or ten
@@ -464,6 +516,7 @@ class Maintenance:
         await step("release_dead_holders", release_dead_holders)
         await step("reap", reap)
         await step("archive_expired", archive_expired)
+        await step("resolve_missed", resolve_missed)
         await step("purge", purge)
         await step("pending_sweep", sweep_pending)
         await step("wake", lambda: self.wake(sorted(to_wake)))
@@ -472,17 +525,20 @@ class Maintenance:
             released=released,
             archived=archived,
             purged=purged,
+            resolved=resolved,
             woken=frozenset(to_wake),
             served=len(served),
             failed_steps=tuple(failed),
         )
-        if reaped or released or archived or purged:
+        if reaped or released or archived or purged or resolved:
             logger.info(
-                "maintenance.reaped reaped=%d released=%d archived=%d purged=%d woken=%d",
+                "maintenance.reaped reaped=%d released=%d archived=%d purged=%d resolved=%d "
+                "woken=%d",
                 reaped,
                 released,
                 archived,
                 purged,
+                resolved,
                 len(to_wake),
             )
         return report

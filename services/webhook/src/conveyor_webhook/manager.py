@@ -48,7 +48,7 @@ from typing import Any
 
 from conveyor_broker import Broker, WebhookWorker
 from conveyor_broker.clock import Clock, SystemClock
-from conveyor_gateway import AckBatcher, GatewayConfig, WakePublisher
+from conveyor_gateway import AckBatcher, GatewayConfig, ResolvePublisher, WakePublisher
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
@@ -145,6 +145,7 @@ class WebhookManager:
         self._answering: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._cancel_sub: Subscription | None = None
+        self._resolves: ResolvePublisher | None = None
 
     # -------------------------------------------------------------- lifecycle
 
@@ -191,6 +192,10 @@ class WebhookManager:
             acks=AckBatcher(self._broker),
             wakes=WakePublisher(self.bus),
         )
+        # The ends of tasks others wait for (its gateways' acks and failures) go to the
+        # resolver.
+        self._resolves = ResolvePublisher(self.bus, self._wiring.wakes)
+        self._resolves.attach(self._broker)
         try:
             kv = await open_lease_bucket(
                 self._nc,
@@ -238,6 +243,10 @@ class WebhookManager:
             self._keeper = None
         if self._wiring is not None:
             await self._wiring.acks.aclose()
+            if self._resolves is not None:
+                self._resolves.detach(self._broker)
+                await self._resolves.aclose()
+                self._resolves = None
             await self._wiring.wakes.aclose()
 
     def _on_cancel_broadcast(self, request: cluster_pb2.CancelBroadcast) -> None:

@@ -38,7 +38,7 @@ from conveyor_broker.errors import (
     WebhookWorkerNotFound,
 )
 from conveyor_broker.ids import new_id, new_ids
-from conveyor_broker.interface import DEFAULT_MAX_RETRY, Broker, package_version
+from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, package_version
 from conveyor_broker.postgres import enqueue, upkeep
 from conveyor_broker.postgres.migrations import schema_version
 from conveyor_broker.postgres.queries.admin import (
@@ -68,6 +68,15 @@ from conveyor_broker.postgres.queries.cron import (
     LOCK_CRON_ENTRY,
     SET_CRON_PAUSED,
     UPSERT_CRON_ENTRY,
+)
+from conveyor_broker.postgres.queries.dependencies import (
+    LIST_DEPENDENCIES,
+    LIST_DEPENDENTS,
+    LOCK_FOR_DELETE,
+    READY_TO_RESOLVE,
+    RESOLVE_DELETED,
+    RESOLVE_DEPENDENTS,
+    TASK_EXISTS,
 )
 from conveyor_broker.postgres.queries.enqueue import FREE_LAPSED_CLAIMS, UNIQUE_HOLDER
 from conveyor_broker.postgres.queries.groups import (
@@ -119,11 +128,16 @@ from conveyor_broker.types import (
     DEFAULT_GROUP_CONFIG,
     EXPIRED_ERROR,
     LEASE_EXPIRED_ERROR,
+    TERMINAL_STATES,
     AckItem,
     BrokerInfo,
     CronEntry,
     CronEntrySpec,
     CronFired,
+    DependencyLink,
+    DependencyListParams,
+    DependencyOutcome,
+    DependencyPage,
     DueGroup,
     EnqueueResult,
     GroupConfig,
@@ -136,6 +150,7 @@ from conveyor_broker.types import (
     QueueStats,
     ReapedTask,
     ReleasedTask,
+    Resolution,
     StorageUpkeep,
     Task,
     TaskEvent,
@@ -154,6 +169,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DRIVER = "postgres"
+#: Tries of a statement that a deadlock aborted (a resolution against a concurrent delete).
+_DEADLOCK_TRIES = 3
 #: The byte budget of a ListTasks page that has none (a bigint bound).
 _NO_BUDGET = 2**62
 _UNIQUE_INDEX = "conveyor_tasks_unique_idx"
@@ -386,6 +403,8 @@ class PostgresBroker(Broker):
             raise LeaseLost(task_id, lease_id)
         task = task_from_row(row)
         self._emit([self._event(task, TaskState.ACTIVE, now)])
+        if task.state in TERMINAL_STATES and row["dependents_pending"]:
+            self._report(Resolution(pending=(task.id,)))
         return task
 
     async def _ack(self, task_id: str, lease_id: str, result: bytes | None) -> Task:
@@ -415,6 +434,7 @@ class PostgresBroker(Broker):
             )
             for row in rows
         )
+        self._report_ended(row["id"] for row in rows if row["dependents_pending"])
         return [item.task_id in done and unique[item.task_id] is item for item in items]
 
     async def _fail(
@@ -451,6 +471,11 @@ class PostgresBroker(Broker):
                 LEASE_EXPIRED_ERROR,
             )
             for row in rows
+        )
+        self._report_ended(
+            row["id"]
+            for row in rows
+            if row["dependents_pending"] and row["state"] == TaskState.ARCHIVED
         )
         if reaped:
             logger.info("broker.leases.reaped count=%d", len(reaped), extra={"count": len(reaped)})
@@ -515,7 +540,60 @@ class PostgresBroker(Broker):
             key=lambda pair: (pair[0].expires_at or now, pair[0].id),
         )
         self._emit(self._event(task, previous, now) for task, previous in pairs)
+        self._report_ended(row["id"] for row in rows if row["dependents_pending"])
         return [task for task, _ in pairs]
+
+    # ------------------------------------------------------------- dependencies
+
+    async def _resolve_dependents(self, task_ids: Sequence[str], limit: int) -> Resolution:
+        for attempt in range(_DEADLOCK_TRIES):
+            now = self._clock.now()
+            try:
+                rows = await self._fetch(RESOLVE_DEPENDENTS, list(task_ids), now, limit)
+            except asyncpg.DeadlockDetectedError:
+                # A concurrent delete of a waiting task won: the statement changed nothing.
+                if attempt + 1 == _DEADLOCK_TRIES:
+                    raise
+                continue
+            events: list[TaskEvent] = []
+            left = _Left()
+            left.add(rows, now, events)
+            self._emit(events)
+            return left.resolution()
+        raise AssertionError("unreachable")
+
+    async def _promote_ready_dependents(self, limit: int, min_age: timedelta) -> Resolution:
+        now = self._clock.now()
+        rows = await self._fetch(READY_TO_RESOLVE, now - min_age, limit)
+        if not rows:
+            return Resolution()
+        return await self._resolve_dependents(sorted(row["id"] for row in rows), limit)
+
+    async def _list_dependencies(self, params: DependencyListParams) -> DependencyPage:
+        query = LIST_DEPENDENTS if params.dependents else LIST_DEPENDENCIES
+        async with self._conn() as conn:
+            rows = await conn.fetch(query, params.task_id, params.cursor or "", params.limit + 1)
+            if not rows and not await conn.fetchval(TASK_EXISTS, params.task_id):
+                raise TaskNotFound(params.task_id)
+        links = [
+            DependencyLink(
+                task_id=row["other"],
+                outcome=DependencyOutcome(row["outcome"] or DependencyOutcome.OPEN),
+                queue=row["queue"],
+                type=row["type"],
+                state=None if row["state"] is None else TaskState(row["state"]),
+            )
+            for row in rows[: params.limit]
+        ]
+        more = len(rows) > params.limit
+        return DependencyPage(links, links[-1].task_id if more else None)
+
+    def _report_ended(self, task_ids: Iterable[str]) -> None:
+        """Report ended tasks whose dependents are not resolved yet to the dependency
+        sink."""
+        pending = tuple(sorted(task_ids))
+        if pending:
+            self._report(Resolution(pending=pending))
 
     # ------------------------------------------------------- inspection / admin
 
@@ -605,21 +683,49 @@ class PostgresBroker(Broker):
         task = task_from_row(row)
         if task.state != previous:
             self._emit([self._event(task, previous, now)])
+            if task.state in TERMINAL_STATES and row.get("dependents_pending"):
+                self._report(Resolution(pending=(task.id,)))
         return task
 
     async def _cancel_task(self, task_id: str) -> Task:
         return await self._admin(CANCEL_TASK, task_id, "cancel")
 
     async def _delete_task(self, task_id: str) -> None:
-        now = self._clock.now()
-        row = await self._fetchrow(DELETE_TASK, task_id)
-        if row is None:
-            raise TaskNotFound(task_id)
+        # Tasks that wait for it are resolved first, in the same transaction: as if it had
+        # failed (or completed, when it had), since it never will now.
+        for attempt in range(_DEADLOCK_TRIES):
+            now = self._clock.now()
+            events: list[TaskEvent] = []
+            left = _Left()
+            try:
+                async with self._conn() as conn, conn.transaction():
+                    locked = await conn.fetchrow(LOCK_FOR_DELETE, task_id)
+                    if locked is None:
+                        raise TaskNotFound(task_id)
+                    state = TaskState(locked["state"])
+                    if locked["dependents_pending"] and state != TaskState.ACTIVE:
+                        ended_as = "completed" if state == TaskState.COMPLETED else "canceled"
+                        more = True
+                        while more:
+                            rows = await conn.fetch(
+                                RESOLVE_DELETED, [task_id], now, MAX_BATCH, ended_as
+                            )
+                            more = left.add(rows, now, events)
+                    row = await conn.fetchrow(DELETE_TASK, task_id)
+            except asyncpg.DeadlockDetectedError:
+                if attempt + 1 == _DEADLOCK_TRIES:
+                    raise
+                continue
+            break
+        assert row is not None  # locked above
         if not row["deleted"]:
             raise InvalidState(task_id, row["state"], "delete")
-        self._emit(
-            [TaskEvent(task_id, row["queue"], row["type"], None, TaskState(row["state"]), now)]
+        events.append(
+            TaskEvent(task_id, row["queue"], row["type"], None, TaskState(row["state"]), now)
         )
+        self._emit(events)
+        left.pending.discard(task_id)  # gone
+        self._report(left.resolution(pending_only=True))
 
     async def _run_task_now(self, task_id: str) -> Task:
         return await self._admin(RUN_TASK_NOW, task_id, "run now")
@@ -876,6 +982,58 @@ class PostgresBroker(Broker):
         self._closed = True
         if self._owns_pool:
             await self._pool.close()
+
+
+class _Left:
+    """The work of one or more resolution statements, added up: see
+    ``queries.dependencies``."""
+
+    def __init__(self) -> None:
+        self.promoted: dict[str, int] = {}
+        self.canceled: list[str] = []
+        self.pending: set[str] = set()
+        self.edges = 0
+
+    def add(self, rows: Iterable[asyncpg.Record], now: datetime, events: list[TaskEvent]) -> bool:
+        """Take in a resolution's rows, appending the events of its changes (by id) to
+        ``events``; True when ended tasks were left with edges to settle."""
+        changed: list[asyncpg.Record] = []
+        more = False
+        for row in rows:
+            kind = row["kind"]
+            if kind == "changed":
+                changed.append(row)
+            elif kind == "more":
+                self.pending.add(row["id"])
+                more = True
+            else:
+                self.edges += row["settled"]
+        for row in sorted(changed, key=lambda r: str(r["id"])):
+            state = TaskState(row["state"])
+            if state == TaskState.BLOCKED:
+                continue
+            events.append(
+                TaskEvent(row["id"], row["queue"], row["type"], state, TaskState.BLOCKED, now)
+            )
+            if state == TaskState.PENDING:
+                self.promoted[row["queue"]] = self.promoted.get(row["queue"], 0) + 1
+            elif state == TaskState.CANCELED:
+                self.canceled.append(row["id"])
+                if row["dependents_pending"]:
+                    self.pending.add(row["id"])
+        return more
+
+    def resolution(self, *, pending_only: bool = False) -> Resolution:
+        """What was done and left; with ``pending_only``, only what the dependency sink
+        hears of (promotions, and what is left to resolve)."""
+        if pending_only:
+            return Resolution(promoted=self.promoted, pending=tuple(sorted(self.pending)))
+        return Resolution(
+            promoted=self.promoted,
+            pending=tuple(sorted(self.pending)),
+            canceled=tuple(sorted(self.canceled)),
+            edges=self.edges,
+        )
 
 
 #: What a lost, wedged or unreachable database raises through asyncpg (as opposed to a

@@ -3,7 +3,11 @@
 A batch with no unique keys and no dependencies (the hot path) is a single INSERT, atomic
 on its own. Otherwise the batch runs in one transaction: read what it depends on (stored
 ids, dependency states, live unique claims), check the items in order exactly as the
-interface describes, insert, and roll everything back on any error. The INSERT's
+interface describes (dependencies as :func:`conveyor_broker.dependencies.plan_starts`
+settles them), insert the tasks and their edges, and roll everything back on any error.
+The stored dependencies are locked (and flagged as waited for) before they are read, so
+an ack racing the enqueue either ends the dependency first (the new task sees it ended)
+or after (and finds the flag, so the end is resolved for the new task). The INSERT's
 ``ON CONFLICT DO NOTHING`` is the backstop for races with concurrent writers: a row it
 skips is either already stored (idempotent on id) or lost its unique key to a writer that
 committed first (DuplicateTask).
@@ -16,14 +20,17 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from conveyor_broker.errors import BrokerError, DuplicateTask, InvalidTask
+import asyncpg
+
+from conveyor_broker.dependencies import BatchItem, Start, plan_starts
+from conveyor_broker.errors import BrokerError, DuplicateTask
 from conveyor_broker.ids import new_ids
+from conveyor_broker.postgres.queries import dependencies as dependency_queries
 from conveyor_broker.postgres.queries import enqueue as queries
 from conveyor_broker.postgres.rows import enqueue_statement, new_task, task_from_row
-from conveyor_broker.types import EnqueueResult, NewTask, Task, TaskState
+from conveyor_broker.types import DependencyOutcome, EnqueueResult, NewTask, Task, TaskState
 
 if TYPE_CHECKING:
-    import asyncpg
     from asyncpg.pool import PoolConnectionProxy
 
     Connection = asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]
@@ -53,7 +60,7 @@ class _Known:
     """What the database says about the ids and keys a batch mentions."""
 
     stored: dict[str, Task] = field(default_factory=dict)
-    dependency_states: dict[str, str] = field(default_factory=dict)
+    dependency_states: dict[str, TaskState] = field(default_factory=dict)
     holders: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
@@ -77,7 +84,7 @@ async def enqueue_plain(
     """The hot path: no unique keys, no dependencies. One INSERT, plus a read-back of the
     tasks whose id was already stored."""
     fresh = [i for i in range(len(tasks)) if plan.first[i] == i]
-    todo = [_build(tasks[i], plan.ids[i], False, now, default_max_retry) for i in fresh]
+    todo = [_build(tasks[i], plan.ids[i], None, now, default_max_retry) for i in fresh]
     results: dict[str, EnqueueResult] = {}
     for _ in range(_ATTEMPTS):
         sql, params = enqueue_statement(sorted(todo, key=_lock_order), now)
@@ -104,7 +111,8 @@ async def enqueue_checked(
         try:
             async with conn.transaction():
                 return await _enqueue_in_transaction(conn, tasks, plan, now, default_max_retry)
-        except _Retry:
+        except (_Retry, asyncpg.DeadlockDetectedError):
+            # A deadlock aborted this transaction (the other one goes on): run it again.
             continue
     raise BrokerError("enqueue kept racing with a concurrent writer; try again")
 
@@ -118,36 +126,42 @@ async def _enqueue_in_transaction(
 ) -> list[EnqueueResult]:
     known = await _read_known(conn, tasks, plan, now)
     results = {task_id: EnqueueResult(task, False) for task_id, task in known.stored.items()}
+    items = [
+        BatchItem(i, plan.ids[i], task)
+        for i, task in enumerate(tasks)
+        if plan.first[i] == i and plan.ids[i] not in known.stored
+    ]
+    # Unknown dependencies and cycles are bad input: they outrank a conflict.
+    starts = plan_starts(items, known.dependency_states)
     planned: list[Task] = []
-    position: dict[str, int] = {}
     claims: dict[tuple[str, str], str] = {}
     # Item by item, as the interface reads. Bad input outranks a conflict, so the first
     # duplicate is raised only once every item has been checked.
     conflict: DuplicateTask | None = None
-    for i, task in enumerate(tasks):
-        task_id = plan.ids[i]
-        if plan.first[i] != i or task_id in known.stored:
-            continue
-        blocked = False
-        for dep in task.depends_on:
-            if dep in position:
-                blocked = True
-            elif dep in known.dependency_states:
-                blocked = blocked or known.dependency_states[dep] != TaskState.COMPLETED
-            else:
-                raise InvalidTask(f"task {i}: unknown dependency {dep!r}")
-        if task.unique_key is not None:
+    for item in items:
+        task, task_id = item.task, item.task_id
+        start = starts.get(task_id)
+        born_canceled = start is not None and start.state is TaskState.CANCELED
+        if task.unique_key is not None and not born_canceled:
             key = (task.queue, task.unique_key)
             holder = claims.get(key) or known.holders.get(key)
             if holder is not None:
                 conflict = conflict or DuplicateTask(task.queue, task.unique_key, holder)
             claims[key] = task_id
-        position[task_id] = i
-        planned.append(_build(task, task_id, blocked, now, default_max_retry))
+        planned.append(_build(task, task_id, start, now, default_max_retry))
     if conflict is not None:
         raise conflict
 
-    sql, params = enqueue_statement(sorted(planned, key=_lock_order), now)
+    counters = {task_id: (start.open, start.failed) for task_id, start in starts.items()}
+    waited_for = {
+        dep
+        for start in starts.values()
+        for dep, outcome in start.edges
+        if outcome is DependencyOutcome.OPEN
+    }
+    sql, params = enqueue_statement(
+        sorted(planned, key=_lock_order), now, counters=counters, waited_for=waited_for
+    )
     rows = await conn.fetch(sql, *params)
     inserted = {row[0] for row in rows}
     results.update((t.id, EnqueueResult(t, True)) for t in planned if t.id in inserted)
@@ -161,10 +175,22 @@ async def _enqueue_in_transaction(
             await _raise_duplicate(conn, claimed, now)
         if any(t.id not in results for t in skipped):
             raise _Retry
-    edges = [(t.id, dep) for t in planned if t.id in inserted for dep in t.depends_on]
+        # A task of the batch is another writer's now, and the batch's edges may wait
+        # for it as if it were new: read the batch again against what is stored.
+        if any(t.id in waited_for or t.id in starts for t in skipped):
+            raise _Retry
+    edges = [
+        (task_id, dep, None if outcome is DependencyOutcome.OPEN else outcome.value)
+        for task_id, start in starts.items()
+        if task_id in inserted
+        for dep, outcome in start.edges
+    ]
     if edges:
         await conn.execute(
-            queries.INSERT_DEPENDENCIES, [e[0] for e in edges], [e[1] for e in edges]
+            dependency_queries.INSERT_DEPENDENCIES,
+            [e[0] for e in edges],
+            [e[1] for e in edges],
+            [e[2] for e in edges],
         )
     return _in_order(plan, results)
 
@@ -176,15 +202,26 @@ async def _read_known(
     given = sorted({task.id for task in tasks if task.id is not None})
     if given:
         known.stored = {task.id: task for task in await _stored(conn, given)}
-    batch_ids = set(plan.ids)
-    # Dependencies on ids of this batch are settled in order by the caller; only a
-    # repeated-but-stored id also needs its stored state.
+    # The dependencies of the tasks to create that are not themselves created here: the
+    # batch's items are settled in order by the caller. Locked, and flagged as waited
+    # for when they have not ended.
+    created = {
+        plan.ids[i]
+        for i in range(len(tasks))
+        if plan.first[i] == i and plan.ids[i] not in known.stored
+    }
     lookup = sorted(
-        {dep for task in tasks for dep in task.depends_on} - (batch_ids - known.stored.keys())
+        {
+            dep
+            for i, task in enumerate(tasks)
+            if plan.ids[i] in created and plan.first[i] == i
+            for dep in task.depends_on
+        }
+        - created
     )
     if lookup:
-        rows = await conn.fetch(queries.STATES_BY_IDS, lookup)
-        known.dependency_states = {row[0]: row[1] for row in rows}
+        rows = await conn.fetch(dependency_queries.LOCK_DEPENDENCIES, lookup)
+        known.dependency_states = {row[0]: TaskState(row[1]) for row in rows}
     keys = sorted({(task.queue, task.unique_key) for task in tasks if task.unique_key is not None})
     if keys:
         rows = await conn.fetch(
@@ -198,10 +235,10 @@ async def _read_known(
 
 
 def _build(
-    task: NewTask, task_id: str, blocked: bool, now: datetime, default_max_retry: int
+    task: NewTask, task_id: str, start: Start | None, now: datetime, default_max_retry: int
 ) -> Task:
-    if blocked:
-        state = TaskState.BLOCKED
+    if start is not None and start.state is not None:
+        state = start.state
     elif task.group is not None:
         state = TaskState.AGGREGATING
     elif task.process_at is not None and task.process_at > now:
@@ -209,7 +246,14 @@ def _build(
     else:
         state = TaskState.PENDING
     max_retry = task.max_retry if task.max_retry is not None else default_max_retry
-    return new_task(task, task_id=task_id, state=state, now=now, max_retry=max_retry)
+    return new_task(
+        task,
+        task_id=task_id,
+        state=state,
+        now=now,
+        max_retry=max_retry,
+        error=start.error if start is not None else None,
+    )
 
 
 async def _stored(conn: Connection, ids: list[str]) -> list[Task]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
@@ -124,9 +124,17 @@ def task_from_row(row: asyncpg.Record) -> Task:
 
 
 def new_task(
-    new: NewTask, *, task_id: str, state: TaskState, now: datetime, max_retry: int
+    new: NewTask,
+    *,
+    task_id: str,
+    state: TaskState,
+    now: datetime,
+    max_retry: int,
+    error: str | None = None,
 ) -> Task:
-    """The Task that enqueuing ``new`` stores, exactly as it will read back."""
+    """The Task that enqueuing ``new`` stores, exactly as it will read back. A task born
+    CANCELED (a failed dependency) has ``completed_at = now`` and ``error`` as its
+    ``last_error``."""
     process_at = _utc(new.process_at)
     return Task(
         id=task_id,
@@ -153,17 +161,27 @@ def new_task(
         lease_expires_at=None,
         progress=None,
         result=None,
-        last_error=None,
+        last_error=error,
         created_at=now,
         updated_at=now,
         started_at=None,
-        completed_at=None,
+        completed_at=now if state is TaskState.CANCELED else None,
     )
 
 
-def enqueue_statement(tasks: Sequence[Task], now: datetime) -> tuple[str, list[Any]]:
+def enqueue_statement(
+    tasks: Sequence[Task],
+    now: datetime,
+    *,
+    counters: Mapping[str, tuple[int, int]] | None = None,
+    waited_for: Collection[str] = (),
+) -> tuple[str, list[Any]]:
     """The INSERT for ``tasks`` and its parameters: only the optional columns that some
-    task sets (see ``queries.enqueue.ENQUEUE_OPTIONAL``)."""
+    task sets (see ``queries.enqueue.ENQUEUE_OPTIONAL``).
+
+    ``counters`` maps the id of a task that has dependencies to its (open, failed) edge
+    counts; ``waited_for`` are the ids of tasks that others wait for (open edges).
+    """
     columns: dict[str, list[Any]] = {
         "id": [t.id for t in tasks],
         "queue": [t.queue for t in tasks],
@@ -188,9 +206,16 @@ def enqueue_statement(tasks: Sequence[Task], now: datetime) -> tuple[str, list[A
         ("unique_until", [t.unique_until for t in tasks]),
         ("group_key", [t.group for t in tasks]),
         ("concurrency_key", [t.concurrency_key for t in tasks]),
+        ("completed_at", [t.completed_at for t in tasks]),
+        ("last_error", [t.last_error for t in tasks]),
     ):
         if any(value is not None for value in values):
             columns[name] = values
+    if counters:
+        columns["deps_open"] = [counters.get(t.id, (0, 0))[0] for t in tasks]
+        columns["deps_failed"] = [counters.get(t.id, (0, 0))[1] for t in tasks]
+    if waited_for:
+        columns["dependents_pending"] = [t.id in waited_for for t in tasks]
     order = tuple(name for name in ENQUEUE_COLUMNS if name in columns)
     return enqueue_sql(order), [*(columns[name] for name in order), now]
 

@@ -52,6 +52,12 @@ CREATE TABLE conveyor_tasks (
     -- Who holds the lease (an api process, see conveyor_holders) while ACTIVE; NULL when
     -- the dispatcher named nobody. Set by every lease, cleared when a lease ends.
     holder           text,
+    -- Dependencies: of this task's edges, how many are open (the dependency has not
+    -- ended) and how many failed (it ended without completing); kept while it is BLOCKED.
+    deps_open        integer NOT NULL DEFAULT 0,
+    deps_failed      integer NOT NULL DEFAULT 0,
+    -- True while tasks wait for this one and its end has not been resolved for them.
+    dependents_pending boolean NOT NULL DEFAULT false,
     CONSTRAINT conveyor_tasks_pkey PRIMARY KEY (id),
     CONSTRAINT conveyor_tasks_state_check CHECK (state IN (
         'pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry',
@@ -107,6 +113,11 @@ CREATE UNIQUE INDEX conveyor_tasks_unique_idx ON conveyor_tasks (queue, unique_c
     WHERE unique_claim IS NOT NULL
       AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry');
 
+-- PromoteReadyDependents: ended tasks whose dependents are not resolved yet, oldest end
+-- first.
+CREATE INDEX conveyor_tasks_resolve_idx ON conveyor_tasks (completed_at, id)
+    WHERE dependents_pending AND state IN ('completed', 'archived', 'canceled');
+
 -- Freeing lapsed claims.
 CREATE INDEX conveyor_tasks_unique_until_idx ON conveyor_tasks (unique_until)
     WHERE unique_claim IS NOT NULL AND unique_until IS NOT NULL;
@@ -129,19 +140,27 @@ CREATE TABLE conveyor_queues (
         concurrency_limit IS NULL OR concurrency_limit > 0)
 );
 
--- Dependency edges: task_id waits for depends_on. The dependency may be purged before its
--- dependent resolves, so depends_on carries no foreign key.
+-- Dependency edges: task_id waits for depends_on. The dependency may be purged (once
+-- resolved) or deleted before its dependent is, so depends_on carries no foreign key.
 CREATE TABLE conveyor_task_dependencies (
     task_id    text COLLATE "C" NOT NULL,
     depends_on text COLLATE "C" NOT NULL,
+    -- NULL while the dependency has not ended (or its end is not resolved yet).
+    outcome    text,
     CONSTRAINT conveyor_task_dependencies_pkey PRIMARY KEY (task_id, depends_on),
     CONSTRAINT conveyor_task_dependencies_task_id_fkey FOREIGN KEY (task_id)
-        REFERENCES conveyor_tasks (id) ON DELETE CASCADE
+        REFERENCES conveyor_tasks (id) ON DELETE CASCADE,
+    CONSTRAINT conveyor_task_dependencies_outcome_check CHECK (
+        outcome IN ('satisfied', 'failed'))
 );
 
--- The resolver: "who waits for this task?"
+-- Listing a task's dependents, by dependent id.
 CREATE INDEX conveyor_task_dependencies_depends_on_idx
-    ON conveyor_task_dependencies (depends_on);
+    ON conveyor_task_dependencies (depends_on, task_id);
+
+-- Resolution: the open edges of a dependency, by dependent id.
+CREATE INDEX conveyor_task_dependencies_open_idx
+    ON conveyor_task_dependencies (depends_on, task_id) WHERE outcome IS NULL;
 
 -- Webhook worker registrations: one row per registered HTTP endpoint the webhook service
 -- delivers tasks to (names sort in byte order).

@@ -24,6 +24,7 @@ pytest.register_assert_rewrite(
     "conveyor_broker.testing.admin",
     "conveyor_broker.testing.builders",
     "conveyor_broker.testing.cron",
+    "conveyor_broker.testing.dependencies",
     "conveyor_broker.testing.enqueue",
     "conveyor_broker.testing.events",
     "conveyor_broker.testing.groups",
@@ -37,6 +38,7 @@ pytest.register_assert_rewrite(
 from conveyor_broker.clock import FakeClock  # noqa: E402
 from conveyor_broker.testing.admin import AdminTests  # noqa: E402
 from conveyor_broker.testing.cron import CronTests  # noqa: E402
+from conveyor_broker.testing.dependencies import DependencyTests  # noqa: E402
 from conveyor_broker.testing.enqueue import EnqueueTests  # noqa: E402
 from conveyor_broker.testing.events import EventTests  # noqa: E402
 from conveyor_broker.testing.groups import GroupTests  # noqa: E402
@@ -53,6 +55,7 @@ class BrokerConformance(
     OutcomeTests,
     SweepTests,
     HolderTests,
+    DependencyTests,
     AdminTests,
     EventTests,
     WebhookTests,

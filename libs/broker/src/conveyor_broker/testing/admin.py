@@ -346,8 +346,9 @@ class AdminTests:
     async def test_run_task_now_invalid_states(self, broker: Broker, clock: FakeClock) -> None:
         active = await enqueue_and_lease(broker)
         done = await _completed(broker)
-        blocked = await enqueue(broker, depends_on=(active.id,))
-        for task in (active, done, blocked):
+        canceled = await enqueue(broker, OTHER_QUEUE)
+        await broker.cancel_task(canceled.id)
+        for task in (active, done, canceled):
             with pytest.raises(InvalidState):
                 await broker.run_task_now(task.id)
         with pytest.raises(TaskNotFound):

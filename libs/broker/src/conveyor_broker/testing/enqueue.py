@@ -176,11 +176,14 @@ class EnqueueTests:
         task = await enqueue(broker, depends_on=(dep.id,))
         assert task.state == TaskState.PENDING
 
-    async def test_archived_dependency_blocks(self, broker: Broker) -> None:
+    async def test_archived_dependency_blocks_by_default(self, broker: Broker) -> None:
+        # BLOCK is the default policy; CONTINUE and CASCADE_CANCEL apply at once too (see
+        # testing.dependencies).
         dep = await enqueue(broker)
         await broker.archive_task(dep.id)
         task = await enqueue(broker, depends_on=(dep.id,))
         assert task.state == TaskState.BLOCKED
+        assert task.on_failure == OnFailure.BLOCK
 
     async def test_unknown_dependency_is_invalid(self, broker: Broker, clock: FakeClock) -> None:
         with pytest.raises(InvalidTask):

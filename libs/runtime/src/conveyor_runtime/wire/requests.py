@@ -91,7 +91,6 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
 #: Task options the wire carries whose feature this server does not provide yet, and what
 #: a task using one would do if it were stored: nothing, ever.
 UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = (
-    ("depends_on", "dependencies are not resolved yet: the task would stay blocked forever"),
     ("group", "aggregation groups are not dispatched yet: the task would stay aggregating forever"),
     ("concurrency_key", "per-key concurrency limits are not enforced yet: it would run unlimited"),
 )

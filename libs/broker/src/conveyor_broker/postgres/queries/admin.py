@@ -4,6 +4,8 @@ one task (cancel, run now, reschedule, archive, revive, delete) and on queues (p
 An admin transition locks task $1 and changes it only when its state allows; $2 is always
 now. Its result has one row when the task exists: the changed task's columns (all NULL
 when the state did not allow the change), then ``previous_state``. No row: no such task.
+The transitions that can end a task (cancel, archive) also return ``dependents_pending``
+before ``previous_state``.
 """
 
 from __future__ import annotations
@@ -133,12 +135,12 @@ WITH old AS (
     FROM old
     WHERE t.id = old.id
       AND old.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
-    RETURNING {TASK_COLUMNS}
+    RETURNING {TASK_COLUMNS}, t.dependents_pending
 )
 SELECT changed.*, old.state AS previous_state FROM old LEFT JOIN changed ON true
 """
 
-#: SCHEDULED, RETRY or PENDING -> PENDING, due now.
+#: SCHEDULED, RETRY, PENDING or BLOCKED -> PENDING, due now.
 RUN_TASK_NOW = f"""
 WITH old AS (
     SELECT id, state FROM conveyor_tasks WHERE id = $1 FOR UPDATE
@@ -146,7 +148,7 @@ WITH old AS (
     UPDATE conveyor_tasks t
     SET state = 'pending', available_at = $2, updated_at = $2::timestamptz
     FROM old
-    WHERE t.id = old.id AND old.state IN ('pending', 'scheduled', 'retry')
+    WHERE t.id = old.id AND old.state IN ('pending', 'scheduled', 'blocked', 'retry')
     RETURNING {TASK_COLUMNS}
 )
 SELECT changed.*, old.state AS previous_state FROM old LEFT JOIN changed ON true
@@ -181,7 +183,7 @@ WITH old AS (
     FROM old
     WHERE t.id = old.id
       AND old.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'retry')
-    RETURNING {TASK_COLUMNS}
+    RETURNING {TASK_COLUMNS}, t.dependents_pending
 )
 SELECT changed.*, old.state AS previous_state FROM old LEFT JOIN changed ON true
 """

@@ -1,5 +1,5 @@
 """Statements of EnqueueBatch: the batch INSERT, and what a checked batch reads first
-(stored ids, dependency states, unique claims)."""
+(stored ids, unique claims; dependencies are in ``queries.dependencies``)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ ENQUEUE_COLUMNS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "on_failure": ("text", ("on_failure",), ("u.on_failure",)),
     "concurrency_key": ("text", ("concurrency_key",), ("u.concurrency_key",)),
     "available_at": ("timestamptz", ("available_at",), ("u.available_at",)),
+    # Dependencies: a task's edge counters, whether tasks of the batch wait for it, and
+    # what a task born CANCELED (a failed dependency, CASCADE_CANCEL) ends with.
+    "deps_open": ("int", ("deps_open",), ("u.deps_open",)),
+    "deps_failed": ("int", ("deps_failed",), ("u.deps_failed",)),
+    "dependents_pending": ("boolean", ("dependents_pending",), ("u.dependents_pending",)),
+    "completed_at": ("timestamptz", ("completed_at",), ("u.completed_at",)),
+    "last_error": ("text", ("last_error",), ("u.last_error",)),
 }
 #: Columns a batch may leave out when no task in it sets them: the table's defaults (NULL,
 #: or ``'{}'`` for headers and depends_on) are what those tasks would store anyway. A
@@ -49,6 +56,11 @@ ENQUEUE_OPTIONAL = frozenset(
         "group_key",
         "depends_on",
         "concurrency_key",
+        "deps_open",
+        "deps_failed",
+        "dependents_pending",
+        "completed_at",
+        "last_error",
     }
 )
 
@@ -85,14 +97,17 @@ RETURNING t.id
 """
 
 
-#: Every column: $1..$19 in ``ENQUEUE_COLUMNS`` order, $20 is now.
-ENQUEUE = enqueue_statement(tuple(ENQUEUE_COLUMNS))
+#: What only a task with dependencies sets (see ``conveyor_broker.dependencies``).
+DEPENDENCY_COLUMNS = frozenset(
+    {"deps_open", "deps_failed", "dependents_pending", "completed_at", "last_error"}
+)
+
+#: Every column a task without dependencies may set: $1..$19 in ``ENQUEUE_COLUMNS``
+#: order, $20 is now (the statement every schema version since 001 takes).
+ENQUEUE = enqueue_statement(tuple(c for c in ENQUEUE_COLUMNS if c not in DEPENDENCY_COLUMNS))
 
 #: Stored tasks among the ids $1.
 TASKS_BY_IDS = f"SELECT {TASK_COLUMNS} FROM conveyor_tasks t WHERE t.id = ANY($1::text[])"
-
-#: States of the stored tasks among the ids $1 (dependency checks).
-STATES_BY_IDS = "SELECT id, state FROM conveyor_tasks WHERE id = ANY($1::text[])"
 
 #: Free lapsed claims ($3 = now) on the (queue, unique_key) pairs $1, $2, so that their
 #: keys can be taken. Only an incomplete row is in the unique index.
@@ -129,11 +144,4 @@ SELECT t.id FROM conveyor_tasks t
 WHERE t.queue = $1 AND t.unique_claim = $2
   AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
   AND (t.unique_until IS NULL OR t.unique_until > $3)
-"""
-
-#: Dependency edges (task_id $1[i] waits for depends_on $2[i]).
-INSERT_DEPENDENCIES = """
-INSERT INTO conveyor_task_dependencies (task_id, depends_on)
-SELECT * FROM unnest($1::text[], $2::text[])
-ON CONFLICT DO NOTHING
 """

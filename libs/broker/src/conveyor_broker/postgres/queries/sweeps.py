@@ -28,7 +28,7 @@ SET state = CASE WHEN t.retried >= t.max_retry THEN 'archived' ELSE 'retry' END,
     lease_id = NULL, lease_expires_at = NULL, holder = NULL
 FROM expired
 WHERE t.id = expired.id
-RETURNING t.id, t.queue, t.type, t.state, expired.lease_expires_at
+RETURNING t.id, t.queue, t.type, t.state, expired.lease_expires_at, t.dependents_pending
 """
 
 #: BeatHolder: holder $1 is alive at now $2.
@@ -97,6 +97,8 @@ RETURNING t.id, t.queue, t.type, t.available_at
 # subquery so that the planner, not knowing it, plans for a large one: told "10" or
 # "1000" while it guesses (with stale or no statistics) that fewer rows are due, it
 # prefers a bitmap scan of every due row and a sort, and a backlog would be sorted whole.
+# A row whose dependents are not resolved yet is kept (the resolution needs its state);
+# such rows are few and short-lived, so filtering them costs the walk next to nothing.
 
 #: $1 = now, $2 = default retention of COMPLETED rows, $3 = retention of ARCHIVED and
 #: CANCELED rows, $4 = limit. Returns how many rows went.
@@ -104,6 +106,7 @@ PURGE_TERMINAL = """
 WITH own AS (
     SELECT t.id, t.purge_at AS at FROM conveyor_tasks t
     WHERE t.state = 'completed' AND t.purge_at IS NOT NULL AND t.purge_at <= $1
+      AND NOT t.dependents_pending
     ORDER BY t.purge_at, t.id
     LIMIT (SELECT $4::integer)
     FOR UPDATE SKIP LOCKED
@@ -113,7 +116,7 @@ WITH own AS (
            + coalesce(make_interval(secs => extract(epoch FROM t.retention)::float8),
                       make_interval(secs => extract(epoch FROM $2::interval)::float8)) AS at
     FROM conveyor_tasks t
-    WHERE t.state = 'completed' AND t.purge_at IS NULL
+    WHERE t.state = 'completed' AND t.purge_at IS NULL AND NOT t.dependents_pending
       AND t.completed_at
           <= $1::timestamptz - make_interval(secs => extract(epoch FROM $2::interval)::float8)
       AND (t.retention IS NULL
@@ -126,7 +129,7 @@ WITH own AS (
     SELECT t.id,
            t.completed_at + make_interval(secs => extract(epoch FROM $3::interval)::float8) AS at
     FROM conveyor_tasks t
-    WHERE t.state IN ('archived', 'canceled')
+    WHERE t.state IN ('archived', 'canceled') AND NOT t.dependents_pending
       AND t.completed_at
           <= $1::timestamptz - make_interval(secs => extract(epoch FROM $3::interval)::float8)
     ORDER BY t.completed_at, t.id
@@ -172,7 +175,7 @@ UPDATE conveyor_tasks t
 SET state = 'archived', last_error = $3, completed_at = $1, updated_at = $1
 FROM expired
 WHERE t.id = expired.id
-RETURNING {TASK_COLUMNS}, expired.state AS previous_state
+RETURNING {TASK_COLUMNS}, expired.state AS previous_state, t.dependents_pending
 """
 
 #: Due tasks per queue at now $1.
