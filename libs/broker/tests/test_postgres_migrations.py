@@ -289,8 +289,8 @@ async def test_a_row_completed_by_a_release_before_003_goes_by_its_own_retention
             await broker.get_task(old_release.id)
 
 
-async def test_migration_004_makes_edges_stored_before_it_resolvable(pg_dsn: str) -> None:
-    """Edges stored before 004 were never resolved: they come out open (counted on their
+async def test_migration_005_makes_edges_stored_before_it_resolvable(pg_dsn: str) -> None:
+    """Edges stored before 005 were never resolved: they come out open (counted on their
     waiting task, flagged on their dependency), an edge to a task no longer stored comes
     out failed, and the sweep then resolves what has ended."""
     clock = FakeClock()
@@ -343,7 +343,7 @@ async def test_migration_004_makes_edges_stored_before_it_resolvable(pg_dsn: str
                 [waits, waits, orphan],
                 [done, running, gone],
             )
-            assert await migrate(dsn) == [4]
+            assert await migrate(dsn) == list(range(4, latest_version() + 1))
             tasks = {
                 row["id"]: tuple(row[1:])
                 for row in await conn.fetch(

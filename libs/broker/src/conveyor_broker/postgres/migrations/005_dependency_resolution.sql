@@ -1,4 +1,4 @@
--- 004: dependencies are resolved. A task that waits for others keeps counters of its
+-- 005: dependencies are resolved. A task that waits for others keeps counters of its
 -- edges (deps_open: dependencies not ended yet; deps_failed: ended without completing),
 -- each edge its outcome, and a task others wait for a flag (dependents_pending) while
 -- its end has not been resolved for them. A resolution then touches one edge and one
