@@ -25,8 +25,11 @@ from conveyor._clients.admin import AsyncAdminClient
 from conveyor._clients.admin_sync import AdminClient
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    DependencyOutcome,
+    DependencyPage,
     QueueInfo,
     QueuePage,
+    TaskDependency,
     TaskEvent,
     TaskPage,
     WebhookWorker,
@@ -78,6 +81,8 @@ __all__ = [
     "CodecError",
     "ConveyorError",
     "DeadlineExceeded",
+    "DependencyOutcome",
+    "DependencyPage",
     "EnqueueResult",
     "EventStream",
     "FailedPrecondition",
@@ -93,6 +98,7 @@ __all__ = [
     "RetryAfter",
     "SkipRetry",
     "TaskContext",
+    "TaskDependency",
     "TaskEvent",
     "TaskInfo",
     "TaskNotFound",

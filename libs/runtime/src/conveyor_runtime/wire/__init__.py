@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from conveyor_runtime.wire.admin import (
     DEFAULT_WEBHOOK_SPEC,
+    dependency_to_proto,
     stats_to_proto,
     webhook_spec_from_proto,
     webhook_worker_to_proto,
@@ -63,6 +64,7 @@ __all__ = [
     "TaskDefaults",
     "check_time_bounds",
     "decode_events",
+    "dependency_to_proto",
     "dispatch_size",
     "duration",
     "encode_events",
