@@ -54,6 +54,7 @@ from conveyor._errors import (
     Unimplemented,
     WebhookWorkerNotFound,
 )
+from conveyor._ids import new_task_id
 from conveyor._payload import Codec, JsonCodec, RawCodec
 from conveyor._types import (
     EnqueueResult,
@@ -66,6 +67,7 @@ from conveyor._types import (
 )
 from conveyor._version import __version__
 from conveyor._worker.context import TaskContext
+from conveyor._worker.dependencies import DependencyResult
 from conveyor._worker.reconnect import ReconnectBackoff
 from conveyor._worker.worker import Worker
 
@@ -83,6 +85,7 @@ __all__ = [
     "DeadlineExceeded",
     "DependencyOutcome",
     "DependencyPage",
+    "DependencyResult",
     "EnqueueResult",
     "EventStream",
     "FailedPrecondition",
@@ -113,6 +116,7 @@ __all__ = [
     "WebhookWorkerNotFound",
     "Worker",
     "__version__",
+    "new_task_id",
     "spec",
     "webhooks",
 ]
