@@ -14,7 +14,7 @@ import pytest
 from conveyor_runtime.embedded_nats import free_port
 from conveyor_testkit.polling import wait_until_blocking
 
-from tests.e2e.harness import POLL_INTERVAL, port_open
+from tests.e2e.harness import POLL_INTERVAL, dev_server, port_open
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,3 +121,23 @@ def test_quickstart_runs_start_to_finish(tmp_path: Path) -> None:
     assert "service.stopped name=dev" in log, log
     assert not port_open(nats_port), "the embedded nats-server outlived conveyor dev"
     assert not port_open(port)
+
+
+@pytest.mark.nats
+@pytest.mark.parametrize("broken", [False, True], ids=["as-is", "a-source-fails"])
+def test_the_pipeline_example_runs(tmp_path: Path, broken: bool) -> None:
+    with dev_server(tmp_path / "dev.log") as target:
+        env = {**os.environ, "CONVEYOR_TARGET": target, "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "examples/pipeline.py", *(["--break"] if broken else [])]
+        run = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = {line.split()[0]: line for line in run.stdout.splitlines() if line.strip()}
+    assert "completed" in lines["merge"]
+    if broken:
+        assert "archived" in run.stdout.splitlines()[1]  # fetch b
+        assert "'sources': 1" in lines["merge"]
+        assert "daily: 2 rows from 1 sources" in lines["publish"]
+    else:
+        assert "'sources': 2" in lines["merge"]
+        assert "daily: 3 rows from 2 sources" in lines["publish"]
+    assert "completed" in lines["audit"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import random
+import re
+import time
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -77,6 +79,9 @@ EXPORTED = {
     "CronMisfire",
     "CronSpec",
     "DeadlineExceeded",
+    "DependencyOutcome",
+    "DependencyPage",
+    "DependencyResult",
     "EnqueueResult",
     "FailedPrecondition",
     "InvalidArgument",
@@ -89,6 +94,7 @@ EXPORTED = {
     "RetryAfter",
     "SkipRetry",
     "TaskContext",
+    "TaskDependency",
     "TaskInfo",
     "TaskNotFound",
     "TaskOptions",
@@ -102,6 +108,7 @@ EXPORTED = {
     "Worker",
     "__version__",
     "cron",
+    "new_task_id",
     "spec",
     "webhooks",
 }
@@ -514,3 +521,19 @@ def test_reconnect_backoff_doubles_to_its_cap() -> None:
     assert all(0.8 <= jittered.delay(4, rng) <= 1.6 for _ in range(100))
     with pytest.raises(InvalidArgument):
         ReconnectBackoff(initial=0)
+
+
+def test_new_task_ids_are_ulids_stamped_with_the_time() -> None:
+    crockford = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    before = time.time_ns() // 1_000_000
+    made = [conveyor.new_task_id() for _ in range(100)]
+    after = time.time_ns() // 1_000_000
+    ulid = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")
+    assert all(ulid.fullmatch(i) for i in made)
+    assert len(set(made)) == 100
+    for task_id in made:
+        millis = 0
+        for char in task_id[:10]:
+            millis = millis * 32 + crockford.index(char)
+        # The time comes first, so ids made in a later millisecond sort later.
+        assert before <= millis <= after

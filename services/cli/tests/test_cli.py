@@ -11,9 +11,11 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from conveyor import Client
 from conveyor_broker.postgres.migrations import load_migrations
 from conveyor_cli.main import cli
 from conveyor_runtime.embedded_nats import free_port
+from conveyor_testkit.polling import wait_until_blocking
 
 from tests.e2e.harness import dev_server
 
@@ -193,3 +195,33 @@ def test_serve_with_invalid_settings_is_one_message_and_exit_2(service: str, bad
     assert done.returncode == 2, done.stderr
     assert f"conveyor-{service}: invalid settings" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_task_deps_shows_both_ways_and_run_now_overrides(target: str) -> None:
+    with Client(target) as client:
+        parent = client.enqueue("report.build", {}, queue="cli-deps", process_in=3600)
+        child = client.enqueue("report.send", {}, queue="cli-deps", depends_on=[parent.id])
+    assert child.state.value == "blocked"
+
+    waits = json.loads(run("task", "deps", child.id, "--json", target=target).output)
+    [edge] = waits["dependencies"]
+    assert (edge["task_id"], edge["state"], edge["outcome"]) == (parent.id, "scheduled", "open")
+    assert waits["dependents"] == []
+    waited = json.loads(run("task", "deps", parent.id, "--json", target=target).output)
+    assert [e["task_id"] for e in waited["dependents"]] == [child.id]
+
+    # The parent fails for good (canceled): the child (BLOCK) waits for an operator.
+    assert run("task", "cancel", parent.id, target=target).exit_code == 0
+
+    def settled() -> bool:
+        shown = json.loads(run("task", "deps", child.id, "--json", target=target).output)
+        return bool(shown["dependencies"][0]["outcome"] == "failed")
+
+    wait_until_blocking(settled, within=30, interval=0.1, message="the edge failed")
+    table = run("task", "deps", child.id, target=target)
+    assert table.exit_code == 0
+    assert "waits for: 1" in table.output
+    assert "failed" in table.output
+    ran = run("task", "run-now", child.id, target=target)
+    assert ran.exit_code == 0
+    assert "pending" in ran.output

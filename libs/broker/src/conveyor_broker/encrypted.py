@@ -422,6 +422,9 @@ class EncryptedBroker(Broker):
     async def _get_task(self, task_id: str) -> Task:
         return self._open(await self._inner._get_task(task_id))
 
+    async def _get_tasks(self, task_ids: Sequence[str]) -> list[Task]:
+        return [self._open(task) for task in await self._inner._get_tasks(task_ids)]
+
     async def _list_tasks(self, params: TaskListParams) -> TaskPage:
         if params.max_bytes is None:
             page = await self._inner._list_tasks(params)

@@ -614,6 +614,17 @@ class Broker(abc.ABC):
         check_task_id(task_id)
         return await self._get_task(task_id)
 
+    async def get_tasks(self, task_ids: Sequence[str]) -> list[Task]:
+        """The stored tasks among ``task_ids`` (at most MAX_BATCH), in the order given,
+        each once; unknown ids are left out. One round trip."""
+        self._check_open()
+        check_batch_size(task_ids, upper=MAX_BATCH)
+        for task_id in task_ids:
+            check_task_id(task_id)
+        if not task_ids:
+            return []
+        return await self._get_tasks(list(dict.fromkeys(task_ids)))
+
     async def list_tasks(self, params: TaskListParams = _DEFAULT_LIST) -> TaskPage:
         """Tasks ordered by id, filtered by ``params.queue`` and ``params.state``.
         ``params.cursor`` is the ``next_cursor`` of the previous page (an opaque string);
@@ -1057,6 +1068,9 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _get_task(self, task_id: str) -> Task: ...
+
+    @abc.abstractmethod
+    async def _get_tasks(self, task_ids: Sequence[str]) -> list[Task]: ...
 
     @abc.abstractmethod
     async def _list_tasks(self, params: TaskListParams) -> TaskPage: ...

@@ -649,6 +649,10 @@ class MemoryBroker(Broker):
         async with self._locked():
             return self._get(task_id)
 
+    async def _get_tasks(self, task_ids: Sequence[str]) -> list[Task]:
+        async with self._locked():
+            return [task for task_id in task_ids if (task := self._table.get(task_id))]
+
     async def _list_tasks(self, params: TaskListParams) -> TaskPage:
         # The cursor is the last id of the previous page.
         queue, state, limit, cursor = params.queue, params.state, params.limit, params.cursor

@@ -28,8 +28,11 @@ from conveyor._clients.admin_types import (
     CronEntry,
     CronMisfire,
     CronSpec,
+    DependencyOutcome,
+    DependencyPage,
     QueueInfo,
     QueuePage,
+    TaskDependency,
     TaskEvent,
     TaskPage,
     WebhookWorker,
@@ -56,6 +59,7 @@ from conveyor._errors import (
     Unimplemented,
     WebhookWorkerNotFound,
 )
+from conveyor._ids import new_task_id
 from conveyor._payload import Codec, JsonCodec, RawCodec
 from conveyor._types import (
     EnqueueResult,
@@ -68,6 +72,7 @@ from conveyor._types import (
 )
 from conveyor._version import __version__
 from conveyor._worker.context import TaskContext
+from conveyor._worker.dependencies import DependencyResult
 from conveyor._worker.reconnect import ReconnectBackoff
 from conveyor._worker.worker import Worker
 
@@ -87,6 +92,9 @@ __all__ = [
     "CronMisfire",
     "CronSpec",
     "DeadlineExceeded",
+    "DependencyOutcome",
+    "DependencyPage",
+    "DependencyResult",
     "EnqueueResult",
     "EventStream",
     "FailedPrecondition",
@@ -102,6 +110,7 @@ __all__ = [
     "RetryAfter",
     "SkipRetry",
     "TaskContext",
+    "TaskDependency",
     "TaskEvent",
     "TaskInfo",
     "TaskNotFound",
@@ -117,6 +126,7 @@ __all__ = [
     "Worker",
     "__version__",
     "cron",
+    "new_task_id",
     "spec",
     "webhooks",
 ]

@@ -31,6 +31,13 @@ class TaskAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_ACTION_REVIVE: _ClassVar[TaskAction]
     TASK_ACTION_RESCHEDULE: _ClassVar[TaskAction]
 
+class DependencyOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DEPENDENCY_OUTCOME_UNSPECIFIED: _ClassVar[DependencyOutcome]
+    DEPENDENCY_OUTCOME_OPEN: _ClassVar[DependencyOutcome]
+    DEPENDENCY_OUTCOME_SATISFIED: _ClassVar[DependencyOutcome]
+    DEPENDENCY_OUTCOME_FAILED: _ClassVar[DependencyOutcome]
+
 class CronMisfire(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CRON_MISFIRE_UNSPECIFIED: _ClassVar[CronMisfire]
@@ -48,6 +55,10 @@ TASK_ACTION_DELETE: TaskAction
 TASK_ACTION_ARCHIVE: TaskAction
 TASK_ACTION_REVIVE: TaskAction
 TASK_ACTION_RESCHEDULE: TaskAction
+DEPENDENCY_OUTCOME_UNSPECIFIED: DependencyOutcome
+DEPENDENCY_OUTCOME_OPEN: DependencyOutcome
+DEPENDENCY_OUTCOME_SATISFIED: DependencyOutcome
+DEPENDENCY_OUTCOME_FAILED: DependencyOutcome
 CRON_MISFIRE_UNSPECIFIED: CronMisfire
 CRON_MISFIRE_RUN_ONCE: CronMisfire
 CRON_MISFIRE_SKIP: CronMisfire
@@ -115,6 +126,40 @@ class GetTaskResponse(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     task: _task_pb2.Task
     def __init__(self, task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ...) -> None: ...
+
+class GetDependencyResultsRequest(_message.Message):
+    __slots__ = ("task_id", "lease_id", "limit", "cursor")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    lease_id: str
+    limit: int
+    cursor: str
+    def __init__(self, task_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., limit: _Optional[int] = ..., cursor: _Optional[str] = ...) -> None: ...
+
+class DependencyResult(_message.Message):
+    __slots__ = ("task_id", "state", "result", "has_result", "last_error")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    HAS_RESULT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    state: _task_pb2.TaskState
+    result: bytes
+    has_result: bool
+    last_error: str
+    def __init__(self, task_id: _Optional[str] = ..., state: _Optional[_Union[_task_pb2.TaskState, str]] = ..., result: _Optional[bytes] = ..., has_result: _Optional[bool] = ..., last_error: _Optional[str] = ...) -> None: ...
+
+class GetDependencyResultsResponse(_message.Message):
+    __slots__ = ("results", "next_cursor")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[DependencyResult]
+    next_cursor: str
+    def __init__(self, results: _Optional[_Iterable[_Union[DependencyResult, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
 
 class WorkerFrame(_message.Message):
     __slots__ = ("hello", "result", "batch_result", "heartbeat", "credit", "progress")
@@ -423,6 +468,40 @@ class BatchTaskActionResponse(_message.Message):
     affected: int
     failures: _containers.ScalarMap[str, str]
     def __init__(self, affected: _Optional[int] = ..., failures: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class TaskDependency(_message.Message):
+    __slots__ = ("task_id", "outcome", "queue", "type", "state")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    outcome: DependencyOutcome
+    queue: str
+    type: str
+    state: _task_pb2.TaskState
+    def __init__(self, task_id: _Optional[str] = ..., outcome: _Optional[_Union[DependencyOutcome, str]] = ..., queue: _Optional[str] = ..., type: _Optional[str] = ..., state: _Optional[_Union[_task_pb2.TaskState, str]] = ...) -> None: ...
+
+class ListTaskDependenciesRequest(_message.Message):
+    __slots__ = ("id", "dependents", "limit", "cursor")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DEPENDENTS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    dependents: bool
+    limit: int
+    cursor: str
+    def __init__(self, id: _Optional[str] = ..., dependents: _Optional[bool] = ..., limit: _Optional[int] = ..., cursor: _Optional[str] = ...) -> None: ...
+
+class ListTaskDependenciesResponse(_message.Message):
+    __slots__ = ("dependencies", "next_cursor")
+    DEPENDENCIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    dependencies: _containers.RepeatedCompositeFieldContainer[TaskDependency]
+    next_cursor: str
+    def __init__(self, dependencies: _Optional[_Iterable[_Union[TaskDependency, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
 
 class RateLimit(_message.Message):
     __slots__ = ("queue", "per_second", "burst")

@@ -256,6 +256,11 @@ class WorkerServiceStub:
                 request_serializer=conveyor_dot_v1_dot_service__pb2.WorkerFrame.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_service__pb2.ServerFrame.FromString,
                 _registered_method=True)
+        self.GetDependencyResults = channel.unary_unary(
+                '/conveyor.v1.WorkerService/GetDependencyResults',
+                request_serializer=conveyor_dot_v1_dot_service__pb2.GetDependencyResultsRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_service__pb2.GetDependencyResultsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -271,6 +276,14 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDependencyResults(self, request, context):
+        """The results of the dependencies of a task the caller is running: its lease id (from
+        the dispatch) proves it. FAILED_PRECONDITION once the lease is lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -278,6 +291,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=conveyor_dot_v1_dot_service__pb2.WorkerFrame.FromString,
                     response_serializer=conveyor_dot_v1_dot_service__pb2.ServerFrame.SerializeToString,
+            ),
+            'GetDependencyResults': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDependencyResults,
+                    request_deserializer=conveyor_dot_v1_dot_service__pb2.GetDependencyResultsRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_service__pb2.GetDependencyResultsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +329,33 @@ class WorkerService:
             '/conveyor.v1.WorkerService/Session',
             conveyor_dot_v1_dot_service__pb2.WorkerFrame.SerializeToString,
             conveyor_dot_v1_dot_service__pb2.ServerFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDependencyResults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.WorkerService/GetDependencyResults',
+            conveyor_dot_v1_dot_service__pb2.GetDependencyResultsRequest.SerializeToString,
+            conveyor_dot_v1_dot_service__pb2.GetDependencyResultsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -398,6 +443,11 @@ class AdminServiceStub:
                 '/conveyor.v1.AdminService/BatchTaskAction',
                 request_serializer=conveyor_dot_v1_dot_service__pb2.BatchTaskActionRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_service__pb2.BatchTaskActionResponse.FromString,
+                _registered_method=True)
+        self.ListTaskDependencies = channel.unary_unary(
+                '/conveyor.v1.AdminService/ListTaskDependencies',
+                request_serializer=conveyor_dot_v1_dot_service__pb2.ListTaskDependenciesRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_service__pb2.ListTaskDependenciesResponse.FromString,
                 _registered_method=True)
         self.SetRateLimit = channel.unary_unary(
                 '/conveyor.v1.AdminService/SetRateLimit',
@@ -596,6 +646,13 @@ class AdminServiceServicer:
 
     def BatchTaskAction(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTaskDependencies(self, request, context):
+        """The tasks a task waits for, or the tasks that wait for it, with how each edge stands.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -807,6 +864,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.BatchTaskAction,
                     request_deserializer=conveyor_dot_v1_dot_service__pb2.BatchTaskActionRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_service__pb2.BatchTaskActionResponse.SerializeToString,
+            ),
+            'ListTaskDependencies': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTaskDependencies,
+                    request_deserializer=conveyor_dot_v1_dot_service__pb2.ListTaskDependenciesRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_service__pb2.ListTaskDependenciesResponse.SerializeToString,
             ),
             'SetRateLimit': grpc.unary_unary_rpc_method_handler(
                     servicer.SetRateLimit,
@@ -1278,6 +1340,33 @@ class AdminService:
             '/conveyor.v1.AdminService/BatchTaskAction',
             conveyor_dot_v1_dot_service__pb2.BatchTaskActionRequest.SerializeToString,
             conveyor_dot_v1_dot_service__pb2.BatchTaskActionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTaskDependencies(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.AdminService/ListTaskDependencies',
+            conveyor_dot_v1_dot_service__pb2.ListTaskDependenciesRequest.SerializeToString,
+            conveyor_dot_v1_dot_service__pb2.ListTaskDependenciesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,6 +17,7 @@ from conveyor_broker import (
     MAX_BATCH,
     Broker,
     BrokerError,
+    DependencyListParams,
     InvalidTask,
     Task,
     TaskListParams,
@@ -352,13 +353,15 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
     async def CancelTask(
         self, request: service_pb2.TaskActionRequest, context: _Context
     ) -> service_pb2.TaskActionResponse:
-        """Cancel a waiting task; abort a running one (its worker is told to stop)."""
+        """Cancel a waiting task; abort a running one (its worker is told to stop). Tasks
+        that wait for it follow their policies (the resolver hears of the end)."""
         return await self._single(service_pb2.TASK_ACTION_CANCEL, request.id, context)
 
     async def RunTaskNow(
         self, request: service_pb2.TaskActionRequest, context: _Context
     ) -> service_pb2.TaskActionResponse:
-        """Make a waiting task due now and wake its queue."""
+        """Make a waiting task due now and wake its queue (a BLOCKED one too: it runs
+        despite its unmet dependencies)."""
         return await self._single(service_pb2.TASK_ACTION_RUN_NOW, request.id, context)
 
     async def DeleteTask(
@@ -419,6 +422,27 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             sum(done),
         )
         return service_pb2.BatchTaskActionResponse(affected=sum(done), failures=failures)
+
+    async def ListTaskDependencies(
+        self, request: service_pb2.ListTaskDependenciesRequest, context: _Context
+    ) -> service_pb2.ListTaskDependenciesResponse:
+        """A page of a task's dependency edges: the tasks it waits for, or those that wait
+        for it, each with how the edge stands and the other task's state."""
+        try:
+            page = await self._broker.list_dependencies(
+                DependencyListParams(
+                    task_id=request.id,
+                    dependents=request.dependents,
+                    limit=request.limit or DEFAULT_TASK_PAGE,
+                    cursor=request.cursor or None,
+                )
+            )
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.ListTaskDependenciesResponse(
+            dependencies=[wire.dependency_to_proto(link) for link in page.links],
+            next_cursor=page.next_cursor or "",
+        )
 
     # ------------------------------------------------------- webhook workers
     # No NATS nudge: the webhook manager converges on the stored registrations every

@@ -33,6 +33,7 @@ ADMIN_READS = frozenset(
         "ListTasks",
         "ListQueues",
         "GetQueueStats",
+        "ListTaskDependencies",
         "ListRateLimits",
         "ListConcurrencyLimits",
         "ListGroupConfigs",

@@ -216,6 +216,7 @@ class ApiServer:
                 hello_timeout=self._hello_timeout,
                 max_pending_frames=settings.session_max_pending_frames,
                 write_timeout=settings.session_write_timeout,
+                broker=self.broker,
             ),
         )
         self._admin = AdminService(

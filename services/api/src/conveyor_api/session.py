@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from conveyor_broker import InvalidTask, validation
+from conveyor_broker import Broker, InvalidTask, validation
 from conveyor_broker.clock import Clock
 from conveyor_broker.ids import new_id
 from conveyor_broker.validation import check_queue, check_text
@@ -37,8 +37,9 @@ from conveyor_gateway import Gateway, GatewayConfig, WorkerSpec
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime.wire import duration
 
-from conveyor_api.broker_status import status_message
+from conveyor_api.broker_status import abort_for_error, status_message
 from conveyor_api.decoding import Undecodable, malformed_message
+from conveyor_api.dependency_results import dependency_results
 from conveyor_api.semver import at_least
 
 logger = logging.getLogger(__name__)
@@ -384,7 +385,10 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
         hello_timeout: float = HELLO_TIMEOUT,
         max_pending_frames: int = MAX_PENDING_FRAMES,
         write_timeout: float = WRITE_TIMEOUT,
+        broker: Broker | None = None,
     ) -> None:
+        """``broker`` serves GetDependencyResults (UNIMPLEMENTED without one)."""
+        self._broker = broker
         self._max_pending_frames = max_pending_frames
         self._write_timeout = write_timeout
         self._registry = registry
@@ -421,6 +425,18 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
                 max_result=self._config.max_result,
             )
         )
+
+    async def GetDependencyResults(
+        self, request: service_pb2.GetDependencyResultsRequest, context: _Context
+    ) -> service_pb2.GetDependencyResultsResponse:
+        """The results of the dependencies of a task the caller runs (see
+        :mod:`conveyor_api.dependency_results`)."""
+        if self._broker is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no broker to read from")
+        try:
+            return await dependency_results(self._broker, request)
+        except Exception as exc:
+            await abort_for_error(context, exc)
 
     async def Session(
         self,

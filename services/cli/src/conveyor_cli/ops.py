@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,7 +13,7 @@ import click
 from conveyor import AdminClient, Client, ConveyorError, TaskSpec, spec
 from rich.progress import Progress
 
-from conveyor_cli.output import emit_json, queue_table, task_detail, task_table
+from conveyor_cli.output import dependency_table, emit_json, queue_table, task_detail, task_table
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -277,6 +278,45 @@ def task_cancel(task_id: str, target: str, token: str | None, as_json: bool) -> 
     with clear_errors(), admin_client(target, token) as admin:
         info = admin.cancel_task(task_id)
     emit_json(info) if as_json else click.echo(f"{info.id} is now {info.state.value}")
+
+
+@task.command("run-now")
+@click.argument("task_id")
+@connection_options
+def task_run_now(task_id: str, target: str, token: str | None, as_json: bool) -> None:
+    """Make a waiting task due now; a blocked one runs despite its unmet dependencies."""
+    with clear_errors(), admin_client(target, token) as admin:
+        info = admin.run_task_now(task_id)
+    emit_json(info) if as_json else click.echo(f"{info.id} is now {info.state.value}")
+
+
+@task.command("deps")
+@click.argument("task_id")
+@click.option(
+    "--limit", default=1000, show_default=True, help="most edges shown each way (by task id)"
+)
+@connection_options
+def task_deps(task_id: str, limit: int, target: str, token: str | None, as_json: bool) -> None:
+    """The tasks a task waits for and the tasks that wait for it, with their states and
+    how each dependency stands (open, satisfied, failed)."""
+    if limit < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--limit")
+    with clear_errors(), admin_client(target, token) as admin:
+        ways = {}
+        for name, dependents in (("dependencies", False), ("dependents", True)):
+            edges = admin.iter_dependencies(
+                task_id, dependents=dependents, page_size=min(limit, 1000)
+            )
+            ways[name] = list(itertools.islice(edges, limit + 1))
+    shown = {name: edges[:limit] for name, edges in ways.items()}
+    if as_json:
+        emit_json(shown)
+        return
+    for name, title in (("dependencies", "waits for"), ("dependents", "waited for by")):
+        more = " (more not shown)" if len(ways[name]) > limit else ""
+        click.echo(f"{task_id} {title}: {len(shown[name])}{more}")
+        if shown[name]:
+            dependency_table(shown[name])
 
 
 @click.group()

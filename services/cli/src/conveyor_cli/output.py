@@ -10,7 +10,7 @@ from enum import Enum
 from typing import Any
 
 import click
-from conveyor import QueueInfo, TaskInfo, TaskState
+from conveyor import QueueInfo, TaskDependency, TaskInfo, TaskState
 from rich.console import Console
 from rich.table import Table
 
@@ -71,6 +71,22 @@ def task_detail(task: TaskInfo) -> None:
         if value is None or value == {} or value == []:
             continue
         table.add_row(name, json.dumps(value) if isinstance(value, dict | list) else str(value))
+    console.print(table)
+
+
+def dependency_table(edges: Sequence[TaskDependency]) -> None:
+    """A table of dependency edges: the other task, its state, and the edge's outcome."""
+    table = Table(show_edge=False)
+    for column in ("id", "queue", "type", "state", "dependency"):
+        table.add_column(column)
+    for e in edges:
+        table.add_row(
+            e.task_id,
+            e.queue or "-",
+            e.type or "-",
+            e.state.value if e.state is not None else "gone",
+            e.outcome.value,
+        )
     console.print(table)
 
 

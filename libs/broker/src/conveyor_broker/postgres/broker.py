@@ -78,7 +78,11 @@ from conveyor_broker.postgres.queries.dependencies import (
     RESOLVE_DEPENDENTS,
     TASK_EXISTS,
 )
-from conveyor_broker.postgres.queries.enqueue import FREE_LAPSED_CLAIMS, UNIQUE_HOLDER
+from conveyor_broker.postgres.queries.enqueue import (
+    FREE_LAPSED_CLAIMS,
+    TASKS_BY_IDS,
+    UNIQUE_HOLDER,
+)
 from conveyor_broker.postgres.queries.groups import (
     DELETE_GROUP_CONFIG,
     DUE_GROUPS,
@@ -638,6 +642,11 @@ class PostgresBroker(Broker):
         if row is None:
             raise TaskNotFound(task_id)
         return task_from_row(row)
+
+    async def _get_tasks(self, task_ids: Sequence[str]) -> list[Task]:
+        rows = await self._fetch(TASKS_BY_IDS, list(task_ids))
+        found = {task.id: task for task in map(task_from_row, rows)}
+        return [found[task_id] for task_id in task_ids if task_id in found]
 
     async def _list_tasks(self, params: TaskListParams) -> TaskPage:
         queue, state, limit = params.queue, params.state, params.limit

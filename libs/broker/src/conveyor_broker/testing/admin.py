@@ -343,6 +343,21 @@ class AdminTests:
         assert ran.available_at == clock.now()
         assert (await lease_one(broker)).id == second
 
+    async def test_get_tasks_returns_the_stored_ones_in_order(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        a = await enqueue(broker)
+        b = await enqueue(broker, OTHER_QUEUE)
+        missing = unused_id(clock)
+        got = await broker.get_tasks([b.id, missing, a.id, b.id])
+        assert [t.id for t in got] == [b.id, a.id]
+        assert got[0] == await broker.get_task(b.id)
+        assert await broker.get_tasks([]) == []
+        with pytest.raises(InvalidTask):
+            await broker.get_tasks(["nope"])
+        with pytest.raises(InvalidTask):
+            await broker.get_tasks([a.id] * (MAX_BATCH + 1))
+
     async def test_run_task_now_invalid_states(self, broker: Broker, clock: FakeClock) -> None:
         active = await enqueue_and_lease(broker)
         done = await _completed(broker)

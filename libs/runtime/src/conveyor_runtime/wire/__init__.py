@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from conveyor_runtime.wire.admin import (
     DEFAULT_WEBHOOK_SPEC,
+    dependency_to_proto,
     stats_to_proto,
     webhook_spec_from_proto,
     webhook_worker_to_proto,
@@ -67,6 +68,7 @@ __all__ = [
     "cron_entry_to_proto",
     "cron_spec_from_proto",
     "decode_events",
+    "dependency_to_proto",
     "dispatch_size",
     "duration",
     "encode_events",

@@ -1,4 +1,5 @@
-"""The AdminService's own messages: queue stats and webhook worker registrations.
+"""The AdminService's own messages: queue stats, dependency edges and webhook worker
+registrations.
 
 Task reads and task actions use :mod:`conveyor_runtime.wire.tasks`; this module holds what
 only operators exchange with the api.
@@ -7,7 +8,14 @@ only operators exchange with the api.
 from __future__ import annotations
 
 from conveyor_broker.errors import InvalidTask
-from conveyor_broker.types import QueueStats, TaskState, WebhookWorker, WebhookWorkerSpec
+from conveyor_broker.types import (
+    DependencyLink,
+    DependencyOutcome,
+    QueueStats,
+    TaskState,
+    WebhookWorker,
+    WebhookWorkerSpec,
+)
 from conveyor_broker.validation import (
     check_webhook_name,
     check_webhook_secret,
@@ -15,6 +23,7 @@ from conveyor_broker.validation import (
 )
 from conveyor_protos.v1 import service_pb2
 
+from conveyor_runtime.wire.tasks import state_to_proto
 from conveyor_runtime.wire.time import duration, from_duration, set_timestamp
 
 #: What an UpsertWebhookWorker that leaves a field unset (zero) gets.
@@ -27,6 +36,25 @@ def stats_to_proto(stats: QueueStats) -> service_pb2.QueueStats:
         queue=stats.queue,
         paused=stats.paused,
         counts={state.value: stats.count(state) for state in TaskState},
+    )
+
+
+_OUTCOME_TO_PROTO = {
+    DependencyOutcome.OPEN: service_pb2.DEPENDENCY_OUTCOME_OPEN,
+    DependencyOutcome.SATISFIED: service_pb2.DEPENDENCY_OUTCOME_SATISFIED,
+    DependencyOutcome.FAILED: service_pb2.DEPENDENCY_OUTCOME_FAILED,
+}
+
+
+def dependency_to_proto(link: DependencyLink) -> service_pb2.TaskDependency:
+    """A dependency edge as the wire message (the other task's fields empty when it is
+    gone)."""
+    return service_pb2.TaskDependency(
+        task_id=link.task_id,
+        outcome=_OUTCOME_TO_PROTO[link.outcome],
+        queue=link.queue or "",
+        type=link.type or "",
+        state=state_to_proto(link.state),
     )
 
 

@@ -16,8 +16,10 @@ from conveyor._clients.admin_types import (
     CronEntry,
     CronMisfire,
     CronSpec,
+    DependencyPage,
     QueueInfo,
     QueuePage,
+    TaskDependency,
     TaskPage,
     WebhookWorker,
     misfire_policy,
@@ -35,6 +37,8 @@ from conveyor._clients.admin_wire import (
     batch_result,
     cron_from_wire,
     cron_request,
+    dependencies_request,
+    dependency_page,
     list_request,
     queue_info,
     queues_request,
@@ -152,6 +156,44 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
             )
             for task in page.tasks:
                 yield task
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def list_dependencies(
+        self,
+        id: str,
+        *,
+        dependents: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> DependencyPage:
+        """One page of the dependency edges of task ``id``: the tasks it waits for, or
+        with ``dependents=True`` the tasks that wait for it; each with how the edge stands
+        (:class:`DependencyOutcome`) and the other task's state, by its id. ``limit`` is
+        1..1000; pass the page's ``next_cursor`` as ``cursor`` for the next. Raises
+        :class:`TaskNotFound` for an unknown task."""
+        request = dependencies_request(id, dependents, limit, cursor)
+        try:
+            response = await self._call(
+                "ListTaskDependencies", request, svc.ListTaskDependenciesResponse
+            )
+        except ConveyorError as exc:
+            raise with_task_id(exc, id) from None
+        return dependency_page(response)
+
+    async def iter_dependencies(
+        self, id: str, *, dependents: bool = False, page_size: int = 100
+    ) -> AsyncIterator[TaskDependency]:
+        """Every dependency edge of task ``id``, page after page (see
+        :meth:`list_dependencies`)."""
+        cursor: str | None = None
+        while True:
+            page = await self.list_dependencies(
+                id, dependents=dependents, limit=page_size, cursor=cursor
+            )
+            for edge in page.dependencies:
+                yield edge
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor

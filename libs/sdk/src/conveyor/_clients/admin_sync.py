@@ -16,8 +16,10 @@ from conveyor._clients.admin_types import (
     CronEntry,
     CronMisfire,
     CronSpec,
+    DependencyPage,
     QueueInfo,
     QueuePage,
+    TaskDependency,
     TaskPage,
     WebhookWorker,
     misfire_policy,
@@ -35,6 +37,8 @@ from conveyor._clients.admin_wire import (
     batch_result,
     cron_from_wire,
     cron_request,
+    dependencies_request,
+    dependency_page,
     list_request,
     queue_info,
     queues_request,
@@ -127,6 +131,39 @@ class AdminClient(AdminBase, SyncRpcClient):
                 with_payloads=with_payloads,
             )
             yield from page.tasks
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    def list_dependencies(
+        self,
+        id: str,
+        *,
+        dependents: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> DependencyPage:
+        """One page of the dependency edges of task ``id``: the tasks it waits for, or
+        with ``dependents=True`` the tasks that wait for it; each with how the edge stands
+        (:class:`DependencyOutcome`) and the other task's state, by its id. ``limit`` is
+        1..1000; pass the page's ``next_cursor`` as ``cursor`` for the next. Raises
+        :class:`TaskNotFound` for an unknown task."""
+        request = dependencies_request(id, dependents, limit, cursor)
+        try:
+            response = self._call("ListTaskDependencies", request, svc.ListTaskDependenciesResponse)
+        except ConveyorError as exc:
+            raise with_task_id(exc, id) from None
+        return dependency_page(response)
+
+    def iter_dependencies(
+        self, id: str, *, dependents: bool = False, page_size: int = 100
+    ) -> Iterator[TaskDependency]:
+        """Every dependency edge of task ``id``, page after page (see
+        :meth:`list_dependencies`)."""
+        cursor: str | None = None
+        while True:
+            page = self.list_dependencies(id, dependents=dependents, limit=page_size, cursor=cursor)
+            yield from page.dependencies
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor

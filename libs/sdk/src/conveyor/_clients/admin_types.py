@@ -1,5 +1,5 @@
 """What the admin clients return: pages of tasks, queue statistics, batch outcomes,
-lifecycle events, webhook worker registrations and cron entries."""
+lifecycle events, dependency edges, webhook worker registrations and cron entries."""
 
 from __future__ import annotations
 
@@ -50,6 +50,44 @@ class QueuePage:
     """
 
     queues: Sequence[QueueInfo]
+    next_cursor: str | None
+
+
+class DependencyOutcome(StrEnum):
+    """How a dependency edge stands, seen from the task that waits on it."""
+
+    #: The dependency has not ended yet (or its end has not been resolved yet).
+    OPEN = "open"
+    #: The dependency completed.
+    SATISFIED = "satisfied"
+    #: The dependency ended without completing: archived, canceled or deleted.
+    FAILED = "failed"
+    #: An outcome this SDK does not know (a newer server).
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskDependency:
+    """One edge of the dependency graph, seen from the task asked about: the task at the
+    other end (``task_id``) and how the edge stands. ``queue``, ``type`` and ``state``
+    describe that task as stored now; they are None when it is gone (purged or
+    deleted)."""
+
+    task_id: str
+    outcome: DependencyOutcome
+    queue: str | None
+    type: str | None
+    state: TaskState | None
+
+
+@dataclass(frozen=True, slots=True)
+class DependencyPage:
+    """One page of :meth:`AsyncAdminClient.list_dependencies`, by the other task's id.
+
+    Pass ``next_cursor`` back as ``cursor`` for the next page; it is None on the last.
+    """
+
+    dependencies: Sequence[TaskDependency]
     next_cursor: str | None
 
 

@@ -15,7 +15,10 @@ from conveyor._clients.admin_types import (
     CronEntry,
     CronMisfire,
     CronSpec,
+    DependencyOutcome,
+    DependencyPage,
     QueueInfo,
+    TaskDependency,
     TaskEvent,
     TaskPage,
     WebhookWorker,
@@ -108,6 +111,40 @@ def list_request(
         limit=limit,
         cursor=cursor or "",
         omit_payloads=not with_payloads,
+    )
+
+
+def dependencies_request(
+    id: str, dependents: bool, limit: int, cursor: str | None
+) -> svc.ListTaskDependenciesRequest:
+    """A ListTaskDependencies request, checked."""
+    _check_limit(limit)
+    return svc.ListTaskDependenciesRequest(
+        id=id, dependents=dependents, limit=limit, cursor=cursor or ""
+    )
+
+
+_OUTCOMES = {
+    svc.DEPENDENCY_OUTCOME_OPEN: DependencyOutcome.OPEN,
+    svc.DEPENDENCY_OUTCOME_SATISFIED: DependencyOutcome.SATISFIED,
+    svc.DEPENDENCY_OUTCOME_FAILED: DependencyOutcome.FAILED,
+}
+
+
+def dependency_page(response: svc.ListTaskDependenciesResponse) -> DependencyPage:
+    """The SDK view of a page of dependency edges."""
+    return DependencyPage(
+        dependencies=[
+            TaskDependency(
+                task_id=edge.task_id,
+                outcome=_OUTCOMES.get(edge.outcome, DependencyOutcome.UNKNOWN),
+                queue=edge.queue or None,
+                type=edge.type or None,
+                state=state_from_wire(edge.state) if edge.state else None,
+            )
+            for edge in response.dependencies
+        ],
+        next_cursor=response.next_cursor or None,
     )
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
 from conveyor._payload import Codec, encode_value
+from conveyor._worker.dependencies import DependencyResult
 
 # Guards the lazy creation of a context's threading.Event against a concurrent cancel.
 # Most runs never need the Event (only a sync handler waiting on cancellation does), and
@@ -28,6 +29,9 @@ class TaskContext:
     Cancellation is cooperative. An async handler is cancelled with asyncio cancellation;
     a sync handler (run in a thread) should poll :attr:`cancelled` or block in
     :meth:`wait_cancelled`. A cancelled handler's Result is not used.
+
+    A task enqueued with ``depends_on`` reads what its dependencies returned with
+    :meth:`dependency_results` (or everything about them with :meth:`dependencies`).
     """
 
     __slots__ = (
@@ -35,10 +39,12 @@ class TaskContext:
         "_cancelled",
         "_cancelled_event",
         "_codec",
+        "_dependencies",
         "_emit_progress",
         "_lease_id",
         "_loop",
         "_loop_thread",
+        "_read_dependencies",
         "attempt",
         "concurrency_key",
         "deadline",
@@ -70,6 +76,7 @@ class TaskContext:
         codec: Codec,
         emit_progress: Callable[[bytes], None],
         loop: asyncio.AbstractEventLoop,
+        read_dependencies: Callable[[], Awaitable[list[DependencyResult]]] | None = None,
     ) -> None:
         self.task_id = task_id
         self.queue = queue
@@ -90,6 +97,8 @@ class TaskContext:
         self._cancelled = False
         self._cancelled_event: threading.Event | None = None
         self._cancel_reason: str | None = None
+        self._read_dependencies = read_dependencies
+        self._dependencies: list[DependencyResult] | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -137,6 +146,42 @@ class TaskContext:
         # A closed loop means the worker is gone: nobody is left to send the update to.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._emit_progress, data)
+
+    async def dependencies(self) -> list[DependencyResult]:
+        """Every dependency of this task, in the order it named them: state, decoded
+        result and error (an empty list for a task without dependencies).
+
+        Read from the server on the first call (a page of up to 100 at a time, under this
+        delivery's lease) and kept for the run. Raises :class:`FailedPrecondition` once
+        the lease is lost, and the SDK's other errors for a server it cannot reach.
+        """
+        if self._dependencies is None:
+            read = self._read_dependencies
+            self._dependencies = [] if read is None else await read()
+        return list(self._dependencies)
+
+    async def dependency_results(self) -> dict[str, Any]:
+        """What the dependencies that completed returned (decoded by the worker's codec;
+        None when one returned nothing), by task id, in the order the task named them.
+
+        A dependency that did not complete (it failed and this task runs anyway, under
+        ``on_failure="continue"``) is left out: :meth:`dependencies` has it with its
+        error.
+        """
+        return {dep.task_id: dep.result for dep in await self.dependencies() if dep.completed}
+
+    def dependency_results_blocking(self, timeout: float | None = None) -> dict[str, Any]:
+        """:meth:`dependency_results` for a plain ``def`` handler (it runs in a thread):
+        waits at most ``timeout`` seconds (TimeoutError past them). An async handler must
+        ``await ctx.dependency_results()`` instead (RuntimeError here: waiting would block
+        the event loop)."""
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError(
+                "dependency_results_blocking() would block the event loop: "
+                "await ctx.dependency_results() in an async handler"
+            )
+        future = asyncio.run_coroutine_threadsafe(self.dependency_results(), self._loop)
+        return future.result(timeout)
 
     def _cancel(self, reason: str) -> None:
         with _EVENT_LOCK:

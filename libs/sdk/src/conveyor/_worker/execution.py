@@ -21,6 +21,7 @@ from conveyor._errors import SkipRetry
 from conveyor._payload import Codec, decode_value, encode_value
 from conveyor._wire_time import duration_from_wire, duration_to_wire, timestamp_from_wire
 from conveyor._worker.context import TaskContext
+from conveyor._worker.dependencies import DependencyResult, read_dependencies
 
 logger = logging.getLogger("conveyor.worker")
 
@@ -148,6 +149,12 @@ class Origin(Protocol):
         """Queue a Progress update of the delivery."""
         ...
 
+    async def dependency_results(
+        self, task_id: str, lease_id: str, cursor: str
+    ) -> svc.GetDependencyResultsResponse:
+        """A page of the delivery's dependencies' results (after ``cursor``)."""
+        ...
+
 
 class Execution:
     """One delivery being run: its context, the asyncio task around the handler, and what
@@ -205,6 +212,7 @@ class Execution:
             codec=codec,
             emit_progress=self._emit_progress,
             loop=asyncio.get_running_loop(),
+            read_dependencies=self._read_dependencies,
         )
         self.task: asyncio.Task[svc.Result] | None = None
         self.thread_future: concurrent.futures.Future[Any] | None = None
@@ -217,6 +225,14 @@ class Execution:
         self.reported = False
         self._timer: asyncio.TimerHandle | None = None
         self._on_finished: Callable[[Execution], None] | None = None
+
+    async def _read_dependencies(self) -> list[DependencyResult]:
+        envelope, origin = self.envelope, self.origin
+
+        async def fetch(cursor: str) -> svc.GetDependencyResultsResponse:
+            return await origin.dependency_results(envelope.id, envelope.lease_id, cursor)
+
+        return await read_dependencies(fetch, self._codec)
 
     @property
     def finished(self) -> bool:

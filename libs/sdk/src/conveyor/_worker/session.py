@@ -23,6 +23,7 @@ from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 
 from conveyor._channel import Endpoint, auth_metadata
+from conveyor._errors import Unavailable, error_from_rpc
 from conveyor._version import __version__
 from conveyor._wire_time import duration_from_wire
 from conveyor._worker.execution import DEFAULT_MAX_RESULT, Registration, make_result
@@ -32,6 +33,9 @@ from conveyor._worker.slots import Slots
 logger = logging.getLogger("conveyor.worker")
 
 SESSION_METHOD = "/conveyor.v1.WorkerService/Session"
+DEPENDENCY_RESULTS_METHOD = "/conveyor.v1.WorkerService/GetDependencyResults"
+#: Seconds a read of dependency results may take.
+DEPENDENCY_RESULTS_TIMEOUT = 30.0
 #: Statuses that end a worker instead of a reconnect: they do not heal by retrying
 #: (PERMISSION_DENIED: the token's role does not cover a worker session on these queues).
 FATAL_CODES = frozenset(
@@ -126,6 +130,7 @@ class SessionRunner:
         #: Deliveries of this session not answered yet (running here, or waiting).
         self.holding: set[tuple[str, str]] = set()
         self._call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame] | None = None
+        self._channel: grpc.aio.Channel | None = None
 
     # ------------------------------------------------------------- the stream
 
@@ -147,6 +152,7 @@ class SessionRunner:
         """Open the stream and serve it. Returns after a graceful close; raises
         :class:`SessionEnded` when the stream ended for any other reason."""
         channel = self.settings.endpoint.aio_channel()
+        self._channel = channel
         try:
             session: grpc.aio.StreamStreamMultiCallable[svc.WorkerFrame, svc.ServerFrame]
             session = channel.stream_stream(
@@ -442,6 +448,31 @@ class SessionRunner:
         self.holding.discard((result.task_id, result.lease_id))
         if self.live:
             self.outbox.put_result(result)
+
+    async def dependency_results(
+        self, task_id: str, lease_id: str, cursor: str
+    ) -> svc.GetDependencyResultsResponse:
+        """A page of a delivery's dependencies' results, read on this session's channel.
+        Raises the SDK's errors (:class:`Unavailable` once the session is over)."""
+        channel = self._channel
+        if channel is None or not self.live:
+            raise Unavailable("the session this task came on has ended", code="UNAVAILABLE")
+        call: grpc.aio.UnaryUnaryMultiCallable[
+            svc.GetDependencyResultsRequest, svc.GetDependencyResultsResponse
+        ] = channel.unary_unary(
+            DEPENDENCY_RESULTS_METHOD,
+            request_serializer=svc.GetDependencyResultsRequest.SerializeToString,
+            response_deserializer=svc.GetDependencyResultsResponse.FromString,
+        )
+        request = svc.GetDependencyResultsRequest(task_id=task_id, lease_id=lease_id, cursor=cursor)
+        try:
+            return await call(
+                request,
+                metadata=auth_metadata(self.settings.token),
+                timeout=DEPENDENCY_RESULTS_TIMEOUT,
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, task_id=task_id) from None
 
     def send_progress(self, task_id: str, lease_id: str, data: bytes) -> None:
         """Queue a Progress frame for a running delivery of this session."""
