@@ -2,9 +2,9 @@
 
 A FakeGateway speaks the gateway side of the NATS contract: it registers, answers
 DispatchRequests (accepting as many as its policy says), re-registers on owner_changed
-and on a roll call, and publishes Done. It answers dispatch requests on the raw connection, because it must
-be able to misbehave as no Bus user can (never answer, publish a Done before its
-reply). Brokers run on a FakeClock, so leases never expire by themselves:
+and on a roll call, and publishes Done. It answers dispatch requests on the raw
+connection, because it must be able to misbehave as no Bus user can (never answer,
+publish a Done before its reply). Brokers run on a FakeClock, so leases never expire by themselves:
 a task that goes back to PENDING was released on purpose.
 """
 

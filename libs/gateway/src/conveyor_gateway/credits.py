@@ -8,8 +8,9 @@ overload a worker.
 
 The dispatcher of each queue hears of the slots three ways: a ``Register`` per queue
 (at start, every ``register_tick``, when the queue's owner changes, on a dispatcher's roll
-call, when the concurrency is capped, and a closing one at the end), the ``DispatchReply`` to each offer, and a
-``Done`` as soon as a slot is given back (:class:`~conveyor_gateway.hints.DonePublisher`).
+call, when the concurrency is capped, and a closing one at the end), the
+``DispatchReply`` to each offer, and a ``Done`` as soon as a slot is given back
+(:class:`~conveyor_gateway.hints.DonePublisher`).
 All three carry the running total of slots given back on the queue, so the dispatcher can
 tell which Dones a reply already accounts for.
 """
