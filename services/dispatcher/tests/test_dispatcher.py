@@ -698,6 +698,15 @@ async def test_peer_watch_reports_a_silent_peer_once_and_judges_nobody_while_dea
     judge._self_since -= 0.3
     assert judge.check() == ["quiet"]
     assert dead == ["peer", "quiet"]
+    # A blip shorter than the silence (its own beats came back 0.2 s late) starts the
+    # silence over too: the peers' beats may not have caught up yet.
+    now = asyncio.get_running_loop().time()
+    judge._peers["late"] = now - 1.0
+    judge._self_heard = now - 0.2
+    judge._on_beat(cluster_pb2.DispatcherBeat(instance="judge"))
+    assert judge.check() == []
+    judge._self_since -= 0.3
+    assert judge.check() == ["late"]
 
 
 async def test_losing_the_key_stops_dispatch_at_once(

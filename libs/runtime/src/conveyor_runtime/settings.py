@@ -502,7 +502,8 @@ class MaintenanceSettings(ServiceSettings):
         gt=0,
         description="Seconds an api process may go without a liveness beat (in the broker "
         "and on NATS, see the api's holder_beat) before the reaper takes it as dead and "
-        "releases the tasks its workers held, due at once, with no attempt spent",
+        "releases the tasks its workers held, due at once, with no attempt spent; keep it "
+        "at 3 holder_beat or more",
     )
     leader_ttl: float = Field(
         5.0, gt=0, description="Seconds a leadership key lives without a refresh"

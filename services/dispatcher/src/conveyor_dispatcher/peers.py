@@ -7,9 +7,10 @@ over at once rather than when their ownership keys expire. A peer that stops gra
 says so (``leaving``) and is simply forgotten: it has given its queues up already.
 
 A dispatcher that does not hear its own beats judges nobody: its own link (or its event
-loop) is what is slow, and everyone would look dead. After such a gap it waits ``silence``
-of hearing itself again before it judges anyone, so a peer whose beats have not caught up
-yet (both of them just reconnected to NATS, say) is not taken for dead.
+loop) is what is slow, and everyone would look dead. After a gap in its own beats (of
+more than two beats, or half the silence) it waits ``silence`` of hearing itself again
+before it judges anyone, so a peer whose beats have not caught up yet (both of them just
+reconnected to NATS after a blip, say) is not taken for dead.
 
 The cost is bounded by the number of dispatchers: one small message per dispatcher per
 ``beat``, heard by every dispatcher, whatever the number of queues.
@@ -48,6 +49,8 @@ class PeerWatch:
         self.instance = instance
         self._beat = beat
         self._silence = silence
+        #: A gap this long in this instance's own beats starts its silence over.
+        self._gap = max(2 * beat, silence / 2)
         self._on_dead = on_dead
         #: Peer -> when its last beat arrived (loop time).
         self._peers: dict[str, float] = {}
@@ -96,7 +99,7 @@ class PeerWatch:
     def _on_beat(self, beat: cluster_pb2.DispatcherBeat) -> None:
         now = self._now()
         if beat.instance == self.instance:
-            if now - self._self_heard >= self._silence:
+            if now - self._self_heard > self._gap:
                 self._self_since = now  # heard again after a gap: start over
             self._self_heard = now
         elif beat.leaving:
