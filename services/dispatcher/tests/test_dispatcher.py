@@ -818,13 +818,17 @@ async def test_a_queue_whose_gateways_left_is_given_up_however_much_is_due(
         await wake(nc, subjects, queue_name)
         return queue_name not in d.owned
 
-    await wait_until(released_while_woken)
-    assert await owner_key(nc, subjects, queue_name) is None
+    await wait_until(released_while_woken, within=30)
+
+    async def key_gone() -> bool:
+        return await owner_key(nc, subjects, queue_name) is None
+
+    await wait_until(key_gone, within=30)
     refused = d.claims_refused
     for _ in range(5):
         await wake(nc, subjects, queue_name)
     await gw.register()  # and a gateway's return does bring it back
-    await wait_until(lambda: len(gw.received) == 3)
+    await wait_until(lambda: len(gw.received) == 3, within=30)
     assert d.claims_refused == refused
 
 
