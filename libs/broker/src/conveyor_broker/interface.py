@@ -690,7 +690,12 @@ class Broker(abc.ABC):
     async def revive_task(self, task_id: str) -> Task:
         """ARCHIVED -> PENDING, due now, ``retried = 0``, ``completed_at`` cleared
         (``last_error`` is kept as history). Other states: InvalidState. Raises
-        DuplicateTask when another live task holds its (unlapsed) unique claim."""
+        DuplicateTask when another live task holds its (unlapsed) unique claim.
+
+        Tasks still BLOCKED because it had failed (``on_failure`` BLOCK, or CONTINUE
+        waiting for others) wait for its new outcome: their edges to it are open again
+        (``updated_at = now`` on each), resolved when it ends next. This is how an
+        operator repairs a blocked pipeline: fix the cause, revive what failed."""
         self._check_open()
         check_task_id(task_id)
         return await self._revive_task(task_id)

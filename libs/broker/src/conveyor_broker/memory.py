@@ -747,6 +747,16 @@ class MemoryBroker(Broker):
                 holder = self._table.claim_holder(task.queue, task.unique_key, now)
                 if holder is not None:
                     raise DuplicateTask(task.queue, task.unique_key, holder)
+            # Those still BLOCKED on its failure wait for its new outcome.
+            for waiting in self._graph.failed_dependents(task_id):
+                dependent = self._table.get(waiting)
+                if dependent is None or dependent.state is not TaskState.BLOCKED:
+                    continue
+                self._graph.settle(waiting, task_id, DependencyOutcome.OPEN)
+                open_count, failed = self._graph.counts(waiting)
+                self._graph.set_counts(waiting, open_count + 1, failed - 1)
+                self._graph.pending.add(task_id)
+                self._table.put(replace(dependent, updated_at=now), dependent)
             return self._table.put(
                 replace(
                     task,

@@ -35,6 +35,12 @@ logger = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 
 RESOLVER = "resolver"
+#: Most ended tasks one resolution call takes. A call's time grows with what it settles
+#: (each ended task's flag, each dependent's counters), and an end heard meanwhile waits
+#: for it: short calls keep that wait short (a fan-in's last parent promotes its child a
+#: call after it completes, not a thousand parents later), and the ends that pile up meanwhile
+#: still go together in the next.
+CALL_IDS = 100
 #: Seconds to wait before trying again after a resolution failed (the database down).
 RETRY_FIRST = 0.1
 RETRY_MAX = 2.0
@@ -160,7 +166,7 @@ class DependencyResolver:
         """Resolve the work list until it is empty (or the role is lost)."""
         delay = RETRY_FIRST
         while self._work and keeper.holds(RESOLVER):
-            ids = list(self._work)[:MAX_BATCH]
+            ids = list(self._work)[:CALL_IDS]
             for task_id in ids:
                 del self._work[task_id]
             try:

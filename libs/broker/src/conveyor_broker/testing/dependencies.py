@@ -430,6 +430,40 @@ class DependencyTests:
         assert await _resolve_all(broker, dep) == Resolution(edges=1)
         assert await _state(broker, task) == TaskState.PENDING
 
+    async def test_reviving_a_failed_dependency_reopens_what_it_blocked(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        dep = await enqueue(broker)
+        other = await enqueue(broker, "other")
+        blocked = await enqueue(broker, "b", depends_on=(dep.id,))
+        waits = await enqueue(broker, "w", depends_on=(dep.id, other.id), on_failure=CONTINUE)
+        overridden = await enqueue(broker, "o", depends_on=(dep.id,))
+        await _fail(broker, dep)
+        await _resolve_all(broker, dep)
+        await broker.run_task_now(overridden.id)
+        clock.advance(timedelta(seconds=1))
+        revived = await broker.revive_task(dep.id)
+        assert revived.state == TaskState.PENDING
+        for task in (blocked, waits):
+            [link] = [
+                link
+                for link in (await broker.list_dependencies(DependencyListParams(task.id))).links
+                if link.task_id == dep.id
+            ]
+            assert link.outcome == DependencyOutcome.OPEN
+            assert (await broker.get_task(task.id)).updated_at == clock.now()
+        [link] = (await broker.list_dependencies(DependencyListParams(overridden.id))).links
+        assert link.outcome == DependencyOutcome.FAILED
+        # Its next end is resolved for them: this time it completes.
+        heard = _sink(broker)
+        await _complete(broker, dep)
+        assert heard == [Resolution(pending=(dep.id,))]
+        assert (await _resolve_all(broker, dep)).promoted == {"b": 1}
+        assert await _state(broker, waits) == TaskState.BLOCKED  # still waits for `other`
+        await _complete(broker, other)
+        assert (await _resolve_all(broker, other)).promoted == {"w": 1}
+        broker.set_dependency_sink(None)
+
     async def test_resolve_dependents_refuses_bad_input(
         self, broker: Broker, clock: FakeClock
     ) -> None:

@@ -189,15 +189,30 @@ SELECT changed.*, old.state AS previous_state FROM old LEFT JOIN changed ON true
 """
 
 #: ARCHIVED -> PENDING, due now, retried 0. A lapsed claim must not come back with the
-#: task and take the key from a newer holder.
+#: task and take the key from a newer holder. The tasks still BLOCKED on its failure wait
+#: for its new outcome: their failed edges to it open again (counters too), and it is
+#: flagged as waited for.
 REVIVE_TASK = f"""
 WITH old AS (
     SELECT id, state FROM conveyor_tasks WHERE id = $1 FOR UPDATE
+), reopened AS (
+    UPDATE conveyor_task_dependencies e SET outcome = NULL
+    FROM old, conveyor_tasks w
+    WHERE old.state IN ('archived') AND e.depends_on = old.id AND e.outcome = 'failed'
+      AND w.id = e.task_id AND w.state = 'blocked'
+    RETURNING e.task_id
+), reblocked AS (
+    UPDATE conveyor_tasks w
+    SET deps_open = w.deps_open + 1, deps_failed = w.deps_failed - 1,
+        updated_at = $2::timestamptz
+    FROM reopened
+    WHERE w.id = reopened.task_id
 ), changed AS (
     UPDATE conveyor_tasks t
     SET state = 'pending', available_at = $2, retried = 0, completed_at = NULL,
         unique_claim = CASE WHEN t.unique_until <= $2::timestamptz THEN NULL
                             ELSE t.unique_claim END,
+        dependents_pending = t.dependents_pending OR EXISTS (SELECT 1 FROM reopened),
         updated_at = $2::timestamptz
     FROM old
     WHERE t.id = old.id AND old.state IN ('archived')
