@@ -66,7 +66,19 @@ PER_QUEUE = {
 }
 #: Every kind of subject a service subscribes to (the ``_INBOX`` replies have a test of
 #: their own: ``test_fuzz_dispatcher.py``).
-KINDS = (*PER_QUEUE, "cancel", "promote", "watch", "resolve", "dispatch", "callback", "events")
+KINDS = (
+    *PER_QUEUE,
+    "cancel",
+    "promote",
+    "watch",
+    "resolve",
+    "rollcall",
+    "holder_beat",
+    "dispatcher_beat",
+    "dispatch",
+    "callback",
+    "events",
+)
 
 
 @dataclass
@@ -92,6 +104,9 @@ FUZZED_AS = {
     "promote": "promote",
     "watch": "watch",
     "resolve": "resolve",
+    "roll_call": "rollcall",
+    "holder_beat": "holder_beat",
+    "dispatcher_beat": "dispatcher_beat",
     "dispatch": "dispatch",
     "webhook_callback": "callback",
     "events": "events",
@@ -141,6 +156,9 @@ def subjects(draw: st.DrawFn, kind: str, targets: Targets) -> str:
         "promote": SUBJECTS.promote(),
         "watch": SUBJECTS.watch(),
         "resolve": SUBJECTS.resolve(),
+        "rollcall": SUBJECTS.roll_call(),
+        "holder_beat": SUBJECTS.holder_beat(),
+        "dispatcher_beat": SUBJECTS.dispatcher_beat(),
     }[kind]
 
 
@@ -152,6 +170,9 @@ _TYPES: dict[str, Any] = {
     "promote": None,
     "watch": None,
     "resolve": cluster_pb2.Resolve,
+    "rollcall": None,
+    "holder_beat": cluster_pb2.HolderBeat,
+    "dispatcher_beat": cluster_pb2.DispatcherBeat,
     "dispatch": cluster_pb2.DispatchRequest,
     "callback": cluster_pb2.WebhookCallback,
 }
@@ -218,6 +239,10 @@ def pointed(draw: st.DrawFn, kind: str, targets: Targets) -> bytes:
         return Blob(b"".join(varint(len(e)) + e for e in encoded))
     elif kind == "resolve":
         message = draw(messages_of(cluster_pb2.Resolve))
+    elif kind == "holder_beat":
+        message = draw(messages_of(cluster_pb2.HolderBeat))
+    elif kind == "dispatcher_beat":
+        message = draw(messages_of(cluster_pb2.DispatcherBeat))
     else:
         return Blob(draw(st.sampled_from([b"", b"\x00", b"{}"])))
     return Blob(message.SerializeToString())
