@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
-from conveyor_api.admin_service import LIST_PAGE_BYTES
+from conveyor_api.admin_service import LIST_PAGE_BYTES, MAX_WATCH_QUEUES
 from conveyor_broker import FakeClock, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
@@ -378,6 +378,21 @@ async def test_watch_events_rejects_bad_filters(admin: Any) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call.read()
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_watch_events_refuses_too_many_queues(admin: Any) -> None:
+    # Repeats count once: the limit itself, named twice over, is accepted.
+    names = [f"q{n}" for n in range(MAX_WATCH_QUEUES)]
+    call = admin.WatchEvents(service_pb2.WatchEventsRequest(queues=names + names))
+    await call.initial_metadata()
+    call.cancel()
+    call = admin.WatchEvents(
+        service_pb2.WatchEventsRequest(queues=[*names, f"q{MAX_WATCH_QUEUES}"])
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 1,000 distinct queues (got 1,001)" in (info.value.details() or "")
 
 
 # ---------------------------------------------------------- auth and modes

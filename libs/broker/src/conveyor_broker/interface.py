@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from importlib import metadata
+from typing import ClassVar
 
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.cron import CronSchedule
@@ -157,6 +158,12 @@ class Broker(abc.ABC):
     without one. ValueError for a negative ``max_payload`` or a ``default_max_retry``
     outside 0..MAX_RETRY_CAP.
     """
+
+    #: True when every task a call returns is a new object that nothing else holds (no
+    #: table, no cache keeps it; a repeated id in one ``enqueue_batch`` may return one
+    #: object twice): a decorator may then set its fields in place rather than copy each
+    #: task (:class:`~conveyor_broker.encrypted.EncryptedBroker` does, on the hot path).
+    returns_fresh_tasks: ClassVar[bool] = False
 
     def __init__(
         self,

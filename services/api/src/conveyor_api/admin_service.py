@@ -66,6 +66,10 @@ _BATCH_CONCURRENCY = 16
 #: Event messages (each a run of events) a slow WatchEvents caller may fall behind by
 #: before events are dropped.
 _WATCH_BACKLOG = 10_000
+#: Distinct queues one WatchEvents call may name (one NATS subscription each; with no
+#: queue named it watches them all through one). 100,000 names held the api's event loop
+#: for about half a minute.
+MAX_WATCH_QUEUES = 1_000
 
 #: AdminService methods that exist on the wire but not yet in this server.
 NOT_YET_IMPLEMENTED = (
@@ -210,7 +214,13 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         """Live lifecycle events. Initial metadata is sent once the subscription is live,
         so a caller can wait for it before causing the events it wants to see."""
         try:
-            for queue in request.queues:
+            queues = set(request.queues)
+            if len(queues) > MAX_WATCH_QUEUES:
+                raise InvalidTask(
+                    f"WatchEvents takes at most {MAX_WATCH_QUEUES:,} distinct queues "
+                    f"(got {len(queues):,}); name none to watch every queue"
+                )
+            for queue in queues:
                 check_queue(queue)
             for state in request.states:
                 wire.state_filter(state)
@@ -228,7 +238,7 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
                 logger.warning("watch_events.dropped reason=backlog_full")
 
         subs: list[Subscription] = []
-        for queue in sorted(set(request.queues)):
+        for queue in sorted(queues):
             subs.append(await self._bus.subscribe_events(on_events, queue=queue))
         if not subs:
             subs.append(await self._bus.subscribe_events(on_events))

@@ -186,6 +186,9 @@ class PostgresBroker(Broker):
     pool open). The schema must be migrated first (:func:`~.migrations.migrate`). The
     other arguments are :class:`~conveyor_broker.interface.Broker`'s."""
 
+    #: Every task a call returns is built from its row by that call.
+    returns_fresh_tasks = True
+
     def __init__(
         self,
         pool: Pool,
