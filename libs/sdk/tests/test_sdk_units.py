@@ -298,6 +298,38 @@ def test_worker_checks_its_hello_before_connecting(kwargs: dict[str, Any], messa
 # --------------------------------------------------------------------- conversions
 
 
+def test_a_clone_has_the_handlers_and_options_for_another_target() -> None:
+    original = Worker(
+        "prod:50051",
+        queues={"a": 2, "b": 1},
+        concurrency=7,
+        labels={"zone": "x"},
+        grace_period=3,
+        worker_id="w-1",
+        token="secret-of-production",
+    )
+
+    @original.task("t")
+    async def handler(payload: Any, ctx: Any) -> None:
+        return None
+
+    twin = original.clone("127.0.0.1:9", concurrency=2)
+    assert twin.target == "127.0.0.1:9"
+    assert original.target == "prod:50051"
+    assert twin.task_types == ["t"]
+    assert twin.queues == {"a": 2, "b": 1}
+    assert (twin.concurrency, original.concurrency) == (2, 7)
+    assert twin.labels == {"zone": "x"}
+    assert twin.worker_id == "w-1"
+    assert twin.grace_period == timedelta(seconds=3)
+    assert twin._token is None  # the production token stays with the original
+    # Handlers registered later on one are not the other's.
+    twin.register("u", handler)
+    assert original.task_types == ["t"]
+    with pytest.raises(InvalidArgument, match="concurrency"):
+        original.clone("127.0.0.1:9", concurrency=0)
+
+
 def test_options_round_trip_through_the_wire() -> None:
     options = TaskOptions(
         max_retry=0,

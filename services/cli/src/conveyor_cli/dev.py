@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,8 +76,23 @@ def dev_webhook_settings() -> dict[str, Any]:
     return chosen
 
 
-async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
-    """Run every service until ``stop`` is set, then stop them in reverse order."""
+@dataclass(frozen=True, slots=True)
+class DevServices:
+    """The services :func:`dev_services` runs, and where to reach them."""
+
+    #: ``host:port`` of the api (producers, workers, admin, webhook callbacks).
+    target: str
+    #: The NATS server the services speak on.
+    nats_url: str
+    #: What stores the tasks, for people: ``memory (nothing is kept)`` or the DSN.
+    broker: str
+
+
+@asynccontextmanager
+async def dev_services(options: DevOptions) -> AsyncIterator[DevServices]:
+    """Every service in this process (see the module docstring), running until the block
+    ends; then they stop in reverse order. ``options.port`` 0 takes a free port (the
+    target says which)."""
     embedded = None
     nats_url = options.nats_url
     if nats_url is None:
@@ -133,10 +150,8 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
             )
             await webhook.start()
             broker = f"postgres ({options.dsn})" if options.dsn else "memory (nothing is kept)"
-            print(BANNER.format(target=target, nats=nats_url, broker=broker), flush=True)
-            logger.warning("dev.auth_off target=%s", target)
             try:
-                await stop.wait()
+                yield DevServices(target=target, nats_url=nats_url, broker=broker)
             finally:
                 await webhook.stop()
                 await api.stop()
@@ -145,3 +160,14 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
     finally:
         if embedded is not None:
             await asyncio.to_thread(embedded.stop)
+
+
+async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
+    """Run every service until ``stop`` is set, then stop them in reverse order."""
+    async with dev_services(options) as services:
+        print(
+            BANNER.format(target=services.target, nats=services.nats_url, broker=services.broker),
+            flush=True,
+        )
+        logger.warning("dev.auth_off target=%s", services.target)
+        await stop.wait()

@@ -197,6 +197,28 @@ class Worker:
             raise ValueError(f"task type {type!r} already has a handler")
         self._handlers[type] = Registration.of(type, fn)
 
+    def clone(self, target: str, *, token: str | None = None, **options: Any) -> Worker:
+        """A new worker with this one's handlers and options, for the server at
+        ``target`` (with ``token``, and no TLS unless ``options`` ask for it).
+        ``options`` are constructor arguments that replace this worker's own
+        (``concurrency=2``, ``queues=[...]``). For tests: an application's module-level
+        worker, pointed at a test server (``conveyor_cli.testing``)."""
+        settings: dict[str, Any] = {
+            "queues": dict(self.queues),
+            "concurrency": self.concurrency,
+            "codec": self.codec,
+            "labels": dict(self.labels),
+            "grace_period": self.grace_period,
+            "worker_id": self.worker_id,
+            "reconnect": self.reconnect,
+            "min_server_version": self.min_server_version,
+            "max_result_size": self.max_result_size,
+        }
+        settings.update(options)
+        twin = Worker(target, token=token, **settings)
+        twin._handlers = dict(self._handlers)
+        return twin
+
     @property
     def task_types(self) -> list[str]:
         """The task types this worker has handlers for."""
