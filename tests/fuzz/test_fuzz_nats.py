@@ -75,6 +75,7 @@ KINDS = (
     "rollcall",
     "holder_beat",
     "dispatcher_beat",
+    "cluster_nodes",
     "dispatch",
     "callback",
     "events",
@@ -107,6 +108,7 @@ FUZZED_AS = {
     "roll_call": "rollcall",
     "holder_beat": "holder_beat",
     "dispatcher_beat": "dispatcher_beat",
+    "cluster_nodes": "cluster_nodes",
     "dispatch": "dispatch",
     "webhook_callback": "callback",
     "events": "events",
@@ -159,6 +161,7 @@ def subjects(draw: st.DrawFn, kind: str, targets: Targets) -> str:
         "rollcall": SUBJECTS.roll_call(),
         "holder_beat": SUBJECTS.holder_beat(),
         "dispatcher_beat": SUBJECTS.dispatcher_beat(),
+        "cluster_nodes": SUBJECTS.cluster_nodes(),
     }[kind]
 
 
@@ -173,6 +176,7 @@ _TYPES: dict[str, Any] = {
     "rollcall": None,
     "holder_beat": cluster_pb2.HolderBeat,
     "dispatcher_beat": cluster_pb2.DispatcherBeat,
+    "cluster_nodes": cluster_pb2.NodesRequest,
     "dispatch": cluster_pb2.DispatchRequest,
     "callback": cluster_pb2.WebhookCallback,
 }

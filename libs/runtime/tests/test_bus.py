@@ -561,3 +561,43 @@ async def test_a_request_past_its_deadline_is_not_answered(
     # clock 3 s behind, is still within its age).
     await late.dispatch("gw-1", cluster_pb2.DispatchRequest(queue="q"), within=5.0)
     assert len(seen) == 1
+
+
+async def test_gather_nodes_collects_every_sealed_answer_and_drops_forged_ones(
+    bus: Bus, nc: NatsClient, subjects: Subjects
+) -> None:
+    """Every process answers a NodesRequest (no queue group): the requester keeps each
+    verified ClusterNode that arrives within the window; a forged or unsealed answer is
+    refused and counted, and one that does not decode is skipped."""
+    other = Bus(nc, subjects, bus.auth)
+    subs = [
+        await bus.serve_nodes(lambda: service_pb2.ClusterNode(instance="a", kind="api")),
+        await other.serve_nodes(
+            lambda: service_pb2.ClusterNode(instance="d", kind="dispatcher", owned_queues=["q"])
+        ),
+    ]
+
+    async def intruder(msg: Msg) -> None:
+        assert msg.reply
+        body = service_pb2.ClusterNode(instance="forged", kind="api").SerializeToString()
+        await nc.publish(msg.reply, body)  # unsealed
+        forger = cluster_auth(cluster_auth_key())
+        await nc.publish(msg.reply, body, headers=forger.seal(msg.reply, body))
+        await nc.publish(msg.reply, GARBAGE, headers=bus.auth.seal(msg.reply, GARBAGE))
+
+    await nc.subscribe(subjects.cluster_nodes(), cb=intruder)
+    await nc.flush()
+    nodes = await bus.gather_nodes(within=0.5)
+    assert sorted((n.kind, n.instance) for n in nodes) == [("api", "a"), ("dispatcher", "d")]
+    assert bus.refusals.counts.get("ClusterNode", 0) == 2
+    # An unsealed request is refused by both responders, unanswered.
+    await nc.publish(subjects.cluster_nodes(), b"", reply=nc.new_inbox())
+    await wait_until(
+        lambda: (
+            bus.refusals.counts.get("NodesRequest", 0) == 1
+            and other.refusals.counts.get("NodesRequest", 0) == 1
+        ),
+        within=TIMEOUT,
+    )
+    for sub in subs:
+        await sub.unsubscribe()

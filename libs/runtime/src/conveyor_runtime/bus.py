@@ -13,6 +13,8 @@ bytes that do not decode live here, once:
   (:meth:`Bus.dispatch`, :meth:`Bus.serve_dispatch`) and ``WebhookCallback`` ->
   ``WebhookCallbackReply`` per webhook worker, queue group ``webhook``
   (:meth:`Bus.webhook_callback`, :meth:`Bus.serve_webhook_callbacks`).
+- Request/many replies: ``NodesRequest`` -> a ``ClusterNode`` from every service process
+  (:meth:`Bus.gather_nodes`, :meth:`Bus.serve_nodes`).
 - Hints with an empty body: promote, watch, roll call and owner changed, each a pair of
   methods.
 - Lifecycle events, several to a message (:meth:`Bus.publish_events`,
@@ -411,6 +413,33 @@ class Bus:
             self.subjects.webhook_callback(worker), queue=WEBHOOK_GROUP, cb=cb
         )
 
+    async def gather_nodes(self, *, within: float) -> list[service_pb2.ClusterNode]:
+        """Ask every service process to describe itself; the verified answers that arrive
+        within ``within`` seconds (one that does not decode is logged and skipped)."""
+        nodes = []
+        for msg in await self._replies.gather(
+            "ClusterNode",
+            self.subjects.cluster_nodes(),
+            cluster_pb2.NodesRequest().SerializeToString(),
+            within=within,
+        ):
+            try:
+                nodes.append(service_pb2.ClusterNode.FromString(msg.data))
+            except DecodeError:
+                logger.warning("bus.undecodable kind=ClusterNode subject=%s", msg.subject)
+        return nodes
+
+    async def serve_nodes(self, describe: Callable[[], service_pb2.ClusterNode]) -> Subscription:
+        """Answer every verified ``NodesRequest`` with ``describe()`` (a plain function,
+        run inline). Every subscriber answers: this is not a queue group."""
+
+        async def on_request(msg: Msg) -> None:
+            if not self._verified("NodesRequest", msg):
+                return
+            await self._respond(msg, describe().SerializeToString())
+
+        return await self.nc.subscribe(self.subjects.cluster_nodes(), cb=on_request)
+
     # ------------------------------------------------------ empty-body hints
 
     def publish_promote(self) -> Awaitable[None]:
@@ -519,7 +548,17 @@ class _Replies:
     the request waits on for the real one, so a forged reply can neither answer a request
     nor make its sender give up on the real answer)."""
 
-    __slots__ = ("_auth", "_lock", "_nc", "_prefix", "_refusals", "_sub", "_tokens", "_waiting")
+    __slots__ = (
+        "_auth",
+        "_gathering",
+        "_lock",
+        "_nc",
+        "_prefix",
+        "_refusals",
+        "_sub",
+        "_tokens",
+        "_waiting",
+    )
 
     def __init__(self, nc: NatsClient, auth: ClusterAuth, refusals: Refusals) -> None:
         self._nc = nc
@@ -530,6 +569,7 @@ class _Replies:
         self._lock = asyncio.Lock()
         self._tokens = itertools.count(1)
         self._waiting: dict[str, tuple[str, asyncio.Future[Msg]]] = {}
+        self._gathering: dict[str, tuple[str, list[Msg]]] = {}
 
     async def _subscribed(self) -> str:
         if self._sub is None:
@@ -562,11 +602,40 @@ class _Replies:
         finally:
             del self._waiting[token]
 
+    async def gather(self, kind: str, subject: str, body: bytes, *, within: float) -> list[Msg]:
+        """Send ``body`` to ``subject`` (deadline ``within`` seconds) and collect every
+        verified reply that arrives within ``within`` seconds."""
+        prefix = await self._subscribed()
+        token = str(next(self._tokens))
+        replies: list[Msg] = []
+        self._gathering[token] = (kind, replies)
+        try:
+            await self._nc.publish(
+                subject,
+                body,
+                reply=f"{prefix}.{token}",
+                headers=self._auth.seal(subject, body, within=within),
+            )
+            # The window is the deadline itself: how many answers to expect is unknown
+            # (a process that died is simply absent).
+            await asyncio.sleep(within)
+            return list(replies)
+        finally:
+            del self._gathering[token]
+
     async def _on_reply(self, msg: Msg) -> None:
         token = msg.subject[len(self._prefix) + 1 :]
         waiting = self._waiting.get(token)
         if waiting is None:
-            return  # late: its request gave up already
+            gathering = self._gathering.get(token)
+            if gathering is not None and msg.data:
+                kind, replies = gathering
+                reason = self._auth.check(msg.subject, msg.data, msg.headers)
+                if reason is None:
+                    replies.append(msg)
+                else:
+                    self._refusals.refuse(kind, msg.subject, reason)
+            return  # else late: its request gave up already
         kind, future = waiting
         if future.done():
             return

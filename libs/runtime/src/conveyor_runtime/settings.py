@@ -343,6 +343,13 @@ class ApiSettings(WebhookAccessSettings):
         "it and fails the attempt itself",
     )
     min_sdk_version: str = Field("0.1.0", description="Oldest worker SDK version accepted")
+    cluster_info_window: float = Field(
+        0.25,
+        gt=0,
+        le=10,
+        description="Seconds GetClusterInfo waits for every service process to describe "
+        "itself over NATS (a process that answers later is left out of that answer)",
+    )
     max_concurrent_rpcs: int = Field(
         10000,
         ge=0,

@@ -107,6 +107,12 @@ class Subjects:
         others take the queues of one gone silent over at once."""
         return f"{self.prefix}.dispatcher.beat"
 
+    # ---- the cluster view
+    def cluster_nodes(self) -> str:
+        """``NodesRequest`` (request, many replies): every service process answers with a
+        ``ClusterNode`` describing itself."""
+        return f"{self.prefix}.cluster.nodes"
+
     # ---- JetStream key-value buckets
     @property
     def owners_bucket(self) -> str:

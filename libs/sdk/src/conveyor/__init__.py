@@ -25,6 +25,8 @@ from conveyor._clients.admin import AsyncAdminClient
 from conveyor._clients.admin_sync import AdminClient
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    ClusterInfo,
+    ClusterNode,
     CronEntry,
     CronMisfire,
     CronSpec,
@@ -35,7 +37,9 @@ from conveyor._clients.admin_types import (
     TaskDependency,
     TaskEvent,
     TaskPage,
+    WebhookGateway,
     WebhookWorker,
+    WorkerSession,
     cron,
 )
 from conveyor._clients.events import AsyncEventStream, EventStream
@@ -84,6 +88,8 @@ __all__ = [
     "AsyncEventStream",
     "BatchActionResult",
     "Client",
+    "ClusterInfo",
+    "ClusterNode",
     "Codec",
     "CodecError",
     "ConveyorError",
@@ -121,9 +127,11 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
+    "WebhookGateway",
     "WebhookWorker",
     "WebhookWorkerNotFound",
     "Worker",
+    "WorkerSession",
     "__version__",
     "cron",
     "new_task_id",

@@ -71,6 +71,10 @@ class DispatcherBeat(_message.Message):
     leaving: bool
     def __init__(self, instance: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
+class NodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Control(_message.Message):
     __slots__ = ("queue", "reason")
     QUEUE_FIELD_NUMBER: _ClassVar[int]

@@ -866,9 +866,65 @@ class WorkerSessionInfo(_message.Message):
     connected_at: _timestamp_pb2.Timestamp
     def __init__(self, session_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., node: _Optional[str] = ..., queues: _Optional[_Mapping[str, int]] = ..., concurrency: _Optional[int] = ..., in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., connected_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
+class WebhookGatewayInfo(_message.Message):
+    __slots__ = ("worker", "node", "queues", "concurrency", "in_flight", "breaker", "paused")
+    class QueuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    node: str
+    queues: _containers.ScalarMap[str, int]
+    concurrency: int
+    in_flight: int
+    breaker: str
+    paused: bool
+    def __init__(self, worker: _Optional[str] = ..., node: _Optional[str] = ..., queues: _Optional[_Mapping[str, int]] = ..., concurrency: _Optional[int] = ..., in_flight: _Optional[int] = ..., breaker: _Optional[str] = ..., paused: _Optional[bool] = ...) -> None: ...
+
+class ClusterNode(_message.Message):
+    __slots__ = ("instance", "kind", "version", "host", "pid", "started_at", "sessions", "owned_queues", "leader_roles", "webhook_gateways")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    OWNED_QUEUES_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ROLES_FIELD_NUMBER: _ClassVar[int]
+    WEBHOOK_GATEWAYS_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    kind: str
+    version: str
+    host: str
+    pid: int
+    started_at: _timestamp_pb2.Timestamp
+    sessions: _containers.RepeatedCompositeFieldContainer[WorkerSessionInfo]
+    owned_queues: _containers.RepeatedScalarFieldContainer[str]
+    leader_roles: _containers.RepeatedScalarFieldContainer[str]
+    webhook_gateways: _containers.RepeatedCompositeFieldContainer[WebhookGatewayInfo]
+    def __init__(self, instance: _Optional[str] = ..., kind: _Optional[str] = ..., version: _Optional[str] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., sessions: _Optional[_Iterable[_Union[WorkerSessionInfo, _Mapping]]] = ..., owned_queues: _Optional[_Iterable[str]] = ..., leader_roles: _Optional[_Iterable[str]] = ..., webhook_gateways: _Optional[_Iterable[_Union[WebhookGatewayInfo, _Mapping]]] = ...) -> None: ...
+
 class GetClusterInfoResponse(_message.Message):
-    __slots__ = ("server_version", "broker", "sessions", "queue_owners")
+    __slots__ = ("server_version", "broker", "sessions", "queue_owners", "nodes", "leaders", "webhook_gateways", "answered_by")
     class QueueOwnersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -879,11 +935,19 @@ class GetClusterInfoResponse(_message.Message):
     BROKER_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_OWNERS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    LEADERS_FIELD_NUMBER: _ClassVar[int]
+    WEBHOOK_GATEWAYS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_BY_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     broker: str
     sessions: _containers.RepeatedCompositeFieldContainer[WorkerSessionInfo]
     queue_owners: _containers.ScalarMap[str, str]
-    def __init__(self, server_version: _Optional[str] = ..., broker: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[WorkerSessionInfo, _Mapping]]] = ..., queue_owners: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    nodes: _containers.RepeatedCompositeFieldContainer[ClusterNode]
+    leaders: _containers.ScalarMap[str, str]
+    webhook_gateways: _containers.RepeatedCompositeFieldContainer[WebhookGatewayInfo]
+    answered_by: str
+    def __init__(self, server_version: _Optional[str] = ..., broker: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[WorkerSessionInfo, _Mapping]]] = ..., queue_owners: _Optional[_Mapping[str, str]] = ..., nodes: _Optional[_Iterable[_Union[ClusterNode, _Mapping]]] = ..., leaders: _Optional[_Mapping[str, str]] = ..., webhook_gateways: _Optional[_Iterable[_Union[WebhookGatewayInfo, _Mapping]]] = ..., answered_by: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("queues", "states")

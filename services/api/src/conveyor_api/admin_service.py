@@ -36,6 +36,7 @@ from conveyor_gateway import WakePublisher
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc
 from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus, Published
+from conveyor_runtime.cluster_view import NodeCard, merge_nodes
 from conveyor_runtime.events import WATCH_REANNOUNCE, EventGate
 from conveyor_runtime.webhook_secrets import SecretKeyError, SecretKeyring
 from conveyor_runtime.webhook_urls import AddressPolicy, UrlGuard
@@ -102,12 +103,20 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         url_guard: UrlGuard | None = None,
         keyring: SecretKeyring | None = None,
         task_defaults: TaskDefaults | None = None,
+        instance: str = "",
+        card: NodeCard | None = None,
+        cluster_info_window: float = 0.25,
     ) -> None:
         """``url_guard`` checks where webhook URLs point (default: public addresses only);
         ``keyring`` seals webhook secrets (default: none, and registering a secret is
         FAILED_PRECONDITION); ``task_defaults`` are the producer's limits, which a cron
-        entry's task template must keep too."""
+        entry's task template must keep too. ``instance`` names this api; ``card`` is its
+        own entry in the cluster view, and GetClusterInfo waits ``cluster_info_window``
+        seconds for every process's."""
         self._broker = broker
+        self._instance = instance
+        self._card = card
+        self._cluster_info_window = cluster_info_window
         self._task_defaults = task_defaults or TaskDefaults(
             max_retry=DEFAULT_MAX_RETRY, retention=timedelta(days=1), max_payload=MAX_PAYLOAD
         )
@@ -197,16 +206,30 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
     async def GetClusterInfo(
         self, request: service_pb2.GetClusterInfoRequest, context: _Context
     ) -> service_pb2.GetClusterInfoResponse:
-        """Best effort: this process's worker sessions and the broker driver."""
+        """Every service process that answers within the window (api nodes with their
+        worker sessions, dispatchers with the queues they own, leaders, webhook gateways)
+        and the broker driver. Without NATS, this api's own entry alone."""
         try:
             info = await self._broker.info()
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.GetClusterInfoResponse(
-            server_version=self._server_version,
-            broker=info.driver,
-            sessions=[gw.session_info() for gw in self._registry.gateways.values()],
+        try:
+            nodes = await self._bus.gather_nodes(within=self._cluster_info_window)
+        except Exception as exc:
+            logger.warning("cluster_info.gather_failed error=%r", exc)
+            nodes = []
+        if self._card is not None:
+            mine = self._card.describe()
+            if not any(
+                n.kind == mine.kind and n.pid == mine.pid and n.instance == mine.instance
+                for n in nodes
+            ):
+                nodes.append(mine)
+        response = service_pb2.GetClusterInfoResponse(
+            server_version=self._server_version, broker=info.driver, answered_by=self._instance
         )
+        merge_nodes(nodes, response)
+        return response
 
     async def WatchEvents(
         self, request: service_pb2.WatchEventsRequest, context: _Context

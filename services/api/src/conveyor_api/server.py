@@ -24,6 +24,7 @@ from conveyor_gateway import (
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
+from conveyor_runtime.cluster_view import NodeCard
 from conveyor_runtime.events import EventGate
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
@@ -103,6 +104,10 @@ class ApiServer:
         self.bus = Bus(nc, self.subjects, ClusterAuth.from_settings(settings))
         self.port = 0
         self.registry = SessionRegistry()
+        #: This api in the cluster view: its worker sessions.
+        self.card = NodeCard(
+            self.bus, kind="api", instance=settings.instance_id, fill=self._describe
+        )
         self.wakes = WakePublisher(self.bus)
         # The broker reports the ends of tasks others wait for (acks, failures, admin
         # cancels, archives and deletes): they go to the resolver.
@@ -230,6 +235,9 @@ class ApiServer:
             url_guard=self.url_guard,
             keyring=self.keyring,
             task_defaults=defaults,
+            instance=settings.instance_id,
+            card=self.card,
+            cluster_info_window=settings.cluster_info_window,
         )
         add_service(server, _SERVICES["AdminService"], self._admin)
         add_service(
@@ -254,6 +262,7 @@ class ApiServer:
         self._cancel_sub = await self.bus.subscribe(
             cluster_pb2.CancelBroadcast, self._on_cancel_broadcast
         )
+        await self.card.start()
         self.resolves.attach(self.broker)
         await self.nc.flush()
         await server.start()
@@ -270,6 +279,11 @@ class ApiServer:
             settings.read_only,
         )
 
+    def _describe(self, node: service_pb2.ClusterNode) -> None:
+        for gateway in self.registry.gateways.values():
+            node.sessions.append(gateway.session_info())
+            node.sessions[-1].node = self.settings.instance_id
+
     def _on_cancel_broadcast(self, request: cluster_pb2.CancelBroadcast) -> None:
         # One subscription per process, routed here, rather than one per session.
         if request.task_id:
@@ -281,6 +295,7 @@ class ApiServer:
         server, self._server = self._server, None
         if server is None:
             return
+        await self.card.stop()
         stopping = asyncio.get_running_loop().create_task(server.stop(grace))
         if self._admin is not None:
             self._admin.end_watches()

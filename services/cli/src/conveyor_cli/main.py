@@ -11,7 +11,7 @@ from conveyor_runtime.settings import CommonSettings
 
 from conveyor_cli.cron import cron_group
 from conveyor_cli.keys import keys
-from conveyor_cli.ops import enqueue, queue, task
+from conveyor_cli.ops import cluster, enqueue, queue, task
 from conveyor_cli.tokens import token
 from conveyor_cli.webhooks import webhook
 
@@ -199,6 +199,7 @@ def health(path: str, max_age: float, port: int | None) -> None:
 cli.add_command(enqueue)
 cli.add_command(task)
 cli.add_command(queue)
+cli.add_command(cluster)
 cli.add_command(webhook)
 cli.add_command(cron_group)
 cli.add_command(token)

@@ -13,7 +13,14 @@ import click
 from conveyor import AdminClient, Client, ConveyorError, TaskSpec, spec
 from rich.progress import Progress
 
-from conveyor_cli.output import dependency_table, emit_json, queue_table, task_detail, task_table
+from conveyor_cli.output import (
+    cluster_view,
+    dependency_table,
+    emit_json,
+    queue_table,
+    task_detail,
+    task_table,
+)
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -361,3 +368,13 @@ def queue_resume(name: str, target: str, token: str | None, as_json: bool) -> No
     with clear_errors(), admin_client(target, token) as admin:
         admin.resume_queue(name)
     emit_json({"queue": name, "paused": False}) if as_json else click.echo(f"queue {name} resumed")
+
+
+@click.command("cluster")
+@connection_options
+def cluster(target: str, token: str | None, as_json: bool) -> None:
+    """Every service process: api nodes and their worker sessions, dispatchers and the
+    queues they own, the leaders of the singleton roles, webhook gateways."""
+    with clear_errors(), admin_client(target, token) as admin:
+        info = admin.cluster_info()
+    emit_json(info) if as_json else cluster_view(info)

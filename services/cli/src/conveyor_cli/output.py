@@ -10,7 +10,7 @@ from enum import Enum
 from typing import Any
 
 import click
-from conveyor import QueueInfo, TaskDependency, TaskInfo, TaskState
+from conveyor import ClusterInfo, QueueInfo, TaskDependency, TaskInfo, TaskState
 from rich.console import Console
 from rich.table import Table
 
@@ -108,3 +108,65 @@ def queue_table(queues: Sequence[QueueInfo]) -> None:
     for q in queues:
         table.add_row(q.name, "yes" if q.paused else "", *(str(q.counts.get(s, 0)) for s in shown))
     console.print(table)
+
+
+def cluster_view(info: ClusterInfo) -> None:
+    """Every node, then the worker sessions, queue owners, leaders and webhook gateways."""
+    click.echo(
+        f"server {info.server_version}, broker {info.broker}, answered by {info.answered_by}"
+    )
+    nodes = Table(title="nodes", show_edge=False)
+    for column in ("kind", "instance", "host", "pid", "version", "started", "holds"):
+        nodes.add_column(column)
+    for n in info.nodes:
+        holds = list(n.leader_roles)
+        if n.kind == "api":
+            holds.insert(0, f"{len(n.sessions)} sessions")
+        elif n.kind == "dispatcher":
+            holds.insert(0, f"{len(n.owned_queues)} queues")
+        elif n.kind == "webhook":
+            holds.append(f"{len(n.webhook_gateways)} gateways")
+        nodes.add_row(
+            n.kind, n.instance, n.host, str(n.pid), n.version, _when(n.started_at), ", ".join(holds)
+        )
+    console.print(nodes)
+    sessions = Table(title="worker sessions", show_edge=False)
+    for column in ("api", "worker", "session", "queues", "slots in use", "connected"):
+        sessions.add_column(column)
+    for s in info.sessions:
+        queues = ", ".join(f"{q}:{w}" for q, w in sorted(s.queues.items()))
+        sessions.add_row(
+            s.node,
+            s.worker_id,
+            s.session_id,
+            queues,
+            f"{s.in_flight}/{s.concurrency}",
+            _when(s.connected_at),
+        )
+    console.print(sessions)
+    owners = Table(title="queue owners", show_edge=False)
+    owners.add_column("queue")
+    owners.add_column("dispatcher")
+    for queue, owner in sorted(info.queue_owners.items()):
+        owners.add_row(queue, owner)
+    console.print(owners)
+    leaders = Table(title="leaders", show_edge=False)
+    leaders.add_column("role")
+    leaders.add_column("instance")
+    for role, instance in sorted(info.leaders.items()):
+        leaders.add_row(role, instance)
+    console.print(leaders)
+    if info.webhook_gateways:
+        gateways = Table(title="webhook gateways", show_edge=False)
+        for column in ("worker", "node", "queues", "in flight", "breaker", "paused"):
+            gateways.add_column(column)
+        for g in info.webhook_gateways:
+            gateways.add_row(
+                g.worker,
+                g.node,
+                ", ".join(f"{q}:{w}" for q, w in sorted(g.queues.items())),
+                f"{g.in_flight}/{g.concurrency}",
+                g.breaker,
+                "yes" if g.paused else "",
+            )
+        console.print(gateways)

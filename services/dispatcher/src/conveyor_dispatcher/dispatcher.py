@@ -41,6 +41,7 @@ from conveyor_broker.validation import check_queue
 from conveyor_protos.v1 import cluster_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
+from conveyor_runtime.cluster_view import NodeCard
 from conveyor_runtime.demand import REGISTER_TICKS_TO_EXPIRE, Demand
 from conveyor_runtime.health import Health
 from conveyor_runtime.ownership import LeaseKeeper, held_by, open_lease_bucket
@@ -122,6 +123,13 @@ class Dispatcher:
         self.abandoned = 0
         #: Queues taken over from dead peers.
         self.taken_over = 0
+        #: This dispatcher in the cluster view: the queues it owns.
+        self.card = NodeCard(
+            self.bus,
+            kind="dispatcher",
+            instance=settings.instance_id,
+            fill=lambda node: node.owned_queues.extend(sorted(self._queues)),
+        )
 
     # -------------------------------------------------------------- lifecycle
 
@@ -166,6 +174,7 @@ class Dispatcher:
             on_dead=self._on_peer_dead,
         )
         await self.peers.start()
+        await self.card.start()
         self._housekeeper = asyncio.create_task(self._housekeep(), name="dispatcher-housekeeping")
         try:
             # The gateways' answers are registrations: they bring the served queues here.
@@ -184,6 +193,7 @@ class Dispatcher:
         if not self._running:
             return
         self._running = False
+        await self.card.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

@@ -56,9 +56,10 @@ from conveyor_broker.types import (
     TerminalPurgeParams,
 )
 from conveyor_broker.validation import QUEUE_RE
-from conveyor_protos.v1 import cluster_pb2
+from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
+from conveyor_runtime.cluster_view import NodeCard
 from conveyor_runtime.demand import REGISTER_TICKS_TO_EXPIRE, Demand
 from conveyor_runtime.health import Health
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
@@ -162,8 +163,16 @@ class Maintenance:
             retry=settings.leader_ttl / 2,
         )
         self._background: set[asyncio.Task[None]] = set()
+        #: This instance in the cluster view: the roles it leads.
+        self.card = NodeCard(
+            self.bus, kind="maintenance", instance=settings.instance_id, fill=self._describe
+        )
 
     # -------------------------------------------------------------- lifecycle
+
+    def _describe(self, node: service_pb2.ClusterNode) -> None:
+        if self._keeper is not None:
+            node.leader_roles.extend(sorted(self._keeper.held))
 
     def leads(self, role: str) -> bool:
         """True while this instance holds ``role`` (scheduler, reaper, resolver or
@@ -186,6 +195,7 @@ class Maintenance:
         self._hint_sub = await self.bus.subscribe_promote(self._promote_hint.set)
         self._register_sub = await self.bus.subscribe(cluster_pb2.Register, self._on_register)
         self._beat_sub = await self.bus.subscribe(cluster_pb2.HolderBeat, self._on_holder_beat)
+        await self.card.start()
         await self._nc.flush()
         self._listening_since = self._now()
         # The ends this process makes (reaped leases, expired tasks) go to the resolver.
@@ -217,6 +227,7 @@ class Maintenance:
 
     async def stop(self) -> None:
         """Stop the loops and give up any role held, so another instance takes over now."""
+        await self.card.stop()
         for sub in (self._hint_sub, self._register_sub, self._beat_sub):
             if sub is not None:
                 with contextlib.suppress(Exception):

@@ -49,9 +49,10 @@ from typing import Any
 from conveyor_broker import Broker, WebhookWorker
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_gateway import AckBatcher, GatewayConfig, ResolvePublisher, WakePublisher
-from conveyor_protos.v1 import cluster_pb2
+from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
+from conveyor_runtime.cluster_view import NodeCard
 from conveyor_runtime.health import Health
 from conveyor_runtime.ownership import LeaseKeeper, open_lease_bucket
 from conveyor_runtime.settings import WebhookSettings
@@ -146,6 +147,28 @@ class WebhookManager:
         self._stopping = False
         self._cancel_sub: Subscription | None = None
         self._resolves: ResolvePublisher | None = None
+        #: This instance in the cluster view: its role and its webhook workers' gateways.
+        self.card = NodeCard(
+            self.bus, kind="webhook", instance=settings.instance_id, fill=self._describe
+        )
+
+    def _describe(self, node: service_pb2.ClusterNode) -> None:
+        if self.leading:
+            node.leader_roles.append(ROLE)
+        now = asyncio.get_running_loop().time()
+        for name, gateway in sorted(self.gateways.items()):
+            worker = gateway.worker
+            node.webhook_gateways.append(
+                service_pb2.WebhookGatewayInfo(
+                    worker=name,
+                    node=self.instance_id,
+                    queues=dict(worker.queues),
+                    concurrency=worker.concurrency,
+                    in_flight=gateway.gateway.in_flight,
+                    breaker=gateway.breaker.state(now).value,
+                    paused=worker.paused,
+                )
+            )
 
     # -------------------------------------------------------------- lifecycle
 
@@ -209,6 +232,7 @@ class WebhookManager:
             )
             keeper = LeaseKeeper(kv, self.instance_id, self.settings.leader_ttl, self._on_lost)
             await keeper.start()
+            await self.card.start()
         except BaseException:
             await self._close_shared()
             raise
@@ -229,6 +253,7 @@ class WebhookManager:
         logger.info("webhook.manager_stopped instance=%s", self.instance_id)
 
     async def _close_shared(self) -> None:
+        await self.card.stop()
         await self._drop_callbacks()
         if self._answering:
             await asyncio.gather(*self._answering, return_exceptions=True)

@@ -13,6 +13,7 @@ from conveyor_protos.v1 import service_pb2 as svc
 from conveyor._channel import DEFAULT_TARGET, TlsFile
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    ClusterInfo,
     CronEntry,
     CronMisfire,
     CronSpec,
@@ -35,6 +36,7 @@ from conveyor._clients.admin_wire import (
     StateLike,
     batch_request,
     batch_result,
+    cluster_from_wire,
     cron_from_wire,
     cron_request,
     dependencies_request,
@@ -306,6 +308,15 @@ class AdminClient(AdminBase, SyncRpcClient):
         self._call("ResumeQueue", request, svc.ResumeQueueResponse)
 
     # ------------------------------------------------------- webhook workers
+
+    def cluster_info(self) -> ClusterInfo:
+        """Every service process of the cluster as it describes itself now: api nodes
+        with their worker sessions, dispatchers with the queues they own, the leaders of
+        the singleton roles, and webhook gateways."""
+        response = self._call(
+            "GetClusterInfo", svc.GetClusterInfoRequest(), svc.GetClusterInfoResponse
+        )
+        return cluster_from_wire(response)
 
     def upsert_webhook_worker(
         self,

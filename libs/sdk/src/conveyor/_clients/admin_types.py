@@ -255,3 +255,79 @@ def misfire_policy(value: CronMisfire | str) -> CronMisfire:
         return CronMisfire(value)
     except ValueError:
         raise InvalidArgument(f"misfire must be 'run_once' or 'skip', got {value!r}") from None
+
+
+# ------------------------------------------------------------------ the cluster view
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSession:
+    """A worker connected to an api node (one gRPC stream)."""
+
+    session_id: str
+    worker_id: str
+    #: The api instance the worker is connected to.
+    node: str
+    queues: Mapping[str, int]
+    concurrency: int
+    in_flight: int
+    labels: Mapping[str, str]
+    connected_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookGateway:
+    """A webhook worker's gateway: the webhook service instance delivering its tasks."""
+
+    worker: str
+    node: str
+    queues: Mapping[str, int]
+    concurrency: int
+    in_flight: int
+    #: The endpoint's circuit breaker: ``"closed"``, ``"open"`` or ``"half_open"``.
+    breaker: str
+    paused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterNode:
+    """One service process, as it describes itself."""
+
+    instance: str
+    #: ``"api"``, ``"dispatcher"``, ``"maintenance"`` or ``"webhook"``.
+    kind: str
+    version: str
+    host: str
+    pid: int
+    started_at: datetime | None
+    sessions: Sequence[WorkerSession]
+    #: A dispatcher's queues.
+    owned_queues: Sequence[str]
+    #: The singleton roles a maintenance or webhook instance leads.
+    leader_roles: Sequence[str]
+    webhook_gateways: Sequence[WebhookGateway]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    """What :meth:`AsyncAdminClient.cluster_info` returns: every service process that
+    answered the api within its window (a dead or cut-off one is absent), and the
+    cluster-wide views gathered from them."""
+
+    server_version: str
+    broker: str
+    #: The api instance that answered the call.
+    answered_by: str
+    nodes: Sequence[ClusterNode]
+    #: Every api node's worker sessions.
+    sessions: Sequence[WorkerSession]
+    #: Queue -> the dispatcher instance that owns it.
+    queue_owners: Mapping[str, str]
+    #: Leader role (``reaper``, ``scheduler``, ``resolver``, ``storage``,
+    #: ``webhook-manager``) -> the instance leading it.
+    leaders: Mapping[str, str]
+    webhook_gateways: Sequence[WebhookGateway]
+
+    def of_kind(self, kind: str) -> list[ClusterNode]:
+        """The nodes of one kind (``"api"``, ``"dispatcher"``, ...)."""
+        return [node for node in self.nodes if node.kind == kind]

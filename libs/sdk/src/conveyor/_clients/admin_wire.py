@@ -12,6 +12,8 @@ from conveyor_protos.v1 import task_pb2 as pb
 
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    ClusterInfo,
+    ClusterNode,
     CronEntry,
     CronMisfire,
     CronSpec,
@@ -21,7 +23,9 @@ from conveyor._clients.admin_types import (
     TaskDependency,
     TaskEvent,
     TaskPage,
+    WebhookGateway,
     WebhookWorker,
+    WorkerSession,
 )
 from conveyor._clients.task_wire import (
     options_from_wire,
@@ -382,3 +386,59 @@ class AdminBase:
     def _page(self, response: svc.ListTasksResponse) -> TaskPage:
         tasks = [task_from_wire(task, self._codec) for task in response.tasks]
         return TaskPage(tasks=tasks, next_cursor=response.next_cursor or None)
+
+
+# ------------------------------------------------------------------ the cluster view
+
+
+def _session(message: svc.WorkerSessionInfo) -> WorkerSession:
+    return WorkerSession(
+        session_id=message.session_id,
+        worker_id=message.worker_id,
+        node=message.node,
+        queues=dict(message.queues),
+        concurrency=message.concurrency,
+        in_flight=message.in_flight,
+        labels=dict(message.labels),
+        connected_at=timestamp_from_wire(message, "connected_at"),
+    )
+
+
+def _webhook_gateway(message: svc.WebhookGatewayInfo) -> WebhookGateway:
+    return WebhookGateway(
+        worker=message.worker,
+        node=message.node,
+        queues=dict(message.queues),
+        concurrency=message.concurrency,
+        in_flight=message.in_flight,
+        breaker=message.breaker,
+        paused=message.paused,
+    )
+
+
+def cluster_from_wire(message: svc.GetClusterInfoResponse) -> ClusterInfo:
+    """The SDK view of GetClusterInfo's answer."""
+    return ClusterInfo(
+        server_version=message.server_version,
+        broker=message.broker,
+        answered_by=message.answered_by,
+        nodes=[
+            ClusterNode(
+                instance=node.instance,
+                kind=node.kind,
+                version=node.version,
+                host=node.host,
+                pid=node.pid,
+                started_at=timestamp_from_wire(node, "started_at"),
+                sessions=[_session(s) for s in node.sessions],
+                owned_queues=list(node.owned_queues),
+                leader_roles=list(node.leader_roles),
+                webhook_gateways=[_webhook_gateway(g) for g in node.webhook_gateways],
+            )
+            for node in message.nodes
+        ],
+        sessions=[_session(s) for s in message.sessions],
+        queue_owners=dict(message.queue_owners),
+        leaders=dict(message.leaders),
+        webhook_gateways=[_webhook_gateway(g) for g in message.webhook_gateways],
+    )
