@@ -171,3 +171,35 @@ async def test_worker_session_on_postgres(
 
         await wait_until(released, message="held task released at stream end")
     await registers.stop()
+
+
+async def test_group_configs_and_stats_on_postgres(
+    admin: Any, broker: CountingPostgresBroker, clock: FakeClock
+) -> None:
+    config = service_pb2.GroupConfig(
+        queue="pg-digests", pattern="user:?", max_size=7, max_delay=wire.duration(TTL)
+    )
+    stored = await admin.SetGroupConfig(service_pb2.SetGroupConfigRequest(config=config))
+    assert stored.config.pattern == "user:?"
+    assert stored.config.max_size == 7
+    listed = await admin.ListGroupConfigs(service_pb2.ListGroupConfigsRequest(queue="pg-digests"))
+    assert list(listed.configs) == [stored.config]
+
+    first = clock.now()
+    await broker.enqueue(NewTask(type="digest", queue="pg-digests", group="user:1"))
+    clock.advance(timedelta(seconds=3))
+    await broker.enqueue(NewTask(type="digest", queue="pg-digests", group="user:1"))
+    stats = await admin.GetGroupStats(service_pb2.GetGroupStatsRequest(queue="pg-digests"))
+    [group] = stats.groups
+    assert (group.group, group.size) == ("user:1", 2)
+    assert wire.from_timestamp(group.oldest_at) == first
+    assert wire.from_timestamp(group.newest_at) == first + timedelta(seconds=3)
+
+    await admin.DeleteGroupConfig(
+        service_pb2.DeleteGroupConfigRequest(queue="pg-digests", pattern="user:?")
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await admin.DeleteGroupConfig(
+            service_pb2.DeleteGroupConfigRequest(queue="pg-digests", pattern="user:?")
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND

@@ -50,6 +50,23 @@ class WebhookWorkerNotFound(ConveyorError, LookupError):
         self.name = name
 
 
+class GroupConfigNotFound(ConveyorError, LookupError):
+    """No group config is stored for this queue and pattern (``queue``, ``pattern``:
+    those asked for)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = "NOT_FOUND",
+        queue: str | None = None,
+        pattern: str | None = None,
+    ) -> None:
+        super().__init__(message, code=code)
+        self.queue = queue
+        self.pattern = pattern
+
+
 class CronEntryNotFound(ConveyorError, LookupError):
     """No cron entry has this name. ``name`` is the name asked for."""
 

@@ -582,16 +582,18 @@ class ListConcurrencyLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Iterable[_Union[ConcurrencyLimit, _Mapping]]] = ...) -> None: ...
 
 class GroupConfig(_message.Message):
-    __slots__ = ("queue", "max_size", "max_delay", "grace_period")
+    __slots__ = ("queue", "max_size", "max_delay", "grace_period", "pattern")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     MAX_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_DELAY_FIELD_NUMBER: _ClassVar[int]
     GRACE_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
     queue: str
     max_size: int
     max_delay: _duration_pb2.Duration
     grace_period: _duration_pb2.Duration
-    def __init__(self, queue: _Optional[str] = ..., max_size: _Optional[int] = ..., max_delay: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    pattern: str
+    def __init__(self, queue: _Optional[str] = ..., max_size: _Optional[int] = ..., max_delay: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., pattern: _Optional[str] = ...) -> None: ...
 
 class SetGroupConfigRequest(_message.Message):
     __slots__ = ("config",)
@@ -600,22 +602,28 @@ class SetGroupConfigRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[GroupConfig, _Mapping]] = ...) -> None: ...
 
 class SetGroupConfigResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: GroupConfig
+    def __init__(self, config: _Optional[_Union[GroupConfig, _Mapping]] = ...) -> None: ...
 
 class DeleteGroupConfigRequest(_message.Message):
-    __slots__ = ("queue",)
+    __slots__ = ("queue", "pattern")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
     queue: str
-    def __init__(self, queue: _Optional[str] = ...) -> None: ...
+    pattern: str
+    def __init__(self, queue: _Optional[str] = ..., pattern: _Optional[str] = ...) -> None: ...
 
 class DeleteGroupConfigResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ListGroupConfigsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("queue",)
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    def __init__(self, queue: _Optional[str] = ...) -> None: ...
 
 class ListGroupConfigsResponse(_message.Message):
     __slots__ = ("configs",)
@@ -638,10 +646,12 @@ class GroupStats(_message.Message):
     def __init__(self, queue: _Optional[str] = ..., group: _Optional[str] = ..., size: _Optional[int] = ..., oldest_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., newest_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class GetGroupStatsRequest(_message.Message):
-    __slots__ = ("queue",)
+    __slots__ = ("queue", "limit")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
     queue: str
-    def __init__(self, queue: _Optional[str] = ...) -> None: ...
+    limit: int
+    def __init__(self, queue: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class GetGroupStatsResponse(_message.Message):
     __slots__ = ("groups",)

@@ -80,10 +80,6 @@ NOT_YET_IMPLEMENTED = (
     "SetConcurrencyLimit",
     "DeleteConcurrencyLimit",
     "ListConcurrencyLimits",
-    "SetGroupConfig",
-    "DeleteGroupConfig",
-    "ListGroupConfigs",
-    "GetGroupStats",
 )
 
 
@@ -644,6 +640,72 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         self._wakes.when_due(result.task, self._clock.now())
         logger.info("admin.cron_triggered name=%s task_id=%s", request.name, result.task.id)
         return service_pb2.TriggerCronEntryResponse(task=wire.task_to_proto(result.task))
+
+    # ----------------------------------------------------- aggregation groups
+    # No NATS nudge: the group sweeper reads the configs on every pass.
+
+    async def SetGroupConfig(
+        self, request: service_pb2.SetGroupConfigRequest, context: _Context
+    ) -> service_pb2.SetGroupConfigResponse:
+        """Create or replace the config of a queue and group pattern; unset fields take
+        the server defaults."""
+        try:
+            if not request.HasField("config"):
+                raise InvalidTask("config is required")
+            config = await self._broker.set_group_config(
+                wire.group_config_from_proto(request.config)
+            )
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        logger.info(
+            "admin.group_config_set queue=%s pattern=%r max_size=%d max_delay=%s grace=%s",
+            config.queue,
+            config.pattern,
+            config.max_size,
+            config.max_delay,
+            config.grace_period,
+        )
+        return service_pb2.SetGroupConfigResponse(config=wire.group_config_to_proto(config))
+
+    async def DeleteGroupConfig(
+        self, request: service_pb2.DeleteGroupConfigRequest, context: _Context
+    ) -> service_pb2.DeleteGroupConfigResponse:
+        """Delete a config (NOT_FOUND when none is stored); its groups take the next
+        matching one, or the defaults."""
+        pattern = request.pattern or "*"
+        try:
+            await self._broker.delete_group_config(request.queue, pattern)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        logger.info("admin.group_config_deleted queue=%s pattern=%r", request.queue, pattern)
+        return service_pb2.DeleteGroupConfigResponse()
+
+    async def ListGroupConfigs(
+        self, request: service_pb2.ListGroupConfigsRequest, context: _Context
+    ) -> service_pb2.ListGroupConfigsResponse:
+        """The stored configs (of one queue, or all), by queue then pattern."""
+        try:
+            configs = await self._broker.list_group_configs(request.queue or None)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.ListGroupConfigsResponse(
+            configs=[wire.group_config_to_proto(c) for c in configs]
+        )
+
+    async def GetGroupStats(
+        self, request: service_pb2.GetGroupStatsRequest, context: _Context
+    ) -> service_pb2.GetGroupStatsResponse:
+        """The groups with waiting members (of one queue, or all): how many, and when the
+        first and the last joined; by queue then group, at most ``limit`` (1..1000)."""
+        try:
+            stats = await self._broker.group_stats(
+                request.queue or None, request.limit or MAX_BATCH
+            )
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.GetGroupStatsResponse(
+            groups=[wire.group_stats_to_proto(s) for s in stats]
+        )
 
     async def _select(
         self, request: service_pb2.BatchTaskActionRequest

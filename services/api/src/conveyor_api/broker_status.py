@@ -12,6 +12,7 @@ from conveyor_broker import (
     CronEntryNotFound,
     DatabaseUnavailable,
     DuplicateTask,
+    GroupConfigNotFound,
     InvalidState,
     InvalidTask,
     LeaseLost,
@@ -50,6 +51,7 @@ _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (BrokerClosed, grpc.StatusCode.UNAVAILABLE),
     (WebhookWorkerNotFound, grpc.StatusCode.NOT_FOUND),
     (CronEntryNotFound, grpc.StatusCode.NOT_FOUND),
+    (GroupConfigNotFound, grpc.StatusCode.NOT_FOUND),
     (NotSupported, grpc.StatusCode.UNIMPLEMENTED),
     # A stored value this server has no key for: its configuration must change.
     (DecryptionError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -10,6 +10,7 @@ import click
 from conveyor_runtime.settings import CommonSettings
 
 from conveyor_cli.cron import cron_group
+from conveyor_cli.groups import group_group
 from conveyor_cli.keys import keys
 from conveyor_cli.ops import cluster, enqueue, queue, task
 from conveyor_cli.tokens import token
@@ -202,5 +203,6 @@ cli.add_command(queue)
 cli.add_command(cluster)
 cli.add_command(webhook)
 cli.add_command(cron_group)
+cli.add_command(group_group)
 cli.add_command(token)
 cli.add_command(keys)

@@ -33,6 +33,11 @@ from conveyor_runtime.wire.events import (
     event_state_token,
     event_to_proto,
 )
+from conveyor_runtime.wire.groups import (
+    group_config_from_proto,
+    group_config_to_proto,
+    group_stats_to_proto,
+)
 from conveyor_runtime.wire.requests import (
     DISPATCH_OVERHEAD,
     TaskDefaults,
@@ -77,6 +82,9 @@ __all__ = [
     "event_to_proto",
     "from_duration",
     "from_timestamp",
+    "group_config_from_proto",
+    "group_config_to_proto",
+    "group_stats_to_proto",
     "heartbeat_response",
     "new_task_from_proto",
     "new_task_from_request",

@@ -18,6 +18,8 @@ from conveyor._clients.admin_types import (
     CronMisfire,
     CronSpec,
     DependencyPage,
+    GroupConfig,
+    GroupStats,
     QueueInfo,
     QueuePage,
     TaskDependency,
@@ -41,6 +43,10 @@ from conveyor._clients.admin_wire import (
     cron_request,
     dependencies_request,
     dependency_page,
+    group_config_from_wire,
+    group_config_request,
+    group_stats_from_wire,
+    group_stats_request,
     list_request,
     queue_info,
     queues_request,
@@ -50,13 +56,14 @@ from conveyor._clients.admin_wire import (
     webhook_from_wire,
     webhook_request,
     with_cron_name,
+    with_group_config,
     with_webhook_name,
 )
 from conveyor._clients.events import AsyncEventStream
 from conveyor._clients.transport import AsyncRpcClient, with_task_id
 from conveyor._errors import ConveyorError, InvalidArgument
 from conveyor._payload import Codec, JsonCodec
-from conveyor._types import DurationLike, TaskInfo, TaskSpec
+from conveyor._types import DurationLike, TaskInfo, TaskSpec, to_timedelta
 
 
 class AsyncAdminClient(AdminBase, AsyncRpcClient):
@@ -508,6 +515,57 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
         """Delete entry ``name`` (the tasks it created stay)."""
         request = svc.DeleteCronEntryRequest(name=name)
         await self._cron("DeleteCronEntry", request, svc.DeleteCronEntryResponse, name)
+
+    # ---------------------------------------------------- aggregation groups
+
+    async def set_group_config(
+        self,
+        queue: str,
+        *,
+        pattern: str = "*",
+        max_size: int | None = None,
+        max_delay: DurationLike | None = None,
+        grace_period: DurationLike | None = None,
+    ) -> GroupConfig:
+        """Create or replace the config of the aggregation groups of ``queue`` whose
+        names match ``pattern`` (a glob: ``*`` any text, ``?`` one character). Such a
+        group is delivered as one batch once it holds ``max_size`` members,
+        ``max_delay`` after its first member joined, or ``grace_period`` after its last
+        one did, whichever comes first; what is None takes the server default. Returns
+        the stored config; :class:`InvalidArgument` for a bad queue, pattern or value."""
+        request = group_config_request(
+            queue,
+            pattern,
+            max_size,
+            to_timedelta("max_delay", max_delay),
+            to_timedelta("grace_period", grace_period),
+        )
+        response = await self._call("SetGroupConfig", request, svc.SetGroupConfigResponse)
+        return group_config_from_wire(response.config)
+
+    async def delete_group_config(self, queue: str, pattern: str = "*") -> None:
+        """Delete the config of ``queue`` and ``pattern``: its groups take the next
+        matching config, or the defaults. :class:`GroupConfigNotFound` when none is
+        stored."""
+        request = svc.DeleteGroupConfigRequest(queue=queue, pattern=pattern)
+        try:
+            await self._call("DeleteGroupConfig", request, svc.DeleteGroupConfigResponse)
+        except ConveyorError as exc:
+            raise with_group_config(exc, queue, pattern) from None
+
+    async def list_group_configs(self, queue: str | None = None) -> list[GroupConfig]:
+        """The stored group configs (of ``queue``), by queue then pattern."""
+        request = svc.ListGroupConfigsRequest(queue=queue or "")
+        response = await self._call("ListGroupConfigs", request, svc.ListGroupConfigsResponse)
+        return [group_config_from_wire(c) for c in response.configs]
+
+    async def group_stats(self, queue: str | None = None, limit: int = 1000) -> list[GroupStats]:
+        """The aggregation groups with members waiting to be delivered (of ``queue``):
+        how many, and when the first and the last joined; by queue then group, at most
+        ``limit`` (1..1000)."""
+        request = group_stats_request(queue, limit)
+        response = await self._call("GetGroupStats", request, svc.GetGroupStatsResponse)
+        return [group_stats_from_wire(g) for g in response.groups]
 
     async def _cron(self, method: str, request: object, response_type: Any, name: str) -> Any:
         try:

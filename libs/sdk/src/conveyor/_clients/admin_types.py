@@ -43,6 +43,35 @@ class QueueInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """When the aggregation groups of ``queue`` whose names match ``pattern`` are
+    delivered: once they hold ``max_size`` members, ``max_delay`` after their first member
+    joined, or ``grace_period`` after their last one did, whichever comes first.
+
+    ``pattern`` is a glob over group names (``*`` any text, ``?`` one character); a group
+    takes its queue's config with the longest matching pattern, or the server defaults.
+    """
+
+    queue: str
+    pattern: str
+    max_size: int
+    max_delay: timedelta
+    grace_period: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStats:
+    """An aggregation group's waiting members: how many, and when the first and the last
+    joined."""
+
+    queue: str
+    group: str
+    size: int
+    oldest_at: datetime
+    newest_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class QueuePage:
     """One page of :meth:`AsyncAdminClient.list_queues`, queues by name.
 

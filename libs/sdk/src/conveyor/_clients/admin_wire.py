@@ -19,6 +19,8 @@ from conveyor._clients.admin_types import (
     CronSpec,
     DependencyOutcome,
     DependencyPage,
+    GroupConfig,
+    GroupStats,
     QueueInfo,
     TaskDependency,
     TaskEvent,
@@ -38,6 +40,7 @@ from conveyor._errors import (
     CodecError,
     ConveyorError,
     CronEntryNotFound,
+    GroupConfigNotFound,
     InvalidArgument,
     WebhookWorkerNotFound,
 )
@@ -367,6 +370,65 @@ def with_cron_name(exc: ConveyorError, name: str) -> ConveyorError:
     if exc.code == "NOT_FOUND":
         return CronEntryNotFound(exc.message, code=exc.code, name=name)
     return exc
+
+
+_UNSET_AT = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def with_group_config(exc: ConveyorError, queue: str, pattern: str) -> ConveyorError:
+    """``exc``, as a GroupConfigNotFound naming ``queue`` and ``pattern`` when the server
+    said NOT_FOUND."""
+    if exc.code == "NOT_FOUND":
+        return GroupConfigNotFound(exc.message, code=exc.code, queue=queue, pattern=pattern)
+    return exc
+
+
+def group_config_request(
+    queue: str,
+    pattern: str,
+    max_size: int | None,
+    max_delay: timedelta | None,
+    grace_period: timedelta | None,
+) -> svc.SetGroupConfigRequest:
+    """A SetGroupConfig request; what is None takes the server default."""
+    if max_size is not None and (
+        isinstance(max_size, bool) or not isinstance(max_size, int) or not 0 < max_size < 2**31
+    ):
+        raise InvalidArgument(f"max_size must be a positive int, got {max_size!r}")
+    config = svc.GroupConfig(queue=queue, pattern=pattern, max_size=max_size or 0)
+    if max_delay is not None:
+        config.max_delay.CopyFrom(duration_to_wire(max_delay))
+    if grace_period is not None:
+        config.grace_period.CopyFrom(duration_to_wire(grace_period))
+    return svc.SetGroupConfigRequest(config=config)
+
+
+def group_stats_request(queue: str | None, limit: int) -> svc.GetGroupStatsRequest:
+    """A GetGroupStats request; InvalidArgument for a limit outside 1..1000."""
+    _check_limit(limit)
+    return svc.GetGroupStatsRequest(queue=queue or "", limit=limit)
+
+
+def group_config_from_wire(config: svc.GroupConfig) -> GroupConfig:
+    """A stored group config."""
+    return GroupConfig(
+        queue=config.queue,
+        pattern=config.pattern,
+        max_size=config.max_size,
+        max_delay=config.max_delay.ToTimedelta(),
+        grace_period=config.grace_period.ToTimedelta(),
+    )
+
+
+def group_stats_from_wire(stats: svc.GroupStats) -> GroupStats:
+    """A group's waiting members."""
+    return GroupStats(
+        queue=stats.queue,
+        group=stats.group,
+        size=stats.size,
+        oldest_at=timestamp_from_wire(stats, "oldest_at") or _UNSET_AT,
+        newest_at=timestamp_from_wire(stats, "newest_at") or _UNSET_AT,
+    )
 
 
 class AdminBase:
