@@ -704,3 +704,11 @@ async def test_calls_beyond_max_concurrent_rpcs_are_refused(make_api: MakeApi) -
 
         await wait_until(served, message="a call served after a session ended")
         second.cancel()
+
+
+async def test_an_idle_session_gets_a_ping_keepalive(
+    api: ApiServer, open_session: Any, bus: Bus
+) -> None:
+    session: Session = await open_session({"a": 1}, 1)
+    frame = await session.worker.read_kind("ping", within=30.0)
+    assert frame.ping.sent_at.seconds > 0
