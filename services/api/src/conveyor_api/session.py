@@ -573,7 +573,7 @@ def _hand_over(gateway: Gateway, frame: service_pb2.WorkerFrame) -> None:
         progress = frame.progress
         gateway.on_progress(progress.task_id, progress.lease_id, bytes(progress.progress))
     elif kind == "credit":
-        gateway.on_credit(frame.credit.queue)
+        gateway.on_credit(frame.credit.queue, frame.credit.n)
     elif kind == "hello":
         logger.warning("session.second_hello_ignored session=%s", gateway.id)
     else:
