@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
 
 async def test_a_worker_that_adds_slots_runs_that_many_more_at_once(cluster: Cluster) -> None:
     api = await cluster.start_api()
-    cluster.start_dispatcher()
+    first = cluster.start_dispatcher()
     cluster.start_dispatcher()
     target = f"127.0.0.1:{api.port}"
     worker = Worker(target, queues={"credit": 1}, concurrency=1, grace_period=0)
@@ -44,11 +44,24 @@ async def test_a_worker_that_adds_slots_runs_that_many_more_at_once(cluster: Clu
         worker.add_slots("credit", 2)
         async with AsyncClient(target) as client:
             for result in await client.enqueue_batch(
-                [spec("e2e.gated", {"i": i}, queue="credit") for i in range(5)]
+                [spec("e2e.gated", {"i": i}, queue="credit") for i in range(6)]
             ):
                 assert result.task is not None, result.error
         await wait_until(
             lambda: len(running) == 3, within=60, interval=POLL_INTERVAL, message="3 at once"
+        )
+        assert peak == 3
+        # kill -9 a dispatcher (the owner, or not): the slots hold with whichever owns
+        # the queue next, and the next three run at once, never more.
+        started = set(running)
+        first.kill9()
+        gate.set()
+        gate = asyncio.Event()
+        await wait_until(
+            lambda: len(running) == 3 and not running & started,
+            within=60,
+            interval=POLL_INTERVAL,
+            message="the next 3 at once",
         )
         assert peak == 3
     finally:
