@@ -17,7 +17,7 @@ from conveyor_broker import Backoff, FakeClock, LeaseLost, NewTask, Task, TaskSt
 from conveyor_broker.memory import MemoryBroker
 from conveyor_gateway import AckBatcher, Gateway, GatewayConfig, Outcomes, WakePublisher, WorkerSpec
 from conveyor_gateway.attempt_bounds import DEADLINE_EXCEEDED_ERROR
-from conveyor_gateway.credits import REDELIVERED_REASON
+from conveyor_gateway.credits import MAX_SLOTS, REDELIVERED_REASON
 from conveyor_gateway.gateway import LEASE_LOST_REASON
 from conveyor_gateway.outcomes import MAX_RETRY_AFTER
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
@@ -381,6 +381,36 @@ async def test_a_cap_leaves_the_kept_leases_their_slots_on_top(parts: Parts) -> 
     assert (gateway.free("a"), gateway.free("b")) == (1, 2)
     with pytest.raises(ValueError, match="cap"):
         gateway.cap_concurrency(-1)
+
+
+async def test_credit_changes_a_queues_slots_and_a_cap_wins_over_it(parts: Parts) -> None:
+    gateway, _ = parts.gateway(queues={"a": 1, "b": 1}, concurrency=2)
+    gateway.on_credit("a", 3)
+    assert gateway.concurrency == 5
+    assert (gateway.free("a"), gateway.free("b")) == (4, 1)
+    gateway.on_credit("b", -4)
+    assert gateway.concurrency == 4
+    assert (gateway.free("a"), gateway.free("b")) == (4, 0)
+    gateway.on_credit("elsewhere", 7)
+    assert gateway.concurrency == 4
+
+    # A cap in force wins; the worker's adjustments come back when it lifts.
+    gateway.cap_concurrency(1)
+    assert gateway.concurrency == 1
+    gateway.on_credit("a", 1)
+    assert gateway.concurrency == 1
+    gateway.cap_concurrency(None)
+    assert gateway.concurrency == 5
+    assert (gateway.free("a"), gateway.free("b")) == (5, 0)
+
+
+async def test_credit_never_takes_a_worker_past_the_most_slots(parts: Parts) -> None:
+    gateway, _ = parts.gateway(concurrency=2)
+    gateway.on_credit("q", MAX_SLOTS)
+    assert gateway.concurrency == MAX_SLOTS
+    assert gateway.free("q") == MAX_SLOTS
+    gateway.on_credit("q", 1)
+    assert gateway.concurrency == MAX_SLOTS
 
 
 async def test_adopt_holds_an_active_task_leased_elsewhere_with_its_bound(parts: Parts) -> None:

@@ -470,6 +470,68 @@ async def test_concurrency_is_never_exceeded_and_extra_dispatches_are_released(
     assert peak == 2
 
 
+async def test_add_slots_sends_a_credit_and_runs_more_handlers_at_once(
+    harness: Harness,
+) -> None:
+    worker = harness.worker(concurrency=1)
+    gate = asyncio.Event()
+    running = 0
+    two_running = asyncio.Event()
+
+    @worker.task("t.gated")
+    async def gated(payload: Any, ctx: TaskContext) -> None:
+        nonlocal running
+        running += 1
+        if running == 2:
+            two_running.set()
+        try:
+            await gate.wait()
+        finally:
+            running -= 1
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    worker.add_slots("default", 1)
+    credit = (await session.frame("credit")).credit
+    assert (credit.queue, credit.n) == ("default", 1)
+    assert worker.concurrency == 2
+    for i in range(3):  # one more than the new concurrency
+        session.send(dispatch(envelope(f"A{i}", "t.gated")))
+    (released,) = await session.results(1)
+    assert (released.task_id, released.outcome) == ("A2", svc.OUTCOME_RELEASE)
+    await asyncio.wait_for(two_running.wait(), WAIT)
+
+    # Back to one: the two running finish, the next dispatch over one is released.
+    worker.add_slots("default", -1)
+    credit = (await session.frame("credit")).credit
+    assert (credit.queue, credit.n) == ("default", -1)
+    gate.set()
+    assert sorted(r.task_id for r in await session.results(2)) == ["A0", "A1"]
+    gate.clear()  # A3 runs until A4 was answered
+    for i in (3, 4):
+        session.send(dispatch(envelope(f"A{i}", "t.gated")))
+    (released,) = await session.results(1)
+    assert (released.task_id, released.outcome) == ("A4", svc.OUTCOME_RELEASE)
+    gate.set()
+    (done,) = await session.results(1)
+    assert (done.task_id, done.outcome) == ("A3", svc.OUTCOME_SUCCESS)
+
+
+async def test_add_slots_refuses_bad_input() -> None:
+    worker = Worker("127.0.0.1:1", queues={"a": 1}, concurrency=2)
+    with pytest.raises(InvalidArgument, match="not one this worker serves"):
+        worker.add_slots("b", 1)
+    for bad in (0, True, 1.5):
+        with pytest.raises(InvalidArgument, match="non-zero int"):
+            worker.add_slots("a", bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="outside"):
+        worker.add_slots("a", -2)
+    with pytest.raises(InvalidArgument, match="outside"):
+        worker.add_slots("a", 10_000)
+    worker.add_slots("a", 3)  # not running: the next run starts with it
+    assert worker.concurrency == 5
+
+
 async def test_a_dispatches_frame_runs_every_task_it_carries(harness: Harness) -> None:
     harness.start(echo_worker(harness, concurrency=3))
     session = await harness.double.next_session()

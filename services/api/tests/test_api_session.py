@@ -704,3 +704,43 @@ async def test_calls_beyond_max_concurrent_rpcs_are_refused(make_api: MakeApi) -
 
         await wait_until(served, message="a call served after a session ended")
         second.cancel()
+
+
+async def test_an_idle_session_gets_a_ping_keepalive(
+    api: ApiServer, open_session: Any, bus: Bus
+) -> None:
+    session: Session = await open_session({"a": 1}, 1)
+    frame = await session.worker.read_kind("ping", within=30.0)
+    assert frame.ping.sent_at.seconds > 0
+
+
+async def test_credit_n_opens_and_closes_slots_at_run_time(
+    open_session: Any, broker: CountingBroker, bus: Bus
+) -> None:
+    session: Session = await open_session({"q": 1}, 1)
+    gateway = session.gateway
+
+    async def credit(n: int, capacity: int) -> None:
+        frame = service_pb2.WorkerFrame(credit=service_pb2.Credit(queue="q", n=n))
+        await session.worker.send(frame)
+        await session.registers.wait_for(
+            lambda m: m.gateway == gateway and m.queue == "q" and m.capacity == capacity
+        )
+
+    # Two more slots: three tasks of four are taken.
+    await credit(2, 3)
+    envs = await leased(broker, "q", 4)
+    reply = await dispatch_all(bus, session, envs)
+    assert len(reply.accepted) == 3
+    assert reply.credits == 0
+    # Down to one slot: the three held run on, but nothing new is taken until results
+    # bring the session under its new count.
+    await credit(-2, 1)
+    more = await dispatch(bus, gateway, "q", envs[3:])
+    assert list(more.accepted) == []
+    # Never below zero, and a queue the worker does not serve is ignored.
+    await credit(-5, 0)
+    await session.worker.send(
+        service_pb2.WorkerFrame(credit=service_pb2.Credit(queue="elsewhere", n=3))
+    )
+    await credit(1, 1)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Collection, Coroutine
 from typing import Any
 
 from conveyor_broker.ids import is_ulid
+from conveyor_broker.validation import MAX_WEBHOOK_CONCURRENCY
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from nats.aio.subscription import Subscription
@@ -35,6 +36,10 @@ from conveyor_gateway.holdings import Holdings
 from conveyor_gateway.transport import Transport
 
 logger = logging.getLogger(__name__)
+
+#: The most slots a worker may have in all, however many it asks for with Credit frames
+#: (the bound on a Hello's concurrency).
+MAX_SLOTS = MAX_WEBHOOK_CONCURRENCY
 
 #: Why a worker is told to drop a task it holds when the same task is dispatched again.
 REDELIVERED_REASON = "task was delivered again under a new lease"
@@ -65,6 +70,11 @@ class Credits:
         # unless cap() lowered them.
         self.limit = spec.concurrency
         self._slots = self.capacity
+        #: Slots the worker opened (or closed, when negative) per queue with Credit{n},
+        #: on top of its split; in force while no cap is.
+        self.granted: Counter[str] = Counter()
+        self._cap: int | None = None
+        self._kept: Collection[str] = ()
         self._holdings = holdings
         self._held = holdings.by_lease
         self._per_queue = holdings.per_queue
@@ -134,9 +144,14 @@ class Credits:
         the held leases in ``kept`` keeping their slots on top (see
         :func:`~conveyor_gateway.capacity.capped_slots`). Tasks already held are kept.
         When the announced slots change, they are re-announced at once."""
+        self._cap, self._kept = cap, kept
         held = self._held
         on_top = Counter(held[lease_id].queue for lease_id in kept if lease_id in held)
         limit, slots = capped_slots(cap, self._spec.concurrency, self._spec.queues, on_top)
+        if cap is None and self.granted:
+            # The worker's own Credit adjustments: a cap in force wins over them.
+            slots = {q: max(0, n + self.granted[q]) for q, n in slots.items()}
+            limit = max(0, limit + sum(self.granted.values()))
         if limit == self.limit and slots == self._slots:
             return
         self.limit = limit
@@ -144,6 +159,23 @@ class Credits:
         logger.info("gateway.concurrency_capped gateway=%s concurrency=%d", self._id, limit)
         if self._started and not self.closed:
             self._spawn(self._register_all())
+
+    def credit(self, queue: str, n: int) -> None:
+        """The worker asks for ``n`` more slots on ``queue`` (fewer when negative): its
+        slots there become its split plus everything it asked for, never below 0, and
+        its whole concurrency never above :data:`MAX_SLOTS`. Tasks already held are
+        kept (a smaller count only stops new offers until enough results came back).
+        The slots are re-announced at once."""
+        if queue not in self.capacity or n == 0:
+            return
+        base = self.capacity[queue]
+        total = self._spec.concurrency + sum(self.granted.values())
+        current = base + self.granted[queue]
+        wanted = max(0, current + n)
+        wanted = min(wanted, current + max(0, MAX_SLOTS - total))
+        self.granted[queue] = wanted - base
+        logger.info("gateway.credit gateway=%s queue=%s n=%d slots=%d", self._id, queue, n, wanted)
+        self.cap(self._cap, kept=self._kept)
 
     def hold_back(self, on: bool) -> None:
         """Take no new work (``on``) or take it again; the slots are re-announced at once

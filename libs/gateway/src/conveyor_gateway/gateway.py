@@ -323,13 +323,16 @@ class Gateway:
         """Store the progress the worker reported for a delivery it holds."""
         self._leases.progress(task_id, lease_id, progress)
 
-    def on_credit(self, queue: str) -> None:
-        """The worker asks for a resync of ``queue``: announce its slots again."""
-        # The gateway's own accounting is authoritative and never exceeds the split, so a
-        # Credit is a resync hint: tell the dispatcher our current state for that queue.
+    def on_credit(self, queue: str, n: int = 0) -> None:
+        """The worker asks for ``n`` more slots on ``queue`` (fewer when negative; 0: a
+        resync), see :meth:`~conveyor_gateway.credits.Credits.credit`; the slots of the
+        queue are announced again either way."""
         if queue not in self.capacity:
             logger.warning("gateway.credit_unknown_queue gateway=%s queue=%s", self.id, queue)
             return
+        # The gateway's own accounting is authoritative: a Credit changes what it takes,
+        # then the dispatcher hears the queue's current state.
+        self._credits.credit(queue, n)
         self._spawn(self._credits.register(queue))
 
     def _on_overrun(self, lease_id: str, bound: AttemptBound) -> None:
@@ -367,7 +370,8 @@ class Gateway:
 
     @property
     def concurrency(self) -> int:
-        """The concurrency in force: the worker's, or less under :meth:`cap_concurrency`."""
+        """The concurrency in force: the worker's (with what its Credit frames asked
+        for), or less under :meth:`cap_concurrency`."""
         return self._credits.limit
 
     def cap_concurrency(self, cap: int | None, *, kept: Collection[str] = ()) -> None:

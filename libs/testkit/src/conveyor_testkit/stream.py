@@ -36,20 +36,25 @@ class WorkerStream:
         """Write one frame."""
         await self.call.write(frame)
 
-    async def read(self, within: float = 5.0) -> service_pb2.ServerFrame:
-        """The next server frame; EOFError when the stream ended (whatever its status)."""
-        try:
-            frame = await asyncio.wait_for(self.call.read(), within)
-        except grpc.aio.AioRpcError as exc:
-            raise EOFError(f"the stream ended with {exc.code().name}: {exc.details()}") from exc
-        if frame is grpc.aio.EOF:
-            raise EOFError("the server ended the stream")
-        assert isinstance(frame, service_pb2.ServerFrame)
-        return frame
+    async def read(self, within: float = 5.0, *, pings: bool = False) -> service_pb2.ServerFrame:
+        """The next server frame, skipping keepalive Pings unless ``pings`` (a worker
+        ignores them); EOFError when the stream ended (whatever its status)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + within
+        while True:
+            try:
+                frame = await asyncio.wait_for(self.call.read(), max(0.0, until - loop.time()))
+            except grpc.aio.AioRpcError as exc:
+                raise EOFError(f"the stream ended with {exc.code().name}: {exc.details()}") from exc
+            if frame is grpc.aio.EOF:
+                raise EOFError("the server ended the stream")
+            assert isinstance(frame, service_pb2.ServerFrame)
+            if pings or frame.WhichOneof("frame") != "ping":
+                return frame
 
     async def read_kind(self, kind: str, within: float = 5.0) -> service_pb2.ServerFrame:
         """The next frame, which must be of ``kind`` (``dispatch``, ``cancel``, ...)."""
-        frame = await self.read(within)
+        frame = await self.read(within, pings=kind == "ping")
         got = frame.WhichOneof("frame")
         if got != kind:
             raise AssertionError(f"expected a {kind} frame, got {got}: {frame}")

@@ -26,6 +26,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -187,6 +188,10 @@ class FrameWriter:
     otherwise pin its tasks and an ever longer queue of frames here. More than
     ``max_pending`` frames waiting, or one write blocked (the stream's flow-control window
     full) for ``write_timeout`` seconds, ends :attr:`task` with :class:`SlowReader`.
+
+    Keepalive: with ``ping_interval`` set, a stream that had nothing queued for that long
+    gets a ``Ping`` (stamped with ``now()``), so an idle session still carries a frame
+    from the server at least that often.
     """
 
     def __init__(
@@ -196,6 +201,8 @@ class FrameWriter:
         batches: bool = False,
         max_pending: int = MAX_PENDING_FRAMES,
         write_timeout: float = WRITE_TIMEOUT,
+        ping_interval: float | None = None,
+        now: Callable[[], datetime] | None = None,
     ) -> None:
         self._context = context
         self._batches = batches
@@ -212,6 +219,13 @@ class FrameWriter:
         # A timer rather than a timeout around each write: the write is the hot path.
         self._watch = loop.call_later(write_timeout / 2, self._check_stuck)
         self.task.add_done_callback(lambda _: self._watch.cancel())
+        #: When a frame was last queued (loop time), for the keepalive.
+        self._last_sent = loop.time()
+        self._ping_interval = ping_interval
+        self._now = now or (lambda: datetime.now(UTC))
+        if ping_interval is not None:
+            self._pinger = loop.call_later(ping_interval, self._ping_if_idle)
+            self.task.add_done_callback(lambda _: self._pinger.cancel())
 
     @property
     def slow_reader(self) -> bool:
@@ -223,9 +237,23 @@ class FrameWriter:
         if self.task.done():
             return  # the session is ending: nothing more reaches the worker
         self._frames.append(frame)
+        self._last_sent = asyncio.get_running_loop().time()
         self._ready.set()
         if len(self._frames) > self._max_pending:
             self._give_up(f"{len(self._frames)} frames wait to be written")
+
+    def _ping_if_idle(self) -> None:
+        interval = self._ping_interval
+        assert interval is not None
+        loop = asyncio.get_running_loop()
+        idle = loop.time() - self._last_sent
+        if idle >= interval:
+            ping = service_pb2.Ping()
+            ping.sent_at.FromDatetime(self._now())
+            self.send(service_pb2.ServerFrame(ping=ping))
+            idle = 0.0
+        if not self.task.done():
+            self._pinger = loop.call_later(interval - idle, self._ping_if_idle)
 
     def _check_stuck(self) -> None:
         loop = asyncio.get_running_loop()
@@ -456,6 +484,8 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
             batches=hello.accepts_dispatches,
             max_pending=self._max_pending_frames,
             write_timeout=self._write_timeout,
+            ping_interval=self._config.lease_ttl.total_seconds() / 3,
+            now=self._clock.now,
         )
         writer.send(self._welcome(session_id))
         gateway = self._make_gateway(session_id, spec, writer)
@@ -543,7 +573,7 @@ def _hand_over(gateway: Gateway, frame: service_pb2.WorkerFrame) -> None:
         progress = frame.progress
         gateway.on_progress(progress.task_id, progress.lease_id, bytes(progress.progress))
     elif kind == "credit":
-        gateway.on_credit(frame.credit.queue)
+        gateway.on_credit(frame.credit.queue, frame.credit.n)
     elif kind == "hello":
         logger.warning("session.second_hello_ignored session=%s", gateway.id)
     else:

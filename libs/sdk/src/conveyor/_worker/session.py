@@ -125,6 +125,9 @@ class SessionRunner:
         self.max_result = (
             DEFAULT_MAX_RESULT if settings.max_result_size is None else settings.max_result_size
         )
+        #: The most deliveries this session holds: the Hello's concurrency, changed by
+        #: :meth:`credit`.
+        self.concurrency = settings.concurrency
         #: Deliveries taken on while every slot was busy, oldest first.
         self.waiting: dict[tuple[str, str], tuple[pb.TaskEnvelope, Registration]] = {}
         #: Deliveries of this session not answered yet (running here, or waiting).
@@ -376,7 +379,7 @@ class SessionRunner:
         if self.slots.get(key) is not None or key in self.waiting:
             logger.warning("worker.dispatch_duplicate task_id=%s lease_id=%s", *key)
             return None
-        concurrency = self.settings.concurrency
+        concurrency = self.concurrency
         if len(self.holding) >= concurrency:
             logger.warning(
                 "worker.dispatch_over_capacity task_id=%s held=%d concurrency=%d",
@@ -392,6 +395,12 @@ class SessionRunner:
             error = f"no handler for type {envelope.type}"
             self.send(make_result(*key, svc.OUTCOME_FAILURE, error=error))
         return registration
+
+    def credit(self, queue: str, n: int) -> None:
+        """Ask the server for ``n`` more slots on ``queue`` (fewer when negative): a
+        Credit frame, and this session holds as many more (or fewer) from now on."""
+        self.concurrency = max(0, self.concurrency + n)
+        self.outbox.put_frame(svc.WorkerFrame(credit=svc.Credit(queue=queue, n=n)))
 
     def slot_freed(self) -> None:
         """A local slot freed: start the oldest waiting dispatch (RELEASE it when

@@ -102,7 +102,7 @@ class Worker:
     archives the task at once; :class:`RetryAfter` (or any exception with a
     ``retry_after`` attribute) retries after that delay; any other exception fails the
     attempt (retried with the server's backoff until ``max_retry`` is exhausted). Plain
-    ``def`` handlers run in a thread pool of ``concurrency`` threads.
+    ``def`` handlers run in a thread pool (a thread per handler running at once).
     """
 
     def __init__(
@@ -242,6 +242,46 @@ class Worker:
         runner = self._runner
         return runner.session_id if runner is not None else None
 
+    def add_slots(self, queue: str, n: int) -> None:
+        """Run up to ``n`` more handlers at once on ``queue`` (fewer when ``n`` is
+        negative), from now on; safe to call from any thread.
+
+        :attr:`concurrency` changes by ``n`` (it must stay in 1..10,000), and the
+        running session tells the server with a ``Credit`` frame, so the server sends
+        that many more (or fewer) tasks of ``queue``. Fewer slots cancel nothing: running
+        handlers finish, and new tasks come once enough are done. A reconnected
+        session's Hello carries the new concurrency, split by weight across the queues.
+        Raises :class:`InvalidArgument` for a queue the worker does not serve, an ``n``
+        that is no int or 0, or a concurrency it would take out of bounds.
+        """
+        if queue not in self.queues:
+            raise InvalidArgument(f"queue {queue!r} is not one this worker serves")
+        if isinstance(n, bool) or not isinstance(n, int) or n == 0:
+            raise InvalidArgument(f"n must be a non-zero int, got {n!r}")
+        wanted = self.concurrency + n
+        if not 1 <= wanted <= MAX_CONCURRENCY:
+            raise InvalidArgument(
+                f"concurrency {self.concurrency} {n:+d} = {wanted} is outside 1..{MAX_CONCURRENCY}"
+            )
+        self.concurrency = wanted
+        loop = self._loop
+        if loop is None:
+            return  # the next run starts with the new concurrency
+        if _on_loop_thread(loop):
+            self._apply_slots(queue, n)
+        else:
+            loop.call_soon_threadsafe(self._apply_slots, queue, n)
+
+    def _apply_slots(self, queue: str, n: int) -> None:
+        slots = self._slots
+        if slots is None or self._loop is None:
+            return
+        slots.concurrency = max(0, slots.concurrency + n)
+        runner = self._runner
+        if runner is not None:
+            runner.credit(queue, n)
+        self._slot_freed()
+
     # ----------------------------------------------------------------- lifecycle
 
     def run_forever(self) -> None:
@@ -266,8 +306,10 @@ class Worker:
         if self._loop is not None:
             raise RuntimeError("this worker is already running")
         loop = asyncio.get_running_loop()
+        # Threads start only as handlers need them (never more than run at once), so
+        # the pool's bound is the most slots add_slots can reach.
         pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.concurrency, thread_name_prefix="conveyor-handler"
+            max_workers=MAX_CONCURRENCY, thread_name_prefix="conveyor-handler"
         )
         slots = Slots(
             concurrency=self.concurrency, codec=self.codec, pool=pool, on_free=self._slot_freed
