@@ -153,3 +153,38 @@ async def test_openapi_document(rest: httpx.AsyncClient) -> None:
     doc = (await rest.get("/openapi.json")).json()
     assert "/v1/tasks/{task_id}/cancel" in doc["paths"]
     assert (await rest.get("/docs")).status_code == 200
+
+
+async def test_cron_webhooks_and_seams(rest: httpx.AsyncClient) -> None:
+    entry = {"spec": "@every 1h", "task": {"type": "report.build", "queue": "reports"}}
+    put = await rest.put("/v1/cron/nightly", json=entry)
+    assert put.status_code == 200, put.text
+    assert (await rest.get("/v1/cron/nightly")).json()["entry"]["spec"] == "@every 1h"
+    paused = await rest.post("/v1/cron/nightly/pause")
+    assert paused.json()["entry"]["paused"] is True
+    triggered = await rest.post("/v1/cron/nightly/trigger")
+    assert triggered.json()["task"]["type"] == "report.build"
+    assert [e["name"] for e in (await rest.get("/v1/cron")).json()["entries"]] == ["nightly"]
+    assert (await rest.delete("/v1/cron/nightly")).status_code == 200
+    gone = await rest.get("/v1/cron/nightly")
+    assert gone.status_code == 404
+    assert gone.json()["code"] == "NOT_FOUND"
+
+    assert (await rest.get("/v1/webhooks")).json() == {"workers": []}
+    assert (await rest.get("/v1/webhooks/nobody")).status_code == 404
+    assert (await rest.get("/v1/cluster")).status_code == 200
+    for path in ("/v1/limits/rate", "/v1/limits/concurrency", "/v1/groups"):
+        answer = await rest.get(path)
+        assert answer.status_code in (200, 501), answer.text
+        if answer.status_code == 501:
+            assert answer.json()["code"] == "UNIMPLEMENTED"
+
+
+async def test_producer_gets_its_task(rest_auth: httpx.AsyncClient) -> None:
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    made = await rest_auth.post("/v1/tasks", json={"type": "t", "queue": "q"}, headers=admin)
+    task_id = made.json()["task"]["id"]
+    reader = {"authorization": f"Bearer {READER}"}
+    assert (await rest_auth.get(f"/v1/tasks/{task_id}", headers=reader)).status_code == 200
+    denied = await rest_auth.post("/v1/tasks", json={"type": "t"}, headers=reader)
+    assert denied.status_code == 403
