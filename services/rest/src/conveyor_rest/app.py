@@ -12,6 +12,7 @@ timestamps as RFC 3339 strings, bytes as base64.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
@@ -410,21 +411,36 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
         return await call(admin().GetClusterInfo, pb.GetClusterInfoRequest(), request)
 
     # ---------------------------------------------------------------- events
-    @app.get("/v1/events", tags=["events"], responses=PROBLEM_RESPONSES)
+    @app.get(
+        "/v1/events",
+        tags=["events"],
+        responses={**PROBLEM_RESPONSES, 200: {"content": {"text/event-stream": {}}}},
+        response_model=None,
+    )
     async def events(
         request: Request, queue: Annotated[list[str] | None, Query(max_length=1000)] = None
-    ) -> StreamingResponse:
+    ) -> StreamingResponse | JSONResponse:
         """Server-Sent Events: one ``data:`` line of TaskEvent JSON per lifecycle event."""
         stream = admin().WatchEvents(
             pb.WatchEventsRequest(queues=queue or []), metadata=metadata(request)
         )
-        first = await _first(stream)
+        # The api sends initial metadata once the subscription is live, or refuses: a bad
+        # token or filter is a problem+json answer, and ": watching" means subscribed.
+        try:
+            await asyncio.wait_for(stream.initial_metadata(), 30)
+        except TimeoutError:
+            stream.cancel()
+            return problem(504, "DEADLINE_EXCEEDED", "the event subscription did not start")
+        if stream.done():
+            code = await stream.code()
+            if code != grpc.StatusCode.OK:
+                stream.cancel()
+                details = await stream.details()
+                return problem(HTTP_STATUS.get(code, 500), code.name, details or "")
 
         async def body() -> AsyncIterator[bytes]:
             try:
                 yield b": watching\n\n"
-                if first is not None:
-                    yield _sse(first)
                 async for event in stream:
                     yield _sse(event)
             except grpc.aio.AioRpcError as exc:
@@ -444,13 +460,6 @@ def task_pb_action(key: str) -> int:
     if value == 0:
         raise ValueError(key)
     return value
-
-
-async def _first(stream: Any) -> Message | None:
-    """Nothing: the stream's errors (auth) surface on the first read; the metadata call
-    makes an auth refusal an HTTP error instead of an SSE error event."""
-    await stream.initial_metadata()
-    return None
 
 
 def _sse(event: Message) -> bytes:
