@@ -23,6 +23,7 @@ from typing import Any
 from conveyor_api.server import ApiServer
 from conveyor_dispatcher.dispatcher import Dispatcher
 from conveyor_maintenance.maintenance import Maintenance
+from conveyor_rest.serve import RestServer, start_rest
 from conveyor_runtime.cluster_key import generate_key as generate_cluster_key
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.service import open_runtime
@@ -61,6 +62,8 @@ class DevOptions:
     dsn: str | None = None
     nats_url: str | None = None
     lease_ttl: float = 30.0
+    #: The REST admin API's port (``CONVEYOR_REST_PORT``); 0: any free port.
+    rest_port: int = int(os.environ.get("CONVEYOR_REST_PORT", "8080"))
 
 
 def dev_webhook_settings() -> dict[str, Any]:
@@ -134,10 +137,13 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
             await webhook.start()
             broker = f"postgres ({options.dsn})" if options.dsn else "memory (nothing is kept)"
             print(BANNER.format(target=target, nats=nats_url, broker=broker), flush=True)
+            rest = await _start_rest(target, options)
             logger.warning("dev.auth_off target=%s", target)
             try:
                 await stop.wait()
             finally:
+                if rest is not None:
+                    await rest.stop()
                 await webhook.stop()
                 await api.stop()
                 await maintenance.stop()
@@ -145,3 +151,14 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
     finally:
         if embedded is not None:
             await asyncio.to_thread(embedded.stop)
+
+
+async def _start_rest(target: str, options: DevOptions) -> RestServer | None:
+    """The REST admin API beside the gRPC one, its URL printed; a port in use is a warning."""
+    try:
+        rest = await start_rest(target, options.host, options.rest_port)
+    except OSError as exc:
+        logger.warning("dev.rest_not_started port=%s error=%s", options.rest_port, exc)
+        return None
+    print(f" REST admin API: {rest.url}  (OpenAPI docs: {rest.url}/docs)", flush=True)
+    return rest
