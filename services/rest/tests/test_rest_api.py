@@ -3,6 +3,7 @@ process through httpx's ASGI transport."""
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -79,7 +80,13 @@ pytestmark = pytest.mark.nats
 
 
 async def test_enqueue_get_list_cancel(rest: httpx.AsyncClient) -> None:
-    made = await rest.post("/v1/tasks", json={"type": "email.send", "queue": "emails"})
+    body = {
+        "type": "email.send",
+        "queue": "emails",
+        "payload": {"to": "a@b.c"},
+        "options": {"maxRetry": 3},
+    }
+    made = await rest.post("/v1/tasks", json=body)
     assert made.status_code == 200, made.text
     task = made.json()["task"]
     assert task["state"] == "TASK_STATE_PENDING"
@@ -87,6 +94,7 @@ async def test_enqueue_get_list_cancel(rest: httpx.AsyncClient) -> None:
     got = await rest.get(f"/v1/tasks/{task['id']}")
     assert got.status_code == 200
     assert got.json()["task"]["type"] == "email.send"
+    assert base64.b64decode(got.json()["task"]["payload"]) == b'{"to":"a@b.c"}'
 
     page = await rest.get("/v1/tasks", params={"queue": "emails", "state": "pending"})
     assert [t["id"] for t in page.json()["tasks"]] == [task["id"]]

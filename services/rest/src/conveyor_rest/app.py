@@ -13,6 +13,7 @@ timestamps as RFC 3339 strings, bytes as base64.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
@@ -183,7 +184,12 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
     # ---------------------------------------------------------------- producers
     @app.post("/v1/tasks", tags=["producers"], responses=PROBLEM_RESPONSES)
     async def enqueue(body: JsonObject, request: Request) -> JsonObject:
-        """Enqueue a task: the body is a NewTask (type, payload, queue, ...)."""
+        """Enqueue a task: the body is a NewTask (type, payload, queue, ...); a JSON object or
+        array as ``payload`` is sent as its JSON bytes, a string is base64 bytes."""
+        if not isinstance(body.get("payload", ""), str):
+            # A JSON value is the payload itself (as the SDK sends it); a string is base64.
+            raw = json.dumps(body["payload"], separators=(",", ":")).encode()
+            body = {**body, "payload": base64.b64encode(raw).decode()}
         message = pb.EnqueueRequest(task=parse(body, task_pb.NewTask()))  # type: ignore[arg-type]
         return await call(tasks().Enqueue, message, request)
 
