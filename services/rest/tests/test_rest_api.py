@@ -196,3 +196,15 @@ async def test_producer_gets_its_task(rest_auth: httpx.AsyncClient) -> None:
     assert (await rest_auth.get(f"/v1/tasks/{task_id}", headers=reader)).status_code == 200
     denied = await rest_auth.post("/v1/tasks", json={"type": "t"}, headers=reader)
     assert denied.status_code == 403
+
+
+async def test_dashboard_pages(rest: httpx.AsyncClient) -> None:
+    made = await rest.post("/v1/tasks", json={"type": "t", "queue": "ui-queue"})
+    task_id = made.json()["task"]["id"]
+    home = await rest.get("/ui")
+    assert home.status_code == 200
+    assert "ui-queue" in home.text
+    opened = await rest.get("/ui/task", params={"id": task_id})
+    assert opened.status_code == 200
+    assert task_id in opened.text
+    assert (await rest.get("/ui/task", params={"id": "bad"})).status_code == 400

@@ -30,6 +30,8 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from pydantic import BaseModel, Field
 
+from conveyor_rest.dashboard import add_dashboard
+
 PROBLEM = "application/problem+json"
 
 # Each gRPC status and the HTTP status its problem+json answer carries.
@@ -457,6 +459,7 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
+    add_dashboard(app, admin)
     return app
 
 
