@@ -160,5 +160,8 @@ async def _start_rest(target: str, options: DevOptions) -> RestServer | None:
     except OSError as exc:
         logger.warning("dev.rest_not_started port=%s error=%s", options.rest_port, exc)
         return None
-    print(f" REST admin API: {rest.url}  (OpenAPI docs: {rest.url}/docs)", flush=True)
+    print(
+        f" REST admin API: {rest.url}  (docs: {rest.url}/docs, dashboard: {rest.url}/ui)",
+        flush=True,
+    )
     return rest
