@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ async def conveyor_cli(*args: str) -> tuple[int | None, str, str]:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         cwd=ROOT,
+        env={**os.environ, "COLUMNS": "250"},  # rich's tables: no column cut short
     )
     out, err = await proc.communicate()
     return proc.returncode, out.decode(), err.decode()

@@ -25,6 +25,7 @@ from typing import Any
 from conveyor_api.server import ApiServer
 from conveyor_dispatcher.dispatcher import Dispatcher
 from conveyor_maintenance.maintenance import Maintenance
+from conveyor_rest.serve import RestServer, start_rest
 from conveyor_runtime.cluster_key import generate_key as generate_cluster_key
 from conveyor_runtime.embedded_nats import EmbeddedNats
 from conveyor_runtime.service import open_runtime
@@ -63,6 +64,8 @@ class DevOptions:
     dsn: str | None = None
     nats_url: str | None = None
     lease_ttl: float = 30.0
+    #: The REST admin API's port (``CONVEYOR_REST_PORT``); 0: any free port; None: none.
+    rest_port: int | None = int(os.environ.get("CONVEYOR_REST_PORT", "8080"))
 
 
 def dev_webhook_settings() -> dict[str, Any]:
@@ -86,6 +89,8 @@ class DevServices:
     nats_url: str
     #: What stores the tasks, for people: ``memory (nothing is kept)`` or the DSN.
     broker: str
+    #: The REST admin API and dashboard (None: not started).
+    rest_url: str | None = None
 
 
 @asynccontextmanager
@@ -150,9 +155,17 @@ async def dev_services(options: DevOptions) -> AsyncIterator[DevServices]:
             )
             await webhook.start()
             broker = f"postgres ({options.dsn})" if options.dsn else "memory (nothing is kept)"
+            rest = await _start_rest(target, options) if options.rest_port is not None else None
             try:
-                yield DevServices(target=target, nats_url=nats_url, broker=broker)
+                yield DevServices(
+                    target=target,
+                    nats_url=nats_url,
+                    broker=broker,
+                    rest_url=rest.url if rest is not None else None,
+                )
             finally:
+                if rest is not None:
+                    await rest.stop()
                 await webhook.stop()
                 await api.stop()
                 await maintenance.stop()
@@ -169,5 +182,21 @@ async def run_dev(options: DevOptions, stop: asyncio.Event) -> None:
             BANNER.format(target=services.target, nats=services.nats_url, broker=services.broker),
             flush=True,
         )
+        if services.rest_url is not None:
+            print(
+                f" REST admin API: {services.rest_url}  (docs: {services.rest_url}/docs, "
+                f"dashboard: {services.rest_url}/ui)",
+                flush=True,
+            )
         logger.warning("dev.auth_off target=%s", services.target)
         await stop.wait()
+
+
+async def _start_rest(target: str, options: DevOptions) -> RestServer | None:
+    """The REST admin API beside the gRPC one; a port in use is a warning."""
+    assert options.rest_port is not None
+    try:
+        return await start_rest(target, options.host, options.rest_port)
+    except OSError as exc:
+        logger.warning("dev.rest_not_started port=%s error=%s", options.rest_port, exc)
+        return None

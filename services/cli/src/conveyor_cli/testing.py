@@ -63,7 +63,9 @@ class EmbeddedServer:
     """
 
     def __init__(self, *, dsn: str | None = None, lease_ttl: float = 30.0) -> None:
-        self._options = DevOptions(host="127.0.0.1", port=0, dsn=dsn, lease_ttl=lease_ttl)
+        self._options = DevOptions(
+            host="127.0.0.1", port=0, dsn=dsn, lease_ttl=lease_ttl, rest_port=None
+        )
         self._stack: AsyncExitStack | None = None
         self._target: str | None = None
         self._admin: AsyncAdminClient | None = None

@@ -1,0 +1,210 @@
+"""The REST admin API against a real api service (memory broker, private NATS), called in
+process through httpx's ASGI transport."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from conveyor_api import ApiServer
+from conveyor_broker import FakeClock
+from conveyor_rest.app import create_app
+from conveyor_runtime.nats_connect import NatsClient, connect_nats
+from conveyor_runtime.settings import ApiSettings
+from conveyor_testkit.brokers import CountingBroker
+from conveyor_testkit.webhooks import WEBHOOK_KEY, FakeDns
+
+ADMIN = "ops-admin-secret-0123456789"
+READER = "ops-reader-secret-0123456789"
+
+
+async def start_api(
+    nats_url: str, **overrides: Any
+) -> tuple[ApiServer, CountingBroker, NatsClient]:
+    clock = FakeClock()
+    broker = CountingBroker(clock)
+    nc = await connect_nats(nats_url, name="rest-test")
+    options: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "nats_url": nats_url,
+        "subject_prefix": f"t{uuid.uuid4().hex[:12]}",
+        "broker": "memory",
+        "allow_unauthenticated": True,
+        "register_tick": 60.0,
+        "enqueue_batch_window": 0.005,
+        "webhook_secret_key": WEBHOOK_KEY,
+    }
+    options.update(overrides)
+    server = ApiServer(ApiSettings(**options), broker, nc, clock, resolve=FakeDns({}).lookup)
+    await server.start()
+    return server, broker, nc
+
+
+async def rest_client(nats_url: str, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+    server, broker, nc = await start_api(nats_url, **overrides)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    app = create_app(f"127.0.0.1:{server.port}", channel=channel)
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://rest") as client:
+            yield client
+    finally:
+        await channel.close()
+        await server.stop(grace=1.0)
+        await nc.close()
+        await broker.close()
+
+
+@pytest.fixture
+async def rest(nats_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The REST app in front of a real api with auth off."""
+    async for client in rest_client(nats_url):
+        yield client
+
+
+@pytest.fixture
+async def rest_auth(nats_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The REST app in front of a real api with an admin and a read-only token."""
+    tokens = [f"ops:admin:{ADMIN}", f"viewer:read-only:{READER}"]
+    async for client in rest_client(nats_url, auth_tokens=tokens, allow_unauthenticated=False):
+        yield client
+
+
+pytestmark = pytest.mark.nats
+
+
+async def test_enqueue_get_list_cancel(rest: httpx.AsyncClient) -> None:
+    body = {
+        "type": "email.send",
+        "queue": "emails",
+        "payload": {"to": "a@b.c"},
+        "options": {"maxRetry": 3},
+    }
+    made = await rest.post("/v1/tasks", json=body)
+    assert made.status_code == 200, made.text
+    task = made.json()["task"]
+    assert task["state"] == "TASK_STATE_PENDING"
+
+    got = await rest.get(f"/v1/tasks/{task['id']}")
+    assert got.status_code == 200
+    assert got.json()["task"]["type"] == "email.send"
+    assert base64.b64decode(got.json()["task"]["payload"]) == b'{"to":"a@b.c"}'
+
+    page = await rest.get("/v1/tasks", params={"queue": "emails", "state": "pending"})
+    assert [t["id"] for t in page.json()["tasks"]] == [task["id"]]
+
+    stats = await rest.get("/v1/queues/emails/stats")
+    assert stats.json()["stats"]["counts"]["pending"] == "1"
+
+    cancelled = await rest.post(f"/v1/tasks/{task['id']}/cancel")
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["task"]["state"] == "TASK_STATE_CANCELED"
+
+    assert (await rest.post("/v1/queues/emails/pause")).status_code == 200
+    assert (await rest.get("/v1/queues/emails/stats")).json()["stats"]["paused"] is True
+    assert (await rest.post("/v1/queues/emails/resume")).status_code == 200
+
+    batch = await rest.post("/v1/tasks:batch", json={"action": "delete", "ids": [task["id"]]})
+    assert batch.status_code == 200, batch.text
+    assert batch.json()["affected"] == 1
+
+
+async def test_problem_json_for_grpc_errors_and_bad_input(rest: httpx.AsyncClient) -> None:
+    malformed = await rest.get("/v1/tasks/no-such-task")
+    assert malformed.status_code == 400
+    assert malformed.headers["content-type"] == "application/problem+json"
+    assert malformed.json()["code"] == "INVALID_ARGUMENT"
+
+    missing = await rest.get("/v1/tasks/01ARZ3NDEKTSV4RRFFQ69G5FAV")
+    assert missing.status_code == 404, missing.text
+    assert missing.headers["content-type"] == "application/problem+json"
+    assert missing.json()["code"] == "NOT_FOUND"
+
+    bad_state = await rest.get("/v1/tasks", params={"state": "sideways"})
+    assert bad_state.status_code == 400
+    assert bad_state.json()["code"] == "INVALID_ARGUMENT"
+
+    bad_field = await rest.post("/v1/tasks", json={"type": "x", "nonsense": 1})
+    assert bad_field.status_code == 400
+    assert bad_field.headers["content-type"] == "application/problem+json"
+
+    bad_limit = await rest.get("/v1/tasks", params={"limit": 0})
+    assert bad_limit.status_code == 422
+    assert bad_limit.json()["code"] == "INVALID_ARGUMENT"
+
+    bad_action = await rest.post("/v1/tasks:batch", json={"action": "explode"})
+    assert bad_action.status_code == 400
+
+
+async def test_tokens_and_roles_pass_through(rest_auth: httpx.AsyncClient) -> None:
+    anonymous = await rest_auth.get("/v1/queues")
+    assert anonymous.status_code == 401
+    assert anonymous.json()["code"] == "UNAUTHENTICATED"
+
+    reader = {"authorization": f"Bearer {READER}"}
+    assert (await rest_auth.get("/v1/queues", headers=reader)).status_code == 200
+    refused = await rest_auth.post("/v1/queues/emails/pause", headers=reader)
+    assert refused.status_code == 403
+    assert refused.json()["code"] == "PERMISSION_DENIED"
+
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    assert (await rest_auth.post("/v1/queues/emails/pause", headers=admin)).status_code == 200
+
+
+async def test_openapi_document(rest: httpx.AsyncClient) -> None:
+    doc = (await rest.get("/openapi.json")).json()
+    assert "/v1/tasks/{task_id}/cancel" in doc["paths"]
+    assert (await rest.get("/docs")).status_code == 200
+
+
+async def test_cron_webhooks_and_seams(rest: httpx.AsyncClient) -> None:
+    entry = {"spec": "@every 1h", "task": {"type": "report.build", "queue": "reports"}}
+    put = await rest.put("/v1/cron/nightly", json=entry)
+    assert put.status_code == 200, put.text
+    assert (await rest.get("/v1/cron/nightly")).json()["entry"]["spec"] == "@every 1h"
+    paused = await rest.post("/v1/cron/nightly/pause")
+    assert paused.json()["entry"]["paused"] is True
+    triggered = await rest.post("/v1/cron/nightly/trigger")
+    assert triggered.json()["task"]["type"] == "report.build"
+    assert [e["name"] for e in (await rest.get("/v1/cron")).json()["entries"]] == ["nightly"]
+    assert (await rest.delete("/v1/cron/nightly")).status_code == 200
+    gone = await rest.get("/v1/cron/nightly")
+    assert gone.status_code == 404
+    assert gone.json()["code"] == "NOT_FOUND"
+
+    assert (await rest.get("/v1/webhooks")).json() == {"workers": []}
+    assert (await rest.get("/v1/webhooks/nobody")).status_code == 404
+    assert (await rest.get("/v1/cluster")).status_code == 200
+    for path in ("/v1/limits/rate", "/v1/limits/concurrency", "/v1/groups"):
+        answer = await rest.get(path)
+        assert answer.status_code in (200, 501), answer.text
+        if answer.status_code == 501:
+            assert answer.json()["code"] == "UNIMPLEMENTED"
+
+
+async def test_producer_gets_its_task(rest_auth: httpx.AsyncClient) -> None:
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    made = await rest_auth.post("/v1/tasks", json={"type": "t", "queue": "q"}, headers=admin)
+    task_id = made.json()["task"]["id"]
+    reader = {"authorization": f"Bearer {READER}"}
+    assert (await rest_auth.get(f"/v1/tasks/{task_id}", headers=reader)).status_code == 200
+    denied = await rest_auth.post("/v1/tasks", json={"type": "t"}, headers=reader)
+    assert denied.status_code == 403
+
+
+async def test_dashboard_pages(rest: httpx.AsyncClient) -> None:
+    made = await rest.post("/v1/tasks", json={"type": "t", "queue": "ui-queue"})
+    task_id = made.json()["task"]["id"]
+    home = await rest.get("/ui")
+    assert home.status_code == 200
+    assert "ui-queue" in home.text
+    opened = await rest.get("/ui/task", params={"id": task_id})
+    assert opened.status_code == 200
+    assert task_id in opened.text
+    assert (await rest.get("/ui/task", params={"id": "bad"})).status_code == 400
