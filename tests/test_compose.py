@@ -445,6 +445,7 @@ PROBES = {
     "callback": "conveyor.webhook.hooks.callback",
     "events": "conveyor.events.mail.completed",
     "resolve": "conveyor.resolve",
+    "cluster nodes": "conveyor.cluster.nodes",
     "other": "conveyor.something-else",
     "owners kv": "$KV.conveyor_owners.mail",
     "leaders kv": "$KV.conveyor_leaders.scheduler",
@@ -466,6 +467,7 @@ MAY_PUBLISH = {
         "callback",
         "events",
         "resolve",
+        "cluster nodes",
     },
     "dispatcher": {"dispatch", "owner", "roll call", "dispatcher beat", "events", "owners kv"},
     "maintenance": {"wake", "events", "leaders kv", "resolve"},
@@ -481,6 +483,7 @@ MAY_SUBSCRIBE = {
         "roll call",
         "events",
         "inbox",
+        "cluster nodes",
     },
     "dispatcher": {
         "wake",
@@ -491,8 +494,17 @@ MAY_SUBSCRIBE = {
         "watch",
         "dispatcher beat",
         "inbox",
+        "cluster nodes",
     },
-    "maintenance": {"register", "promote", "watch", "holder beat", "inbox", "resolve"},
+    "maintenance": {
+        "register",
+        "promote",
+        "watch",
+        "holder beat",
+        "inbox",
+        "resolve",
+        "cluster nodes",
+    },
     "webhook": {
         "dispatch",
         "every dispatch",
@@ -502,6 +514,7 @@ MAY_SUBSCRIBE = {
         "watch",
         "roll call",
         "inbox",
+        "cluster nodes",
     },
 }
 
@@ -595,7 +608,7 @@ async def test_the_services_do_their_work_under_their_permissions(
     """Request/reply (a dispatch from the dispatcher's user answered by the api's, a
     webhook callback from the api's answered by the webhook's) and the KV leases of each
     bucket work under the permissions; a user cannot open the other bucket."""
-    from conveyor_protos.v1 import cluster_pb2
+    from conveyor_protos.v1 import cluster_pb2, service_pb2
     from conveyor_runtime.bus import Bus
     from conveyor_runtime.ownership import KeyLease, LeaseKeeper, held_by, open_lease_bucket
     from conveyor_runtime.subjects import Subjects
@@ -625,6 +638,12 @@ async def test_the_services_do_their_work_under_their_permissions(
             assert list(reply.accepted) == ["t1"]
             callback = cluster_pb2.WebhookCallback(worker="hooks", task_id="t2")
             assert (await bus["api"].webhook_callback(callback, within=5.0)).message == "t2"
+            # The cluster view: every service answers the api's NodesRequest.
+            for name in NATS_USERS:
+                await bus[name].serve_nodes(partial(service_pb2.ClusterNode, kind=name))
+                await conns[name].flush()
+            nodes = await bus["api"].gather_nodes(within=1.0)
+            assert sorted(node.kind for node in nodes) == sorted(NATS_USERS)
 
             for name, bucket, key in (
                 ("dispatcher", subjects.owners_bucket, "mail"),

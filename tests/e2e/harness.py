@@ -6,6 +6,7 @@ until a timeout.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -253,3 +254,22 @@ class Cluster:
     def logs(self) -> str:
         """Every process's log, for a failing test's report."""
         return "\n".join(f"===== {p.name} =====\n{p.log()[-4000:]}" for p in self.procs)
+
+
+async def conveyor_cli(
+    *args: str, env: Mapping[str, str] | None = None
+) -> tuple[int | None, str, str]:
+    """Run ``python -m conveyor_cli *args`` from the repository root: its exit code, stdout
+    and stderr. ``env`` adds variables (``COLUMNS`` for rich's tables, say)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "conveyor_cli",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()

@@ -4,10 +4,7 @@ over NATS; the SDK's ``cluster_info()`` and ``conveyor cluster`` show the same."
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,26 +12,13 @@ from conveyor import AsyncAdminClient, ClusterInfo
 from conveyor_runtime.embedded_nats import free_port
 from conveyor_testkit.polling import wait_until
 
-from tests.e2e.harness import POLL_INTERVAL, ROOT, Cluster
+from tests.e2e.harness import POLL_INTERVAL, Cluster, conveyor_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
 
+#: rich cuts table columns to the terminal width: none is cut short here.
+WIDE = {"COLUMNS": "250"}
 ROLES = {"reaper", "scheduler", "resolver", "webhook-manager"}
-
-
-async def conveyor_cli(*args: str) -> tuple[int | None, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "conveyor_cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "250"},  # rich's tables: no column cut short
-    )
-    out, err = await proc.communicate()
-    return proc.returncode, out.decode(), err.decode()
 
 
 def kinds(info: ClusterInfo) -> dict[str, set[str]]:
@@ -123,12 +107,12 @@ async def test_every_node_session_owner_leader_and_webhook_gateway_is_shown(
         assert kinds(seen) == kinds(info)
 
         # conveyor cluster --json prints the same view.
-        code, out, err = await conveyor_cli("cluster", "--json", "--target", targets[1])
+        code, out, err = await conveyor_cli("cluster", "--json", "--target", targets[1], env=WIDE)
         assert code == 0, err
         printed = json.loads(out)
         assert printed["answered_by"] == "api-1"
         assert {n["instance"] for n in printed["nodes"]} == set().union(*kinds(info).values())
-        code, out, err = await conveyor_cli("cluster", "--target", targets[0])
+        code, out, err = await conveyor_cli("cluster", "--target", targets[0], env=WIDE)
         assert code == 0, err
         assert "dispatcher-1" in out
         assert "webhook-manager" in out

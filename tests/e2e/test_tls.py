@@ -5,8 +5,6 @@ CLI; and what a client that does not match the server is told."""
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from conveyor_testkit.polling import wait_until
 from conveyor_testkit.webhooks import Endpoint, rpc
 
 from tests.e2e.conftest import read_record
-from tests.e2e.harness import POLL_INTERVAL, ROOT, Cluster, port_open
+from tests.e2e.harness import POLL_INTERVAL, Cluster, conveyor_cli, port_open
 from tests.e2e.lifecycle import wait_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.nats]
@@ -81,20 +79,6 @@ async def start_tls_stack(cluster: Cluster, certs: Certs, *, mutual: bool) -> tu
         interval=POLL_INTERVAL,
     )
     return target, api.port
-
-
-async def conveyor_cli(*args: str) -> tuple[int | None, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "conveyor_cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=ROOT,
-    )
-    out, err = await proc.communicate()
-    return proc.returncode, out.decode(), err.decode()
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mtls"])

@@ -580,20 +580,26 @@ class _Replies:
                     self._prefix = prefix
         return self._prefix
 
+    async def _send_request(
+        self, token: str, subject: str, body: bytes, *, within: float
+    ) -> Awaitable[None]:
+        """Publish the sealed request ``token`` (its replies come to our inbox)."""
+        prefix = await self._subscribed()
+        return self._nc.publish(
+            subject,
+            body,
+            reply=f"{prefix}.{token}",
+            headers=self._auth.seal(subject, body, within=within),
+        )
+
     async def request(self, kind: str, subject: str, body: bytes, *, within: float) -> Msg:
         """Send ``body`` to ``subject`` (deadline ``within`` seconds) and wait for its
         first verified reply, ``within`` + :data:`REPLY_GRACE` seconds at most."""
-        prefix = await self._subscribed()
         token = str(next(self._tokens))
         future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
         self._waiting[token] = (kind, future)
         try:
-            await self._nc.publish(
-                subject,
-                body,
-                reply=f"{prefix}.{token}",
-                headers=self._auth.seal(subject, body, within=within),
-            )
+            await (await self._send_request(token, subject, body, within=within))
             try:
                 async with asyncio.timeout(within + REPLY_GRACE):
                     return await future
@@ -605,17 +611,11 @@ class _Replies:
     async def gather(self, kind: str, subject: str, body: bytes, *, within: float) -> list[Msg]:
         """Send ``body`` to ``subject`` (deadline ``within`` seconds) and collect every
         verified reply that arrives within ``within`` seconds."""
-        prefix = await self._subscribed()
         token = str(next(self._tokens))
         replies: list[Msg] = []
         self._gathering[token] = (kind, replies)
         try:
-            await self._nc.publish(
-                subject,
-                body,
-                reply=f"{prefix}.{token}",
-                headers=self._auth.seal(subject, body, within=within),
-            )
+            await (await self._send_request(token, subject, body, within=within))
             # The window is the deadline itself: how many answers to expect is unknown
             # (a process that died is simply absent).
             await asyncio.sleep(within)
