@@ -642,8 +642,12 @@ async def test_the_services_do_their_work_under_their_permissions(
             for name in NATS_USERS:
                 await bus[name].serve_nodes(partial(service_pb2.ClusterNode, kind=name))
                 await conns[name].flush()
-            nodes = await bus["api"].gather_nodes(within=1.0)
-            assert sorted(node.kind for node in nodes) == sorted(NATS_USERS)
+
+            async def every_kind_answers() -> bool:
+                nodes = await bus["api"].gather_nodes(within=0.5)
+                return sorted(node.kind for node in nodes) == sorted(NATS_USERS)
+
+            await wait_until(every_kind_answers, within=10.0, message="every kind answers")
 
             for name, bucket, key in (
                 ("dispatcher", subjects.owners_bucket, "mail"),
