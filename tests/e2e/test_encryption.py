@@ -7,7 +7,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from conveyor import AsyncAdminClient, AsyncClient, FailedPrecondition, TaskState
+from conveyor import AsyncAdminClient, AsyncClient, FailedPrecondition, TaskSpec, TaskState
 from conveyor_broker import SystemClock
 from conveyor_broker import TaskState as StoredState
 from conveyor_broker.encrypted import EncryptedBroker
@@ -92,6 +92,8 @@ async def test_postgres_rows_hold_no_plaintext_payload_result_or_secret(
         "error": "ERROR-MARK-c4b8",
         "secret": "SECRET-MARK-2e6f-at-least-24-chars",
         "progress": "step",  # the worker's progress: {"step": 1}
+        "cron payload": "CRON-PAYLOAD-MARK-a81d",
+        "cron header": "CRON-HEADER-MARK-3b7c",
     }
     stack = await start_stack(
         cluster, tmp_path, queues={Q: 1}, env={"CONVEYOR_ENCRYPTION_KEYS": SERVICE_KEY}
@@ -107,6 +109,23 @@ async def test_postgres_rows_hold_no_plaintext_payload_result_or_secret(
             "e2e.fail", {"fails": 1, "error": marks["error"]}, queue=Q, max_retry=3
         )
         running = await client.enqueue("e2e.progress", {}, queue=Q)
+        await admin.upsert_cron_entry(
+            "sealed-cron",
+            "0 3 * * *",
+            TaskSpec(
+                "e2e.result",
+                {"result": marks["cron payload"]},
+                queue=Q,
+                headers={"h": marks["cron header"]},
+            ),
+        )
+        entry = await admin.get_cron_entry("sealed-cron")
+        assert entry.task.payload == {"result": marks["cron payload"]}
+        # A trigger makes the entry's task from its sealed template, sealed to itself.
+        fired = await admin.trigger_cron_entry("sealed-cron")
+        ran = await wait_state(admin, fired.id, TaskState.COMPLETED, within=60)
+        assert ran.result == marks["cron payload"]
+        assert ran.headers["h"] == marks["cron header"]
         await admin.upsert_webhook_worker(
             "sealed-hook", "http://127.0.0.1:9/hook", ["hooks"], secrets=[marks["secret"]]
         )
@@ -130,11 +149,15 @@ async def test_postgres_rows_hold_no_plaintext_payload_result_or_secret(
             hooks = await conn.fetchval(
                 "SELECT string_agg(w::text, ' ') FROM conveyor_webhook_workers w"
             )
+            crons = await conn.fetchval(
+                "SELECT string_agg(c::text, ' ') FROM conveyor_cron_entries c"
+            )
         finally:
             await conn.close()
         await admin.cancel_task(running.id)
-    dump = f"{tasks} {hooks}"
+    dump = f"{tasks} {hooks} {crons}"
     assert "sealed-hook" in dump  # the rows were read
+    assert "sealed-cron" in dump
     for name, mark in marks.items():
         assert mark not in dump, name
         assert mark.encode().hex() not in dump, name  # bytea reads as hex

@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import asyncpg
@@ -36,10 +36,12 @@ from conveyor_broker.keyring import (
     KeyringError,
     binary_key_id,
     generate_key,
+    template_subject,
     text_key_id,
 )
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.postgres import PostgresBroker
+from conveyor_broker.testing.cron import NAME, cron_spec, template
 from conveyor_broker.testing.schemas import scratch_schema
 
 TTL = timedelta(seconds=30)
@@ -407,6 +409,14 @@ async def test_postgres_rows_hold_no_plaintext(pg_dsn: str, clock: FakeClock) ->
             again = (await broker.lease("q", 1, TTL))[0]
             await broker.set_progress(task.id, again.lease_id or "", b"PROGRESS-MARK")
             await broker.ack(task.id, again.lease_id or "", b"RESULT-MARK")
+            entry = await broker.upsert_cron_entry(
+                cron_spec(task=template(payload=b"PAYLOAD-MARK", headers={"h": "HEADER-MARK"}))
+            )
+            assert entry.next_run_at is not None
+            slot = clock.now().replace(microsecond=0) + timedelta(days=1)
+            fired = await broker.fire_cron_entry(NAME, entry.next_run_at, None, slot)
+            assert fired.task is not None
+            assert fired.task.task.payload == b"PAYLOAD-MARK"
             stored = await broker.get_task(task.id)
             assert (stored.payload, stored.headers, stored.progress) == (
                 b"PAYLOAD-MARK",
@@ -418,8 +428,11 @@ async def test_postgres_rows_hold_no_plaintext(pg_dsn: str, clock: FakeClock) ->
             await broker.close()
         conn = await asyncpg.connect(dsn)
         try:
-            rows = await conn.fetch("SELECT * FROM conveyor_tasks")
+            rows = await conn.fetch("SELECT * FROM conveyor_tasks WHERE id = $1", task.id)
             dump = await conn.fetchval("SELECT string_agg(t::text, ' ') FROM conveyor_tasks t")
+            dump += await conn.fetchval(
+                "SELECT string_agg(c::text, ' ') FROM conveyor_cron_entries c"
+            )
         finally:
             await conn.close()
     assert len(rows) == 1
@@ -454,17 +467,83 @@ async def test_the_fast_copies_equal_dataclasses_replace(broker: EncryptedBroker
         copy.payload = b"frozen"  # type: ignore[misc]
 
 
-async def test_cron_entries_are_refused_rather_than_stored_in_clear() -> None:
-    """A cron template's payload would be copied into each slot's task by the inner broker
-    unsealed: until templates are sealed per slot, the encrypted broker refuses cron."""
-    from conveyor_broker.errors import NotSupported
-    from conveyor_broker.testing.cron import cron_spec, template
+# --------------------------------------------------------------------- cron
 
-    inner = MemoryBroker(FakeClock())
-    broker = EncryptedBroker(inner, ring())
-    with pytest.raises(NotSupported, match="encryption at rest"):
-        await broker.upsert_cron_entry(cron_spec(task=template(payload=SECRET)))
-    with pytest.raises(NotSupported):
-        await broker.trigger_cron_entry("nightly")
-    assert await broker.list_cron_entries() == []
-    assert await inner.list_cron_entries() == []
+
+def _slot(clock: FakeClock) -> datetime:
+    return clock.now().replace(microsecond=0) + timedelta(days=1)
+
+
+async def test_a_cron_template_is_sealed_to_its_entry_and_each_task_to_itself(
+    broker: EncryptedBroker, inner: MemoryBroker, keyring: Keyring, clock: FakeClock
+) -> None:
+    spec = cron_spec(task=template(payload=SECRET, headers={"h": "HEADER-MARK"}))
+    entry = await broker.upsert_cron_entry(spec)
+    assert (entry.task.payload, entry.task.headers) == (SECRET, {"h": "HEADER-MARK"})
+    stored = (await inner.get_cron_entry(spec.name)).task
+    assert stored.payload.startswith(BINARY_PREFIX)
+    assert SECRET not in stored.payload
+    assert stored.headers["h"].startswith("enc:v1:")
+    subject = template_subject(spec.name)
+    assert keyring.open_bytes(subject, PAYLOAD, stored.payload) == SECRET
+    for read in (await broker.get_cron_entry(spec.name), (await broker.list_cron_entries())[0]):
+        assert (read.task.payload, read.task.headers) == (SECRET, {"h": "HEADER-MARK"})
+
+    slot = _slot(clock)
+    assert entry.next_run_at is not None
+    fired = await broker.fire_cron_entry(spec.name, entry.next_run_at, None, slot)
+    assert fired.task is not None
+    assert fired.task.created
+    assert fired.task.task.payload == SECRET
+    triggered = (await broker.trigger_cron_entry(spec.name)).task
+    for task in (fired.task.task, triggered):
+        raw = await inner.get_task(task.id)
+        assert SECRET not in raw.payload
+        # Sealed to the task's own id, like any task: not to the entry.
+        assert keyring.open_bytes(task.id, PAYLOAD, raw.payload) == SECRET
+        with pytest.raises(DecryptionError):
+            keyring.open_bytes(subject, PAYLOAD, raw.payload)
+        assert all(value.startswith("enc:v1:") for value in raw.headers.values())
+        assert (await broker.get_task(task.id)).headers["h"] == "HEADER-MARK"
+    leased = await broker.lease("reports", 10, TTL)
+    assert sorted(t.payload for t in leased) == [SECRET, SECRET]
+
+
+async def test_a_template_moved_to_another_entry_does_not_open(
+    broker: EncryptedBroker, inner: MemoryBroker
+) -> None:
+    await broker.upsert_cron_entry(cron_spec("a", task=template(payload=SECRET)))
+    await broker.upsert_cron_entry(cron_spec("b", task=template(payload=b"other")))
+    moved = (await inner.get_cron_entry("a")).task
+    inner._cron_entries["b"] = replace(inner._cron_entries["b"], task=moved)
+    with pytest.raises(DecryptionError, match="does not decrypt"):
+        await broker.get_cron_entry("b")
+    assert (await broker.get_cron_entry("a")).task.payload == SECRET
+
+
+async def test_a_template_under_a_missing_key_fails_its_tasks_not_the_schedule(
+    inner: MemoryBroker, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    k1, k2 = os.urandom(32), os.urandom(32)
+    before = EncryptedBroker(inner, ring("k1", k1=k1))
+    await before.upsert_cron_entry(cron_spec(task=template(payload=SECRET)))
+    after = EncryptedBroker(inner, ring("k2", k2=k2))
+    with pytest.raises(DecryptionError, match="'k1'"):
+        await after.get_cron_entry(NAME)
+    with caplog.at_level(logging.WARNING, logger="conveyor_broker.encrypted"):
+        (listed,) = await after.list_cron_entries()
+    assert listed.task.payload == b""
+    assert "key_id=k1" in caplog.text
+    # The schedule goes on: the slot fires, and its task fails at its lease naming the key.
+    assert listed.next_run_at is not None
+    slot = _slot(clock)
+    fired = await after.fire_cron_entry(NAME, listed.next_run_at, slot + timedelta(days=1), slot)
+    assert fired.applied
+    assert fired.task is not None
+    assert await after.lease("reports", 10, TTL) == []
+    failed = await inner.get_task(fired.task.task.id)
+    assert failed.state == TaskState.RETRY
+    assert failed.last_error is not None
+    error = after.keyring.open_text(failed.id, LAST_ERROR, failed.last_error)
+    assert "cannot decrypt the task" in error
+    assert "'k1'" in error

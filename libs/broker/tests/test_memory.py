@@ -9,7 +9,7 @@ from conveyor_broker.encrypted import EncryptedBroker
 from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.keyring import Keyring
 from conveyor_broker.memory import MemoryBroker
-from conveyor_broker.testing import BrokerConformance, BrokerConformanceWithoutCron, FakeClock
+from conveyor_broker.testing import BrokerConformance, FakeClock
 from conveyor_broker.types import NewTask
 
 
@@ -23,7 +23,7 @@ class TestMemoryBroker(BrokerConformance):
         return MemoryBroker(clock)
 
 
-class TestEncryptedMemoryBroker(BrokerConformanceWithoutCron):
+class TestEncryptedMemoryBroker(BrokerConformance):
     """The encrypted broker passes the same suite around the memory broker."""
 
     @pytest.fixture

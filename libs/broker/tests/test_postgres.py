@@ -17,7 +17,7 @@ from conveyor_broker import InvalidTask, NewTask
 from conveyor_broker.encrypted import EncryptedBroker
 from conveyor_broker.keyring import Keyring
 from conveyor_broker.postgres import PostgresBroker
-from conveyor_broker.testing import BrokerConformance, BrokerConformanceWithoutCron, FakeClock
+from conveyor_broker.testing import BrokerConformance, FakeClock
 from conveyor_broker.testing.schemas import DATA_TABLES, migrated_schema
 
 pytestmark = pytest.mark.postgres
@@ -72,7 +72,7 @@ class TestPostgresBroker(BrokerConformance):
         assert (await broker._enqueue_batch([good]))[0].created
 
 
-class TestEncryptedPostgresBroker(BrokerConformanceWithoutCron):
+class TestEncryptedPostgresBroker(BrokerConformance):
     """The encrypted broker passes the same suite around the Postgres broker."""
 
     @pytest.fixture

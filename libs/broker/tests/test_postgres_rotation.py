@@ -31,6 +31,7 @@ from conveyor_broker.postgres.rotation import (
     key_status,
     rotate,
 )
+from conveyor_broker.testing.cron import cron_spec, template
 from conveyor_broker.testing.schemas import scratch_schema
 from conveyor_broker.types import LEASE_EXPIRED_ERROR, LeaseReapParams
 
@@ -201,3 +202,41 @@ async def test_a_stopped_rotation_goes_on_where_it_stopped(
     rest = await rotate(conn, AFTER, batch_size=10)
     assert (rest.total, rest.tasks, rest.scanned) == (30, 30, 30)  # the rest, only
     assert (await key_status(conn)).task_values() == {"new": 50}
+
+
+async def test_cron_templates_are_rotated_and_counted(
+    store: PostgresBroker, conn: asyncpg.Connection[asyncpg.Record]
+) -> None:
+    old = EncryptedBroker(store, BEFORE)
+    spec = cron_spec(task=template(payload=b"template", headers={"h": "v"}))
+    written = await old.upsert_cron_entry(spec)
+    # One stored in clear, before encryption: sealed on the way.
+    await store.upsert_cron_entry(cron_spec("legacy", task=template(payload=b"clear")))
+    before = await key_status(conn)
+    counts = {(c.field, c.key_id): c.count for c in before.counts}
+    assert counts[("cron_payload", "old")] == 1
+    assert counts[("cron_header", "old")] == 1
+    assert counts[("cron_payload", None)] == 1
+
+    done = await rotate(conn, AFTER)
+    assert done.complete
+    assert (done.tasks, done.entries, done.values) == (0, 2, 3)
+    assert (await key_status(conn)).task_values() == {"new": 3}
+    reader = EncryptedBroker(store, ONLY_NEW)
+    entry = await reader.get_cron_entry(spec.name)
+    assert (entry.task.payload, entry.task.headers) == (b"template", {"h": "v"})
+    assert entry.updated_at == written.updated_at  # upkeep, not a change of the entry
+    assert (await reader.get_cron_entry("legacy")).task.payload == b"clear"
+    again = await rotate(conn, AFTER)
+    assert (again.entries, again.values) == (0, 0)
+
+
+async def test_a_cron_template_under_a_missing_key_is_kept_and_counted(
+    store: PostgresBroker, conn: asyncpg.Connection[asyncpg.Record]
+) -> None:
+    gone = EncryptedBroker(store, Keyring({"gone": GONE}, "gone"))
+    await gone.upsert_cron_entry(cron_spec(task=template(payload=b"x")))
+    done = await rotate(conn, AFTER)
+    assert done.unreadable == {"gone": 1}
+    assert not done.complete
+    assert (await key_status(conn)).task_values() == {"gone": 1}

@@ -7,6 +7,9 @@ every **header value**, the **result**, the **progress** and the **last error**,
 the envelope of :mod:`conveyor_broker.keyring` (AES-256-GCM, a random nonce, the task id
 and the field bound as associated data, the key id in clear).
 
+A cron entry's task template (payload and header values) is sealed too, to the entry
+rather than to a task; each slot's task is sealed again to its own id as it is made.
+
 What the queries and the dispatcher work on stays clear: ids, queue, type, state, counters,
 every time, unique keys, groups, dependencies, header *names*, webhook registrations.
 Webhook signing secrets are not this class's: the api seals them with their own keys
@@ -48,7 +51,6 @@ from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 from conveyor_broker.backoff import Backoff
-from conveyor_broker.errors import NotSupported
 from conveyor_broker.ids import new_ids
 from conveyor_broker.interface import Broker, DependencySink, EventSink
 from conveyor_broker.keyring import (
@@ -59,6 +61,7 @@ from conveyor_broker.keyring import (
     RESULT,
     DecryptionError,
     Keyring,
+    template_subject,
 )
 from conveyor_broker.types import (
     AckItem,
@@ -91,7 +94,7 @@ from conveyor_broker.types import (
     WebhookWorkerSpec,
     listed_size,
 )
-from conveyor_broker.validation import clean_error
+from conveyor_broker.validation import check_new_task, clean_error
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +182,7 @@ class EncryptedBroker(Broker):
         fresh = inner.returns_fresh_tasks
         self._open_task = _opened_in_place if fresh else _opened
         self._give_back = _as_given_in_place if fresh else _as_given
+        inner.set_cron_task_hook(self._cron_slot_task)
 
     @property
     def inner(self) -> Broker:
@@ -563,30 +567,87 @@ class EncryptedBroker(Broker):
 
     # -------------------------------------------------------------------- cron
     #
-    # A cron entry's template holds a payload, and the inner broker copies it into each
-    # slot's task under an id it makes itself: a payload sealed to the entry would not
-    # open as the task's. Until the template is sealed per slot, cron is refused here
-    # rather than storing payloads in clear.
+    # A cron entry's template (payload and header values) is sealed to the entry
+    # (:func:`template_subject`), not to a task: each slot's task is made by the inner
+    # broker inside the transaction that reads the template, and the cron task hook set
+    # on it opens the template there, checks the plaintext and seals it again to the
+    # task's own id. So a slot's task is stored like any other task, and a template moved
+    # to another entry does not open.
 
-    _NO_CRON = "cron entries are not available with encryption at rest yet"
+    def _seal_template(self, name: str, task: NewTask) -> NewTask:
+        subject = template_subject(name)
+        return replace(
+            task,
+            payload=self._keyring.seal_bytes(subject, PAYLOAD, bytes(task.payload)),
+            headers=self._seal_headers(subject, task.headers),
+        )
+
+    def _open_template(self, name: str, task: NewTask) -> NewTask:
+        """``task`` (entry ``name``'s template, or a task made from it) opened. Raises
+        DecryptionError."""
+        keyring, subject = self._keyring, template_subject(name)
+        return replace(
+            task,
+            payload=keyring.open_bytes(subject, PAYLOAD, bytes(task.payload)),
+            headers={
+                header: keyring.open_text(subject, HEADER + header, value)
+                for header, value in task.headers.items()
+            },
+        )
+
+    def _open_entry(self, entry: CronEntry, *, strict: bool = False) -> CronEntry:
+        """``entry`` with its template opened. A template that does not open raises
+        DecryptionError when ``strict`` (a read of the entry); otherwise it comes back
+        with an empty payload and header values, and a warning is logged."""
+        try:
+            return replace(entry, task=self._open_template(entry.name, entry.task))
+        except DecryptionError as exc:
+            if strict:
+                raise
+            self._log_unreadable(exc)
+            return replace(
+                entry,
+                task=replace(
+                    entry.task, payload=b"", headers=dict.fromkeys(entry.task.headers, "")
+                ),
+            )
+
+    def _cron_slot_task(self, name: str, task: NewTask) -> NewTask:
+        """The inner broker's cron task hook: ``task`` (made from entry ``name``'s sealed
+        template) opened, checked, and sealed to its own id. A template that does not open
+        is stored as it is, so the task fails at its lease with an error naming the key
+        (like any task that does not decrypt) and the schedule goes on."""
+        assert task.id is not None  # a slot's id, or a trigger's fresh one
+        try:
+            plain = self._open_template(name, task)
+        except DecryptionError as exc:
+            self._log_unreadable(exc)
+            return task
+        check_new_task(plain, max_payload=self._max_payload)
+        return self._seal_new(plain, task.id)
 
     async def _upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
-        raise NotSupported(self._NO_CRON)
+        sealed = replace(spec, task=self._seal_template(spec.name, spec.task))
+        return self._open_entry(await self._inner._upsert_cron_entry(sealed))
 
     async def _get_cron_entry(self, name: str) -> CronEntry:
-        raise NotSupported(self._NO_CRON)
+        return self._open_entry(await self._inner._get_cron_entry(name), strict=True)
 
     async def _list_cron_entries(self) -> list[CronEntry]:
-        return []
+        return [self._open_entry(entry) for entry in await self._inner._list_cron_entries()]
 
     async def _list_due_cron_entries(self, limit: int) -> list[CronEntry]:
-        return []
+        due = await self._inner._list_due_cron_entries(limit)
+        return [self._open_entry(entry) for entry in due]
 
     async def _set_cron_paused(self, name: str, paused: bool) -> CronEntry:
-        raise NotSupported(self._NO_CRON)
+        return self._open_entry(await self._inner._set_cron_paused(name, paused))
 
     async def _delete_cron_entry(self, name: str) -> None:
-        raise NotSupported(self._NO_CRON)
+        await self._inner._delete_cron_entry(name)
+
+    def _opened_result(self, result: EnqueueResult) -> EnqueueResult:
+        return EnqueueResult(self._open_committed(result.task), result.created)
 
     async def _fire_cron_entry(
         self,
@@ -595,10 +656,15 @@ class EncryptedBroker(Broker):
         next_run_at: datetime | None,
         slot: datetime | None,
     ) -> CronFired:
-        raise NotSupported(self._NO_CRON)
+        fired = await self._inner._fire_cron_entry(name, expected, next_run_at, slot)
+        return CronFired(
+            applied=fired.applied,
+            entry=None if fired.entry is None else self._open_entry(fired.entry),
+            task=None if fired.task is None else self._opened_result(fired.task),
+        )
 
     async def _trigger_cron_entry(self, name: str) -> EnqueueResult:
-        raise NotSupported(self._NO_CRON)
+        return self._opened_result(await self._inner._trigger_cron_entry(name))
 
     # ------------------------------------------------------------------ groups
 

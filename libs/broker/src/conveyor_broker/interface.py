@@ -114,6 +114,7 @@ from conveyor_broker.validation import (
     check_lease_wants,
     check_limit,
     check_name_cursor,
+    check_new_task,
     check_not_negative,
     check_queue,
     check_stored_secrets,
@@ -130,6 +131,9 @@ EventSink = Callable[[TaskEvent], None]
 #: Called after a commit that left dependency work (see the module docstring). Must not
 #: block.
 DependencySink = Callable[[Resolution], None]
+#: Makes the task a cron entry creates (entry name, task from the stored template): see
+#: :meth:`Broker._cron_task`.
+CronTaskHook = Callable[[str, NewTask], NewTask]
 
 #: Most tasks one EnqueueBatch may carry.
 MAX_BATCH = 1000
@@ -183,6 +187,7 @@ class Broker(abc.ABC):
         self._closed = False
         self._sink: EventSink | None = None
         self._dependency_sink: DependencySink | None = None
+        self._cron_task_hook: CronTaskHook | None = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -958,6 +963,26 @@ class Broker(abc.ABC):
     def _cron_resumed(self, entry: CronEntry, now: datetime) -> datetime | None:
         """The ``next_run_at`` of ``entry`` resumed at ``now``; for implementations."""
         return CronSchedule.parse(entry.schedule, entry.timezone).next_after(now)
+
+    def _cron_task(self, name: str, task: NewTask) -> NewTask:
+        """The task entry ``name`` creates (a slot's or a trigger's), made from its template
+        as stored, checked and in the form it is stored in; for implementations, called
+        inside the transaction that reads the template. Raises InvalidTask when the
+        template no longer makes a valid task (a lowered payload limit).
+
+        The cron task hook (:meth:`set_cron_task_hook`) of a broker that wraps this one
+        does both: the encrypted broker opens a template sealed to its entry, checks the
+        plaintext and seals it again to the task's own id."""
+        hook = self._cron_task_hook
+        if hook is not None:
+            return hook(name, task)
+        check_new_task(task, max_payload=self._max_payload)
+        return task
+
+    def set_cron_task_hook(self, hook: CronTaskHook | None) -> None:
+        """Make the tasks of cron entries with ``hook`` (see :meth:`_cron_task`); None:
+        as the template says."""
+        self._cron_task_hook = hook
 
     # --------------------------------------------------------------- lifecycle
 

@@ -19,7 +19,9 @@ associated data ``conveyor task v1 \\0 <field> \\0 <key id> \\0 <task id>``, whe
 ``field`` is ``payload``, ``progress``, ``result``, ``last_error`` or ``header:<name>``.
 So a sealed value opens only in its own field of its own task, under the key id it
 names: one copied to another task (or another field), or relabeled with another key id,
-does not open. Binary values (payload, progress, result) are bytes::
+does not open. A cron entry's task template is sealed the same way with
+``cron:<entry name>`` in the place of the task id (:func:`template_subject`; a task id
+never holds a colon), and each task made from it is sealed again to its own id. Binary values (payload, progress, result) are bytes::
 
     00 'C' 'V' 'E'   magic (4 bytes)
     01               envelope version
@@ -75,6 +77,13 @@ PROGRESS = "progress"
 RESULT = "result"
 LAST_ERROR = "last_error"
 HEADER = "header:"
+
+
+def template_subject(entry: str) -> str:
+    """What the template of cron entry ``entry`` is sealed to, where a task's values name
+    the task id: ``cron:<entry>`` (a task id never holds a colon, so the two never
+    meet)."""
+    return f"cron:{entry}"
 
 
 class KeyringError(ValueError):

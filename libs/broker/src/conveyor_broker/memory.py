@@ -81,7 +81,7 @@ from conveyor_broker.types import (
     listed_size,
     without_payloads,
 )
-from conveyor_broker.validation import MAX_PAYLOAD, check_new_task
+from conveyor_broker.validation import MAX_PAYLOAD
 
 _RESCHEDULABLE = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
 _RUNNABLE_NOW = _RESCHEDULABLE | {TaskState.BLOCKED}
@@ -999,8 +999,7 @@ class MemoryBroker(Broker):
                 return CronFired(applied=False)
             result: EnqueueResult | None = None
             if slot is not None:
-                task = cron.slot_task(name, entry.task, slot)
-                check_new_task(task, max_payload=self._max_payload)
+                task = self._cron_task(name, cron.slot_task(name, entry.task, slot))
                 try:
                     result = self._store([task], now)[0]
                 except DuplicateTask:
@@ -1015,8 +1014,7 @@ class MemoryBroker(Broker):
 
     async def _trigger_cron_entry(self, name: str) -> EnqueueResult:
         async with self._locked() as now:
-            task = cron.triggered_task(name, self._cron(name).task, now)
-            check_new_task(task, max_payload=self._max_payload)
+            task = self._cron_task(name, cron.triggered_task(name, self._cron(name).task, now))
             return self._store([task], now)[0]
 
     # --------------------------------------------------------------- lifecycle

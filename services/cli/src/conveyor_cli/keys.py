@@ -157,7 +157,8 @@ def keys_status(dsn: str, as_json: bool) -> None:
 
 def _report(done: RotationProgress, primary: str) -> str:
     lines = [
-        f"re-encrypted {done.values} values in {done.tasks} tasks under key {primary!r} "
+        f"re-encrypted {done.values} values in {done.tasks} tasks "
+        f"and {done.entries} cron templates under key {primary!r} "
         f"({done.scanned} tasks looked at)"
     ]
     if done.unreadable:
@@ -238,6 +239,7 @@ def keys_rotate(dsn: str, batch_size: int, pause: float, as_json: bool) -> None:
             {
                 "primary": keyring.primary,
                 "tasks": done.tasks,
+                "cron_entries": done.entries,
                 "values": done.values,
                 "scanned": done.scanned,
                 "unreadable": done.unreadable,

@@ -165,7 +165,7 @@ from conveyor_broker.types import (
     WebhookWorker,
     WebhookWorkerSpec,
 )
-from conveyor_broker.validation import MAX_PAYLOAD, check_new_task
+from conveyor_broker.validation import MAX_PAYLOAD
 
 if TYPE_CHECKING:
     Pool = asyncpg.Pool[asyncpg.Record]
@@ -951,8 +951,7 @@ class PostgresBroker(Broker):
                 if entry.next_run_at != expected:
                     return CronFired(applied=False)
                 if slot is not None:
-                    task = cron.slot_task(name, entry.task, slot)
-                    check_new_task(task, max_payload=self._max_payload)
+                    task = self._cron_task(name, cron.slot_task(name, entry.task, slot))
                     try:
                         # In a savepoint of this transaction: the slot's task and the
                         # move of next_run_at commit together or not at all.
@@ -969,8 +968,7 @@ class PostgresBroker(Broker):
 
     async def _trigger_cron_entry(self, name: str) -> EnqueueResult:
         entry = await self._get_cron_entry(name)
-        task = cron.triggered_task(name, entry.task, self._clock.now())
-        check_new_task(task, max_payload=self._max_payload)
+        task = self._cron_task(name, cron.triggered_task(name, entry.task, self._clock.now()))
         return (await self._enqueue_batch([task]))[0]
 
     async def _enqueue_on(

@@ -1,7 +1,7 @@
 """Encryption key rotation and key status on the Postgres store.
 
-:func:`rotate` re-encrypts every stored value of every task under the keyring's primary
-key, while the services keep running: it walks the task table in id order, a batch at a
+:func:`rotate` re-encrypts every stored value of every task (and of every cron entry's
+task template) under the keyring's primary key, while the services keep running: it walks the task table in id order, a batch at a
 time, and rewrites a batch in one statement that applies to a task only while its values
 are still what were read (a compare and set on a digest of them), so a service's write
 in between is never overwritten; such a task is read again and tried again. Values in
@@ -35,6 +35,7 @@ from conveyor_broker.keyring import (
     RESULT,
     DecryptionError,
     Keyring,
+    template_subject,
 )
 from conveyor_broker.postgres.queries import rotation as queries
 from conveyor_broker.types import (
@@ -77,8 +78,11 @@ class RotationProgress:
     #: Values that could not be decrypted, by key id (the key is not configured, or not
     #: the one they were encrypted with): left as they are.
     unreadable: dict[str, int] = field(default_factory=dict)
-    #: Tasks that changed under every rewrite of this run: left for the next one.
+    #: Tasks (and cron entries) that changed under every rewrite of this run: left for
+    #: the next one.
     changed: int = 0
+    #: Cron entries whose task template was rewritten (its values are in ``values``).
+    entries: int = 0
 
     @property
     def complete(self) -> bool:
@@ -98,14 +102,15 @@ class KeyCount:
 @dataclass(frozen=True)
 class KeyStatus:
     """Stored values per field and key id. Fields: ``payload``, ``progress``, ``result``,
-    ``header``, ``last_error`` (a task's, sealed by the encrypted broker);
-    ``server_error`` (the broker's own error texts, in clear by design); ``secret``
+    ``header``, ``last_error`` (a task's, sealed by the encrypted broker); ``cron_payload``
+    and ``cron_header`` (a cron entry's task template, sealed by it too); ``server_error`` (the broker's own error texts, in clear by design); ``secret``
     (webhook signing secrets, sealed by the api under CONVEYOR_WEBHOOK_SECRET_KEY)."""
 
     counts: tuple[KeyCount, ...]
 
     def task_values(self) -> dict[str | None, int]:
-        """Task values per key id (None: in clear), the broker's own texts left out."""
+        """Values the encrypted broker sealed (tasks' and cron templates'), per key id
+        (None: in clear), the broker's own texts left out."""
         totals: dict[str | None, int] = {}
         for count in self.counts:
             if count.field not in ("secret", "server_error"):
@@ -150,54 +155,120 @@ class _Rewrite:
     values: int
 
 
+class _Resealer:
+    """Re-encrypts the values of one subject (a task id, or a cron template's subject)
+    under the primary key, counting the values it rewrites; a value that does not decrypt
+    is kept as it is and counted in ``unreadable``."""
+
+    def __init__(self, keyring: Keyring, subject: str, unreadable: dict[str, int]) -> None:
+        self._keyring = keyring
+        self._subject = subject
+        self._unreadable = unreadable
+        self.values = 0
+
+    def _kept(self, exc: DecryptionError) -> None:
+        self._unreadable[exc.key_id] = self._unreadable.get(exc.key_id, 0) + 1
+
+    def binary(self, field_name: str, stored: bytes | None) -> bytes | None:
+        keyring = self._keyring
+        if stored is None or not keyring.needs_rotation_bytes(stored):
+            return stored
+        try:
+            plain = keyring.open_bytes(self._subject, field_name, stored)
+        except DecryptionError as exc:
+            self._kept(exc)
+            return stored
+        self.values += 1
+        return keyring.seal_bytes(self._subject, field_name, plain)
+
+    def text(self, field_name: str, stored: str) -> str:
+        keyring = self._keyring
+        if not keyring.needs_rotation_text(stored):
+            return stored
+        try:
+            plain = keyring.open_text(self._subject, field_name, stored)
+        except DecryptionError as exc:
+            self._kept(exc)
+            return stored
+        self.values += 1
+        return keyring.seal_text(self._subject, field_name, plain)
+
+    def headers(self, stored: str) -> str:
+        """A JSON object of header values (as stored), its values rewritten."""
+        headers: dict[str, str] = json.loads(stored)
+        return json.dumps(
+            {name: self.text(HEADER + name, value) for name, value in headers.items()},
+            separators=(",", ":"),
+        )
+
+
 def _reseal(keyring: Keyring, row: Any, unreadable: dict[str, int]) -> _Rewrite | None:
     """``row``'s values under the primary key (None when none changes). A value that does
     not decrypt is kept as it is and counted in ``unreadable``."""
     tid: str = row["id"]
-    values = 0
-
-    def binary(field_name: str, stored: bytes | None) -> bytes | None:
-        nonlocal values
-        if stored is None or not keyring.needs_rotation_bytes(stored):
-            return stored
-        try:
-            plain = keyring.open_bytes(tid, field_name, stored)
-        except DecryptionError as exc:
-            unreadable[exc.key_id] = unreadable.get(exc.key_id, 0) + 1
-            return stored
-        values += 1
-        return keyring.seal_bytes(tid, field_name, plain)
-
-    def text(field_name: str, stored: str) -> str:
-        nonlocal values
-        if not keyring.needs_rotation_text(stored):
-            return stored
-        try:
-            plain = keyring.open_text(tid, field_name, stored)
-        except DecryptionError as exc:
-            unreadable[exc.key_id] = unreadable.get(exc.key_id, 0) + 1
-            return stored
-        values += 1
-        return keyring.seal_text(tid, field_name, plain)
-
-    payload = binary(PAYLOAD, row["payload"])
+    reseal = _Resealer(keyring, tid, unreadable)
+    payload = reseal.binary(PAYLOAD, row["payload"])
     assert payload is not None
-    headers: dict[str, str] = json.loads(row["headers"])
-    headers = {name: text(HEADER + name, value) for name, value in headers.items()}
+    headers = reseal.headers(row["headers"])
     error: str | None = row["last_error"]
     if error is not None and error not in SERVER_ERRORS:
-        error = text(LAST_ERROR, error)
+        error = reseal.text(LAST_ERROR, error)
     rewrite = _Rewrite(
         id=tid,
         digest=row["digest"],
         payload=payload,
-        headers=json.dumps(headers, separators=(",", ":")),
-        progress=binary(PROGRESS, row["progress"]),
-        result=binary(RESULT, row["result"]),
+        headers=headers,
+        progress=reseal.binary(PROGRESS, row["progress"]),
+        result=reseal.binary(RESULT, row["result"]),
         last_error=error,
-        values=values,
+        values=reseal.values,
     )
-    return rewrite if values else None
+    return rewrite if reseal.values else None
+
+
+async def _rotate_cron_templates(
+    conn: Connection, keyring: Keyring, progress: RotationProgress
+) -> None:
+    """Re-encrypt the values of cron entries' task templates (sealed to their entry, see
+    :func:`conveyor_broker.keyring.template_subject`), compare and set as for tasks. There
+    are few entries: all of them at once."""
+    rows = list(await conn.fetch(queries.STALE_CRON_TEMPLATES, *_stale_args(keyring)[:2]))
+    unreadable: dict[str, dict[str, int]] = {}
+    for attempt in range(_ATTEMPTS):
+        rewrites: list[tuple[str, str, bytes, str, int]] = []
+        for row in rows:
+            found: dict[str, int] = {}
+            reseal = _Resealer(keyring, template_subject(row["name"]), found)
+            payload = reseal.binary(PAYLOAD, row["payload"])
+            assert payload is not None
+            headers = reseal.headers(row["headers"])
+            unreadable[row["name"]] = found
+            if reseal.values:
+                rewrites.append((row["name"], row["digest"], payload, headers, reseal.values))
+        written: set[str] = set()
+        if rewrites:
+            columns = list(zip(*rewrites, strict=True))
+            done = await conn.fetch(queries.REWRITE_CRON_TEMPLATES, *map(list, columns[:4]))
+            written = {row["name"] for row in done}
+        for name, _, _, _, values in rewrites:
+            if name in written:
+                progress.entries += 1
+                progress.values += values
+        left = {name for name, *_ in rewrites if name not in written}
+        if not left:
+            break
+        if attempt == _ATTEMPTS - 1:
+            progress.changed += len(left)
+            break
+        # Changed by an operator since it was read (or deleted): read it again.
+        rows = [
+            row
+            for row in await conn.fetch(queries.STALE_CRON_TEMPLATES, *_stale_args(keyring)[:2])
+            if row["name"] in left
+        ]
+    for found in unreadable.values():
+        for kid, n in found.items():
+            progress.unreadable[kid] = progress.unreadable.get(kid, 0) + n
 
 
 async def _apply(conn: Connection, rewrites: list[_Rewrite]) -> set[str]:
@@ -256,8 +327,9 @@ async def rotate(
     pause: float = 0.0,
     on_batch: Callable[[RotationProgress], None] | None = None,
 ) -> RotationProgress:
-    """Re-encrypt every stored task value under ``keyring``'s primary key (see the
-    module docstring), ``batch_size`` tasks per statement, waiting ``pause`` seconds
+    """Re-encrypt every stored task value, then every cron template's, under
+    ``keyring``'s primary key (see the module docstring), ``batch_size`` tasks per
+    statement, waiting ``pause`` seconds
     between batches (to leave the database to the services). ``on_batch`` is called with
     the progress so far once the work is counted, then after each batch. Returns the
     totals."""
@@ -271,6 +343,7 @@ async def rotate(
     while True:
         rows = list(await conn.fetch(queries.STALE_TASKS, *args, cursor, batch_size))
         if not rows:
+            await _rotate_cron_templates(conn, keyring, progress)
             return progress
         cursor = rows[-1]["id"]
         await _rewrite_batch(conn, keyring, rows, progress)

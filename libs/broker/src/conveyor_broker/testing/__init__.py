@@ -66,19 +66,4 @@ class BrokerConformance(
     ``clock`` and ``broker`` fixtures (see the module docstring)."""
 
 
-class BrokerConformanceWithoutCron(
-    EnqueueTests,
-    LeaseTests,
-    OutcomeTests,
-    SweepTests,
-    AdminTests,
-    EventTests,
-    WebhookTests,
-    GroupTests,
-):
-    """:class:`BrokerConformance` for a broker that refuses cron entries with
-    NotSupported (the encrypted broker, until a cron template's payload is sealed per
-    slot): every other behaviour, the same tests."""
-
-
-__all__ = ["BrokerConformance", "BrokerConformanceWithoutCron", "FakeClock"]
+__all__ = ["BrokerConformance", "FakeClock"]

@@ -21,7 +21,7 @@ _BINARY_STALE = "(substring({col} FROM 1 FOR octet_length($1::bytea)) <> $1::byt
 _TEXT_STALE = "(left({col}, length($2::text)) <> $2::text AND {col} <> ALL($3::text[]))"
 # ... and a header value ($2 its head).
 _HEADERS_STALE = (
-    "EXISTS (SELECT 1 FROM jsonb_each_text(t.headers) h "
+    "EXISTS (SELECT 1 FROM jsonb_each_text({col}) h "
     "WHERE left(h.value, length($2::text)) <> $2::text)"
 )
 #: A task with a value that a rotation must rewrite.
@@ -31,7 +31,7 @@ STALE = " OR ".join(
         f"(t.progress IS NOT NULL AND {_BINARY_STALE.format(col='t.progress')})",
         f"(t.result IS NOT NULL AND {_BINARY_STALE.format(col='t.result')})",
         f"(t.last_error IS NOT NULL AND {_TEXT_STALE.format(col='t.last_error')})",
-        f"(t.headers <> '{{}}'::jsonb AND {_HEADERS_STALE})",
+        f"(t.headers <> '{{}}'::jsonb AND {_HEADERS_STALE.format(col='t.headers')})",
     )
 )
 
@@ -76,6 +76,29 @@ WHERE t.id = u.id AND {_DIGEST} = u.digest
 RETURNING t.id
 """
 
+#: A digest of a cron template's values (compare and set, as for tasks).
+_CRON_DIGEST = "md5(ROW(c.payload, c.headers)::text)"
+
+#: The cron entries whose template has a value to rewrite ($1, $2 as above), by name.
+STALE_CRON_TEMPLATES = f"""
+SELECT c.name, c.payload, c.headers::text AS headers, {_CRON_DIGEST} AS digest
+FROM conveyor_cron_entries c
+WHERE (({_BINARY_STALE.format(col="c.payload")})
+       OR (c.headers <> '{{}}'::jsonb AND {_HEADERS_STALE.format(col="c.headers")}))
+ORDER BY c.name
+"""
+
+#: Rewrite the templates of entries $1 whose digest is still $2: payloads $3, headers $4.
+#: Returns the names rewritten; ``updated_at`` stays (upkeep, not a change of the entry).
+REWRITE_CRON_TEMPLATES = f"""
+UPDATE conveyor_cron_entries c
+SET payload = u.payload, headers = u.headers
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::jsonb[])
+    AS u(name, digest, payload, headers)
+WHERE c.name = u.name AND {_CRON_DIGEST} = u.digest
+RETURNING c.name
+"""
+
 _BINARY_KEY = (
     "CASE WHEN substring({col} FROM 1 FOR 5) = $1::bytea AND octet_length({col}) > 6 "
     "THEN convert_from(substring({col} FROM 7 FOR get_byte({col}, 5)), 'UTF8') END"
@@ -84,7 +107,8 @@ _TEXT_KEY = f"CASE WHEN left({{col}}, {len(TEXT_PREFIX)}) = '{TEXT_PREFIX}' THEN
 
 #: Stored values per (field, key id): key id NULL for a value in clear; field
 #: ``server_error`` for the broker's own error texts ($2, left in clear). ``secret`` is a
-#: webhook secret (sealed by the api under its own keys). $1: the binary envelope prefix.
+#: webhook secret (sealed by the api under its own keys); ``cron_payload`` and
+#: ``cron_header`` the values of cron entries' task templates. $1: the binary envelope prefix.
 KEY_STATUS = f"""
 SELECT field, key_id, count(*) AS n FROM (
     SELECT 'payload' AS field, {_BINARY_KEY.format(col="t.payload")} AS key_id
@@ -102,6 +126,12 @@ SELECT field, key_id, count(*) AS n FROM (
   UNION ALL
     SELECT 'header', {_TEXT_KEY.format(col="h.value")}
     FROM conveyor_tasks t, jsonb_each_text(t.headers) h
+  UNION ALL
+    SELECT 'cron_payload', {_BINARY_KEY.format(col="c.payload")}
+    FROM conveyor_cron_entries c
+  UNION ALL
+    SELECT 'cron_header', {_TEXT_KEY.format(col="h.value")}
+    FROM conveyor_cron_entries c, jsonb_each_text(c.headers) h
   UNION ALL
     SELECT 'secret', {_TEXT_KEY.format(col="s.value")}
     FROM conveyor_webhook_workers w, unnest(w.secrets) AS s(value)
