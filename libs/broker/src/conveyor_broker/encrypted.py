@@ -321,7 +321,10 @@ class EncryptedBroker(Broker):
                 )
             else:
                 stored = seen[id(stored)] = self._open_committed(stored)
-            opened.append(EnqueueResult(stored, result.created))
+            # Opened in place, the inner broker's result already holds the plaintext task.
+            opened.append(
+                result if stored is result.task else EnqueueResult(stored, result.created)
+            )
         return opened
 
     # -------------------------------------------------------------------- lease
