@@ -493,3 +493,28 @@ async def test_a_bucket_nats_refuses_is_a_clear_error_at_start(nc: NatsClient) -
     # Three replicas on a single server: a configuration error, not something to wait out.
     with pytest.raises(BucketError, match=r"replicas > 1 not supported.*CONVEYOR_NATS_REPLICAS"):
         await open_lease_bucket(nc, f"r3_{uuid.uuid4().hex[:8]}", ttl=5, replicas=3)
+
+
+async def test_a_write_nobody_answered_on_a_bucket_that_exists_creates_nothing(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    # A replicated bucket between two leaders answers a write with "no responders",
+    # the same as a bucket whose stream is gone: the stream is asked before it is made.
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=30)
+
+    async def unanswered(_kv: nats.js.kv.KeyValue) -> int:
+        raise nats.js.errors.NoStreamResponseError()
+
+    with pytest.raises(nats.js.errors.NoStreamResponseError):
+        await kv.call(unanswered)
+    assert kv.recreated == 0
+    assert await KeyLease(kv, "reaper", "node-a").claim()
+
+
+async def test_a_write_nobody_answered_on_a_deleted_bucket_makes_it_again(
+    nc: NatsClient, subjects: Subjects
+) -> None:
+    kv = await open_lease_bucket(nc, subjects.owners_bucket, ttl=30)
+    await nc.jetstream().delete_key_value(subjects.owners_bucket)
+    assert await KeyLease(kv, "reaper", "node-a").claim()
+    assert kv.recreated == 1

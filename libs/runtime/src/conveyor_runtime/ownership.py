@@ -200,6 +200,10 @@ class LeaseBucket:
                 return self._kv  # another call created it again meanwhile
             if time.monotonic() - self._last_attempt < RECREATE_GAP:
                 raise exc
+            if isinstance(exc, nats.js.errors.NoStreamResponseError) and await self._stream_there():
+                # Nobody answered a write, yet the stream is there: a replicated
+                # bucket between two leaders. The caller tries again; nothing to create.
+                raise exc
             if not self._create_failing:
                 logger.warning("ownership.bucket_missing bucket=%s error=%r", self.name, exc)
             self._last_attempt = time.monotonic()
@@ -219,6 +223,17 @@ class LeaseBucket:
             self.recreated += 1
             logger.info("ownership.bucket_recreated bucket=%s", self.name)
             return self._kv
+
+    async def _stream_there(self) -> bool:
+        """True unless NATS says the bucket's stream does not exist: a write that no one
+        answered means a missing stream on a single node, but only a stream between two
+        leaders in a cluster. No answer to the question counts as "there" (the caller
+        tries again, and asks again)."""
+        try:
+            await self._js.stream_info(KV_STREAM_TEMPLATE.format(bucket=self.name))
+        except Exception as exc:
+            return not bucket_missing(exc)
+        return True
 
     async def call(self, op: Callable[[KeyValue], Awaitable[T]]) -> T:
         """``op`` on the bucket, which is created again (once) when ``op`` finds it gone."""
