@@ -44,6 +44,8 @@ from conveyor_broker.types import (
     NewTask,
     OnFailure,
     QueueStats,
+    RateGrant,
+    RateLimit,
     ReapedTask,
     ReleasedTask,
     Resolution,
@@ -334,6 +336,14 @@ class Op:
                 )
             case "group_delete":
                 return await b.delete_group_config(a[0], a[1])
+            case "rate_set":
+                return await b.set_rate_limit(RateLimit(a[0], a[1], a[2]))
+            case "rate_delete":
+                return await b.delete_rate_limit(a[0])
+            case "rate_take":
+                return await b.take_rate_tokens(a[0], a[1])
+            case "rate_return":
+                return await b.return_rate_tokens(a[0], a[1])
             case "lease_group":
                 leased = await b.lease_group(a[0], "g", a[1], timedelta(seconds=a[2]))
                 side.leases.update((t.id, t.lease_id or "") for t in leased)
@@ -448,6 +458,10 @@ _ARGS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     ),
     "group_delete": st.tuples(queues, st.sampled_from(["*", "g"])),
     "lease_group": st.tuples(queues, limits, st.integers(5, 60)),
+    "rate_set": st.tuples(queues, st.sampled_from([0.5, 2.0, 40.0]), st.integers(1, 4)),
+    "rate_delete": st.tuples(queues),
+    "rate_take": st.tuples(queues, st.integers(1, 5)),
+    "rate_return": st.tuples(queues, st.integers(1, 3)),
     "cron_upsert": st.tuples(st.lists(crons, min_size=1, max_size=3).map(tuple)),
     "cron_pause": st.tuples(cron_names, st.booleans()),
     "cron_delete": st.tuples(cron_names),
@@ -469,6 +483,7 @@ _KINDS = [
     "cron_upsert",
     "cron_fire",
     "lease_group",
+    "rate_take",
     *_ARGS,
 ]
 operations = st.sampled_from(_KINDS).flatmap(
@@ -503,7 +518,7 @@ def _normal(value: Any) -> Any:
         return replace(value, task=replace(value.task, headers=dict(value.task.headers)))
     if isinstance(value, CronFired):
         return (value.applied, _normal(value.entry), _normal(value.task))
-    if isinstance(value, GroupConfig | GroupStats | DueGroup):
+    if isinstance(value, GroupConfig | GroupStats | DueGroup | RateLimit | RateGrant):
         return value
     if isinstance(value, ReapedTask | ReleasedTask | datetime | dict | int | bool) or value is None:
         return value
@@ -539,6 +554,7 @@ async def _snapshot(broker: Broker) -> tuple[Any, ...]:
         await broker.list_group_configs(),
         await broker.group_stats(),
         await broker.due_groups(),
+        await broker.list_rate_limits(),
         edges,
     )
 

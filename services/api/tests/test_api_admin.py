@@ -149,11 +149,13 @@ async def test_errors_map_to_status_codes(
         grpc.StatusCode.INVALID_ARGUMENT,
     )
     details = await expect_code(
-        admin.SetRateLimit,
-        service_pb2.SetRateLimitRequest(limit=service_pb2.RateLimit(queue="q", per_second=1)),
+        admin.SetConcurrencyLimit,
+        service_pb2.SetConcurrencyLimitRequest(
+            limit=service_pb2.ConcurrencyLimit(queue="q", per_key=1)
+        ),
         grpc.StatusCode.UNIMPLEMENTED,
     )
-    assert "SetRateLimit" in details
+    assert "SetConcurrencyLimit" in details
     assert (await broker.get_task(pending.id)).state is TaskState.PENDING
 
 

@@ -20,7 +20,7 @@ from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.polling import wait_until
-from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch
+from conveyor_testkit.stream import MakeApi, Recorder, WorkerStream, dispatch, refused
 
 TTL = timedelta(seconds=30)
 
@@ -62,12 +62,6 @@ async def channel(secured: ApiServer) -> AsyncIterator[grpc.aio.Channel]:
 def stub(channel: grpc.aio.Channel, service: str) -> Any:
     cls: Any = getattr(service_pb2_grpc, f"{service}Stub")
     return cls(channel)
-
-
-async def refused(call: Any, request: Any, **kwargs: Any) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call(request, **kwargs)
-    return info.value.code(), info.value.details() or ""
 
 
 async def unary_status(

@@ -14,7 +14,7 @@ from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus
 from conveyor_testkit.brokers import CountingBroker
-from conveyor_testkit.stream import Recorder
+from conveyor_testkit.stream import Recorder, refused
 from google.protobuf.duration_pb2 import Duration
 
 START = datetime(2030, 1, 1, tzinfo=UTC)
@@ -29,12 +29,6 @@ async def upsert(admin: Any, message: service_pb2.CronEntry) -> service_pb2.Cron
     response = await admin.UpsertCronEntry(service_pb2.UpsertCronEntryRequest(entry=message))
     result: service_pb2.CronEntry = response.entry
     return result
-
-
-async def refused(call: Any, request: Any) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call(request)
-    return info.value.code(), info.value.details() or ""
 
 
 async def test_upsert_get_list_and_delete(admin: Any, broker: CountingBroker) -> None:

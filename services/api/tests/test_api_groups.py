@@ -7,19 +7,13 @@ from datetime import timedelta
 from typing import Any
 
 import grpc
-import pytest
 from conveyor_broker import FakeClock, NewTask
 from conveyor_broker.types import DEFAULT_GROUP_CONFIG
 from conveyor_protos.v1 import service_pb2
 from conveyor_runtime import wire
 from conveyor_testkit.brokers import CountingBroker
+from conveyor_testkit.stream import refused
 from google.protobuf.duration_pb2 import Duration
-
-
-async def refused(call: Any, request: Any) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call(request)
-    return info.value.code(), info.value.details() or ""
 
 
 def config(**fields: Any) -> service_pb2.SetGroupConfigRequest:

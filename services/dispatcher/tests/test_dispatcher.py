@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import timedelta
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -22,9 +23,10 @@ from conveyor_broker.clock import FakeClock, SystemClock
 from conveyor_broker.interface import Broker
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.postgres import PostgresBroker, migrate
-from conveyor_broker.types import NewTask, TaskListParams, TaskState
+from conveyor_broker.types import NewTask, RateLimit, TaskListParams, TaskState
 from conveyor_dispatcher import Dispatcher
 from conveyor_dispatcher.peers import PeerWatch
+from conveyor_dispatcher.queue import QueueDispatcher
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.embedded_nats import EmbeddedNats
@@ -1149,3 +1151,121 @@ async def test_after_a_nats_outage_the_dispatcher_claims_queues_with_due_work_un
         await d.stop()
         await close_nats(gw_nc, drain=False)
         await close_nats(d_nc, drain=False)
+
+
+async def _control(nc: NatsClient, subjects: Subjects, queue: str) -> None:
+    await Bus(nc, subjects, cluster_auth()).publish(
+        cluster_pb2.Control(queue=queue, reason="rate_limit")
+    )
+    await nc.flush()
+
+
+async def _served(
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    nc: NatsClient,
+    subjects: Subjects,
+    queue: str,
+    **gateway: Any,
+) -> tuple[FakeGateway, QueueDispatcher]:
+    """A dispatcher owning ``queue``, served by a started FakeGateway (``gateway``: its
+    options); the gateway and the queue's dispatcher."""
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue, **gateway)
+    await gw.start()
+    await wait_until(lambda: (qd := d.queue(queue)) is not None and gw.id in qd.book)
+    qd = d.queue(queue)
+    assert qd is not None
+    return gw, qd
+
+
+async def test_a_rate_limited_queue_leases_no_more_than_its_tokens(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    clock: FakeClock,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    # The broker's bucket refills on the (fake) clock: nothing more goes out until the
+    # test moves it, however often the dispatcher's timer comes back for the next token.
+    await broker.set_rate_limit(RateLimit(queue_name, 2.0, 3))
+    gw, qd = await _served(dispatchers, nc, subjects, queue_name, capacity=50)
+    assert qd.rate_limit == RateLimit(queue_name, 2.0, 3)
+
+    await enqueue(broker, queue_name, 20)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 3 and not qd.cycling)
+    # Half a second of (fake) time: one token, at 2 a second.
+    clock.advance(timedelta(milliseconds=500))
+    await wait_until(lambda: len(gw.received) == 4, within=TIMEOUT)
+    clock.advance(timedelta(seconds=10))  # a long spell fills the bucket to its burst only
+    await wait_until(lambda: len(gw.received) == 7, within=TIMEOUT)
+    assert await count(broker, queue_name, TaskState.ACTIVE) == 7
+    assert await count(broker, queue_name, TaskState.PENDING) == 13
+
+
+async def test_tokens_a_lease_did_not_use_go_back_to_the_bucket(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    await broker.set_rate_limit(RateLimit(queue_name, 1.0, 10))
+    gw, qd = await _served(dispatchers, nc, subjects, queue_name, capacity=20, accept=1)
+    await enqueue(broker, queue_name, 3)
+    await wake(nc, subjects, queue_name)
+    # It asked for 10 tokens, leased 3, and the gateway took 1: 9 went back.
+    await wait_until(lambda: len(gw.received) == 1 and not qd.cycling)
+    assert await count(broker, queue_name, TaskState.PENDING) == 2
+    assert (await broker.take_rate_tokens(queue_name, 100)).granted == 9
+
+
+async def test_a_changed_rate_limit_reaches_the_owner_at_once(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    await broker.set_rate_limit(RateLimit(queue_name, 0.001, 1))
+    gw, qd = await _served(dispatchers, nc, subjects, queue_name, capacity=50)
+    await enqueue(broker, queue_name, 5)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 1 and not qd.cycling)
+    # The next token is 1,000 s away; removing the limit lets the rest go now.
+    await broker.delete_rate_limit(queue_name)
+    await _control(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 5)
+    assert qd.rate_limit is None
+
+
+async def test_a_new_owner_spends_the_same_bucket_not_a_fresh_burst(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    clock: FakeClock,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    await broker.set_rate_limit(RateLimit(queue_name, 1.0, 4))
+    first = await dispatchers(owner_ttl=60.0)
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=50)
+    await gw.start()
+    await wait_until(lambda: queue_name in first.owned)
+    await enqueue(broker, queue_name, 20)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 4)
+
+    second = await dispatchers(owner_ttl=60.0)
+    await first.stop()
+    await wait_until(lambda: (qd := second.queue(queue_name)) is not None and gw.id in qd.book)
+    qd = second.queue(queue_name)
+    assert qd is not None
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: qd.wakes > 0 and not qd.cycling)
+    assert len(gw.received) == 4  # the bucket is empty for the new owner too
+    clock.advance(timedelta(seconds=2))
+    await wait_until(lambda: len(gw.received) == 6, within=TIMEOUT)
+    assert {r.dispatcher for r in gw.requests[-1:]} == {second.instance_id}
+    assert await count(broker, queue_name, TaskState.ACTIVE) == 6

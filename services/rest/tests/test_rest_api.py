@@ -181,11 +181,30 @@ async def test_cron_webhooks_and_seams(rest: httpx.AsyncClient) -> None:
     assert (await rest.get("/v1/webhooks")).json() == {"workers": []}
     assert (await rest.get("/v1/webhooks/nobody")).status_code == 404
     assert (await rest.get("/v1/cluster")).status_code == 200
-    for path in ("/v1/limits/rate", "/v1/limits/concurrency", "/v1/groups"):
+    for path in ("/v1/limits/concurrency", "/v1/groups"):
         answer = await rest.get(path)
         assert answer.status_code in (200, 501), answer.text
         if answer.status_code == 501:
             assert answer.json()["code"] == "UNIMPLEMENTED"
+
+
+async def test_rate_limits(rest: httpx.AsyncClient) -> None:
+    put = await rest.put("/v1/limits/rate/calls", json={"perSecond": 50, "burst": 5})
+    assert put.status_code == 200, put.text
+    assert put.json()["limit"] == {"queue": "calls", "perSecond": 50.0, "burst": 5}
+    default = await rest.put("/v1/limits/rate/slow", json={"perSecond": 0.5})
+    assert default.json()["limit"]["burst"] == 1
+    listed = (await rest.get("/v1/limits/rate")).json()["limits"]
+    assert [limit["queue"] for limit in listed] == ["calls", "slow"]
+    bad = await rest.put("/v1/limits/rate/calls", json={"perSecond": -1})
+    assert bad.status_code == 400
+    assert bad.json()["code"] == "INVALID_ARGUMENT"
+    assert "per_second" in bad.json()["detail"]
+    assert (await rest.get("/v1/limits/rate")).json()["limits"][0]["perSecond"] == 50.0
+    assert (await rest.delete("/v1/limits/rate/calls")).status_code == 200
+    gone = await rest.delete("/v1/limits/rate/calls")
+    assert gone.status_code == 404
+    assert gone.json()["code"] == "NOT_FOUND"
 
 
 async def test_producer_gets_its_task(rest_auth: httpx.AsyncClient) -> None:

@@ -80,6 +80,8 @@ from conveyor_broker.types import (
     NewTask,
     QueuePage,
     QueueStats,
+    RateGrant,
+    RateLimit,
     ReapedTask,
     ReleasedTask,
     Resolution,
@@ -678,6 +680,26 @@ class EncryptedBroker(Broker):
 
     async def _lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
         return await self._leased(await self._inner._lease_group(queue, group, limit, ttl))
+
+    # ------------------------------------------------------------- rate limits
+
+    async def _set_rate_limit(self, limit: RateLimit) -> RateLimit:
+        return await self._inner._set_rate_limit(limit)
+
+    async def _get_rate_limit(self, queue: str) -> RateLimit | None:
+        return await self._inner._get_rate_limit(queue)
+
+    async def _list_rate_limits(self) -> list[RateLimit]:
+        return await self._inner._list_rate_limits()
+
+    async def _delete_rate_limit(self, queue: str) -> None:
+        await self._inner._delete_rate_limit(queue)
+
+    async def _take_rate_tokens(self, queue: str, want: int) -> RateGrant:
+        return await self._inner._take_rate_tokens(queue, want)
+
+    async def _return_rate_tokens(self, queue: str, count: int) -> None:
+        await self._inner._return_rate_tokens(queue, count)
 
     async def close(self) -> None:
         """Close this broker and the inner one. Idempotent."""

@@ -88,6 +88,14 @@ class CronEntryNotFound(BrokerError, LookupError):
         self.name = name
 
 
+class RateLimitNotFound(BrokerError, LookupError):
+    """No rate limit is stored for this queue."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(f"no rate limit for queue {queue!r}")
+        self.queue = queue
+
+
 class GroupConfigNotFound(BrokerError, LookupError):
     """No group config is stored for this queue and pattern."""
 

@@ -84,6 +84,8 @@ from conveyor_broker.types import (
     NewTask,
     QueuePage,
     QueueStats,
+    RateGrant,
+    RateLimit,
     ReapedTask,
     ReleasedTask,
     Resolution,
@@ -117,6 +119,7 @@ from conveyor_broker.validation import (
     check_new_task,
     check_not_negative,
     check_queue,
+    check_rate_limit,
     check_stored_secrets,
     check_task_id,
     check_webhook_name,
@@ -853,6 +856,57 @@ class Broker(abc.ABC):
         check_lease_ttl(ttl)
         return await self._lease_group(queue, group, limit, ttl)
 
+    # -------------------------------------------------------------- rate limits
+
+    async def set_rate_limit(self, limit: RateLimit) -> RateLimit:
+        """Create or replace the rate limit of ``limit.queue``; return it as stored. A new
+        bucket starts full (``burst`` tokens); a replaced one keeps the tokens it holds
+        now, at most the new burst, so changing a limit never mints a fresh burst.
+        InvalidTask for bad input (:func:`conveyor_broker.validation.check_rate_limit`)."""
+        self._check_open()
+        check_rate_limit(limit)
+        return await self._set_rate_limit(
+            RateLimit(limit.queue, float(limit.per_second), limit.burst)
+        )
+
+    async def get_rate_limit(self, queue: str) -> RateLimit | None:
+        """The rate limit of ``queue``, or None when it has none."""
+        self._check_open()
+        check_queue(queue)
+        return await self._get_rate_limit(queue)
+
+    async def list_rate_limits(self) -> list[RateLimit]:
+        """Every stored rate limit, by queue (code point order)."""
+        self._check_open()
+        return await self._list_rate_limits()
+
+    async def delete_rate_limit(self, queue: str) -> None:
+        """Delete the rate limit of ``queue`` (its tasks flow unlimited again). Raises
+        RateLimitNotFound."""
+        self._check_open()
+        check_queue(queue)
+        await self._delete_rate_limit(queue)
+
+    async def take_rate_tokens(self, queue: str, want: int) -> RateGrant:
+        """Spend up to ``want`` (1..MAX_BATCH) whole tokens of ``queue``'s bucket, refilled
+        to now first (:mod:`conveyor_broker.rates`), atomically: concurrent callers (two
+        dispatchers during a failover) never spend the same token. A queue with no limit
+        grants ``want``. When it grants fewer, the grant says how long until the next
+        token. The dispatcher takes tokens before it leases and gives back, with
+        :meth:`return_rate_tokens`, those it leased no task for."""
+        self._check_open()
+        check_queue(queue)
+        check_limit(want, upper=MAX_BATCH)
+        return await self._take_rate_tokens(queue, want)
+
+    async def return_rate_tokens(self, queue: str, count: int) -> None:
+        """Give ``count`` (1..MAX_BATCH) tokens taken with :meth:`take_rate_tokens` back to
+        ``queue``'s bucket (at most its burst); nothing when the queue has no limit."""
+        self._check_open()
+        check_queue(queue)
+        check_limit(count, upper=MAX_BATCH)
+        await self._return_rate_tokens(queue, count)
+
     # ------------------------------------------------------------- cron entries
 
     async def upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
@@ -1214,3 +1268,21 @@ class Broker(abc.ABC):
     async def _lease_group(
         self, queue: str, group: str, limit: int, ttl: timedelta
     ) -> list[Task]: ...
+
+    @abc.abstractmethod
+    async def _set_rate_limit(self, limit: RateLimit) -> RateLimit: ...
+
+    @abc.abstractmethod
+    async def _get_rate_limit(self, queue: str) -> RateLimit | None: ...
+
+    @abc.abstractmethod
+    async def _list_rate_limits(self) -> list[RateLimit]: ...
+
+    @abc.abstractmethod
+    async def _delete_rate_limit(self, queue: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _take_rate_tokens(self, queue: str, want: int) -> RateGrant: ...
+
+    @abc.abstractmethod
+    async def _return_rate_tokens(self, queue: str, count: int) -> None: ...

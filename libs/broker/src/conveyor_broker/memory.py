@@ -16,7 +16,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from types import MappingProxyType
 
-from conveyor_broker import cron, groups
+from conveyor_broker import cron, groups, rates
 from conveyor_broker.clock import Clock
 from conveyor_broker.dependencies import (
     BatchItem,
@@ -33,6 +33,7 @@ from conveyor_broker.errors import (
     GroupConfigNotFound,
     InvalidState,
     LeaseLost,
+    RateLimitNotFound,
     TaskNotFound,
     WebhookWorkerNotFound,
 )
@@ -66,6 +67,8 @@ from conveyor_broker.types import (
     NewTask,
     QueuePage,
     QueueStats,
+    RateGrant,
+    RateLimit,
     ReapedTask,
     ReleasedTask,
     Resolution,
@@ -108,6 +111,8 @@ class MemoryBroker(Broker):
         self._webhooks: dict[str, WebhookWorker] = {}
         self._cron_entries: dict[str, CronEntry] = {}
         self._group_configs: dict[tuple[str, str], GroupConfig] = {}
+        # Queue -> its rate limit, the tokens its bucket held and when.
+        self._rates: dict[str, tuple[RateLimit, float, datetime]] = {}
         # Holder -> its last beat.
         self._beats: dict[str, datetime] = {}
         # Dependency work the call holding the lock leaves for the sink (besides the ended
@@ -923,6 +928,58 @@ class MemoryBroker(Broker):
                 for task in heapq.nsmallest(limit, live, key=lambda t: (t.created_at, t.id))
             ]
 
+    # -------------------------------------------------------------- rate limits
+
+    def _bucket(self, queue: str, now: datetime) -> tuple[RateLimit, float] | None:
+        stored = self._rates.get(queue)
+        if stored is None:
+            return None
+        limit, tokens, at = stored
+        return limit, rates.refilled(limit, tokens, at, now)
+
+    def _keep(self, limit: RateLimit, tokens: float, now: datetime) -> None:
+        at = self._rates[limit.queue][2] if limit.queue in self._rates else now
+        # Time never runs backwards for a bucket (see conveyor_broker.rates).
+        self._rates[limit.queue] = (limit, tokens, max(at, now))
+
+    async def _set_rate_limit(self, limit: RateLimit) -> RateLimit:
+        async with self._locked() as now:
+            bucket = self._bucket(limit.queue, now)
+            tokens = float(limit.burst) if bucket is None else min(bucket[1], limit.burst)
+            self._keep(limit, tokens, now)
+            return limit
+
+    async def _get_rate_limit(self, queue: str) -> RateLimit | None:
+        async with self._locked():
+            stored = self._rates.get(queue)
+            return None if stored is None else stored[0]
+
+    async def _list_rate_limits(self) -> list[RateLimit]:
+        async with self._locked():
+            return [self._rates[queue][0] for queue in sorted(self._rates)]
+
+    async def _delete_rate_limit(self, queue: str) -> None:
+        async with self._locked():
+            if self._rates.pop(queue, None) is None:
+                raise RateLimitNotFound(queue)
+
+    async def _take_rate_tokens(self, queue: str, want: int) -> RateGrant:
+        async with self._locked() as now:
+            bucket = self._bucket(queue, now)
+            if bucket is None:
+                return RateGrant(want)
+            limit, tokens = bucket
+            grant, left = rates.take(limit, tokens, want)
+            self._keep(limit, left, now)
+            return grant
+
+    async def _return_rate_tokens(self, queue: str, count: int) -> None:
+        async with self._locked() as now:
+            bucket = self._bucket(queue, now)
+            if bucket is not None:
+                limit, tokens = bucket
+                self._keep(limit, min(float(limit.burst), tokens + count), now)
+
     # ------------------------------------------------------------- cron entries
 
     def _cron(self, name: str) -> CronEntry:
@@ -1028,6 +1085,7 @@ class MemoryBroker(Broker):
             self._webhooks = {}
             self._cron_entries = {}
             self._group_configs = {}
+            self._rates = {}
 
 
 def _promoted_state(task: Task, now: datetime) -> TaskState:

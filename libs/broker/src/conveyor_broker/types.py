@@ -540,6 +540,30 @@ class GroupConfig:
     grace_period: timedelta = DEFAULT_GROUP_GRACE_PERIOD
 
 
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """At most ``per_second`` tasks of ``queue`` leased per second on average, and at
+    most ``burst`` at once after a quiet spell: a token bucket of ``burst`` tokens that
+    gains ``per_second`` a second, one spent per leased task (see
+    :mod:`conveyor_broker.rates`). The bucket lives in the broker, so every dispatcher
+    that owns the queue, one after another or two at once during a failover, spends the
+    same tokens."""
+
+    queue: str
+    per_second: float
+    burst: int
+
+
+@dataclass(frozen=True, slots=True)
+class RateGrant:
+    """What :meth:`~conveyor_broker.interface.Broker.take_rate_tokens` gave: ``granted``
+    tokens (as many as asked when the queue has no limit), and, when that is fewer than
+    asked, ``wait``: how long until the bucket holds the next whole token."""
+
+    granted: int
+    wait: timedelta | None = None
+
+
 #: The config of a group that no stored config matches (its queue aside).
 DEFAULT_GROUP_CONFIG = GroupConfig(queue="")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -19,6 +20,7 @@ from conveyor_broker.types import (
     CronMisfire,
     GroupConfig,
     NewTask,
+    RateLimit,
     WebhookWorkerSpec,
 )
 
@@ -440,3 +442,24 @@ def check_group_config(config: GroupConfig) -> None:
         value = getattr(config, name)
         if not isinstance(value, timedelta) or not _ZERO < value <= MAX_GROUP_WAIT:
             raise InvalidTask(f"{name} must be > 0 and at most {MAX_GROUP_WAIT}, got {value}")
+
+
+#: The highest rate and burst a queue's rate limit may have.
+MAX_RATE = 1_000_000
+
+
+def check_rate_limit(limit: RateLimit) -> None:
+    """Raise InvalidTask unless ``limit`` is one a broker may store: a finite rate
+    above 0 and at most :data:`MAX_RATE` a second, a whole burst of 1..MAX_RATE."""
+    check_queue(limit.queue)
+    rate = limit.per_second
+    if (
+        isinstance(rate, bool)
+        or not isinstance(rate, int | float)
+        or not math.isfinite(rate)
+        or not 0 < rate <= MAX_RATE
+    ):
+        raise InvalidTask(f"per_second must be > 0 and at most {MAX_RATE}, got {rate!r}")
+    burst = limit.burst
+    if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_RATE:
+        raise InvalidTask(f"burst must be a whole number 1..{MAX_RATE}, got {burst!r}")

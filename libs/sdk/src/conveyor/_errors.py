@@ -67,6 +67,16 @@ class GroupConfigNotFound(ConveyorError, LookupError):
         self.pattern = pattern
 
 
+class RateLimitNotFound(ConveyorError, LookupError):
+    """The queue has no rate limit. ``queue`` is the queue asked for."""
+
+    def __init__(
+        self, message: str, *, code: str | None = "NOT_FOUND", queue: str | None = None
+    ) -> None:
+        super().__init__(message, code=code)
+        self.queue = queue
+
+
 class CronEntryNotFound(ConveyorError, LookupError):
     """No cron entry has this name. ``name`` is the name asked for."""
 

@@ -172,3 +172,13 @@ async def dispatch(
     """Act as the dispatcher: offer ``envelopes`` to ``gateway`` and return its reply."""
     request = cluster_pb2.DispatchRequest(queue=queue, dispatcher="test", tasks=list(envelopes))
     return await bus.dispatch(gateway, request, within=within)
+
+
+async def refused(call: Any, request: Any, **kwargs: Any) -> tuple[grpc.StatusCode, str]:
+    """The status code and details of a unary call that must fail (``kwargs``: its
+    metadata, say); AssertionError when it succeeds."""
+    try:
+        await call(request, **kwargs)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    raise AssertionError(f"{request.DESCRIPTOR.name} was not refused")

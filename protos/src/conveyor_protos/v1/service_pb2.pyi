@@ -520,8 +520,10 @@ class SetRateLimitRequest(_message.Message):
     def __init__(self, limit: _Optional[_Union[RateLimit, _Mapping]] = ...) -> None: ...
 
 class SetRateLimitResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: RateLimit
+    def __init__(self, limit: _Optional[_Union[RateLimit, _Mapping]] = ...) -> None: ...
 
 class DeleteRateLimitRequest(_message.Message):
     __slots__ = ("queue",)

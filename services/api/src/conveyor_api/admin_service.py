@@ -74,9 +74,6 @@ MAX_WATCH_QUEUES = 1_000
 
 #: AdminService methods that exist on the wire but not yet in this server.
 NOT_YET_IMPLEMENTED = (
-    "SetRateLimit",
-    "DeleteRateLimit",
-    "ListRateLimits",
     "SetConcurrencyLimit",
     "DeleteConcurrencyLimit",
     "ListConcurrencyLimits",
@@ -705,6 +702,53 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             await abort_for_error(context, exc)
         return service_pb2.GetGroupStatsResponse(
             groups=[wire.group_stats_to_proto(s) for s in stats]
+        )
+
+    # ------------------------------------------------------------ rate limits
+    # A change is a Control to the queue's owner, which reloads the limit at once.
+
+    async def SetRateLimit(
+        self, request: service_pb2.SetRateLimitRequest, context: _Context
+    ) -> service_pb2.SetRateLimitResponse:
+        """Create or replace a queue's rate limit (burst 0: one second of tokens). A
+        replaced limit keeps the tokens its bucket holds (at most the new burst)."""
+        try:
+            if not request.HasField("limit"):
+                raise InvalidTask("limit is required")
+            limit = await self._broker.set_rate_limit(wire.rate_limit_from_proto(request.limit))
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        await self._publish(cluster_pb2.Control(queue=limit.queue, reason="rate_limit"))
+        logger.info(
+            "admin.rate_limit_set queue=%s per_second=%s burst=%d",
+            limit.queue,
+            limit.per_second,
+            limit.burst,
+        )
+        return service_pb2.SetRateLimitResponse(limit=wire.rate_limit_to_proto(limit))
+
+    async def DeleteRateLimit(
+        self, request: service_pb2.DeleteRateLimitRequest, context: _Context
+    ) -> service_pb2.DeleteRateLimitResponse:
+        """Delete a queue's rate limit (NOT_FOUND when it has none): it flows unlimited."""
+        try:
+            await self._broker.delete_rate_limit(request.queue)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        await self._publish(cluster_pb2.Control(queue=request.queue, reason="rate_limit"))
+        logger.info("admin.rate_limit_deleted queue=%s", request.queue)
+        return service_pb2.DeleteRateLimitResponse()
+
+    async def ListRateLimits(
+        self, request: service_pb2.ListRateLimitsRequest, context: _Context
+    ) -> service_pb2.ListRateLimitsResponse:
+        """Every stored rate limit, by queue."""
+        try:
+            limits = await self._broker.list_rate_limits()
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.ListRateLimitsResponse(
+            limits=[wire.rate_limit_to_proto(limit) for limit in limits]
         )
 
     async def _select(

@@ -17,6 +17,7 @@ from conveyor_broker import (
     InvalidTask,
     LeaseLost,
     NotSupported,
+    RateLimitNotFound,
     TaskNotFound,
     WebhookWorkerNotFound,
 )
@@ -52,6 +53,7 @@ _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (WebhookWorkerNotFound, grpc.StatusCode.NOT_FOUND),
     (CronEntryNotFound, grpc.StatusCode.NOT_FOUND),
     (GroupConfigNotFound, grpc.StatusCode.NOT_FOUND),
+    (RateLimitNotFound, grpc.StatusCode.NOT_FOUND),
     (NotSupported, grpc.StatusCode.UNIMPLEMENTED),
     # A stored value this server has no key for: its configuration must change.
     (DecryptionError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -12,6 +12,7 @@ from conveyor_runtime.settings import CommonSettings
 from conveyor_cli.cron import cron_group
 from conveyor_cli.groups import group_group
 from conveyor_cli.keys import keys
+from conveyor_cli.limits import limits_group
 from conveyor_cli.ops import cluster, enqueue, queue, task
 from conveyor_cli.tokens import token
 from conveyor_cli.webhooks import webhook
@@ -204,5 +205,6 @@ cli.add_command(cluster)
 cli.add_command(webhook)
 cli.add_command(cron_group)
 cli.add_command(group_group)
+cli.add_command(limits_group)
 cli.add_command(token)
 cli.add_command(keys)

@@ -1,7 +1,8 @@
 """QueueDispatcher: the dispatch loop of one owned queue.
 
-Its state is rebuilt from the broker (the pause flag) and from gateway registrations; it
-holds nothing durable. Events (wake, register, done, control) arrive from NATS callbacks
+Its state is rebuilt from the broker (the pause flag, the rate limit) and from gateway
+registrations; it holds nothing durable: a rate-limited queue's tokens live in the broker,
+so a new owner spends the same bucket as the last one (no fresh burst per failover). Events (wake, register, done, control) arrive from NATS callbacks
 and only flip flags and counters; the one lease cycle at a time runs in its own task, so
 a callback never waits on the broker.
 """
@@ -19,7 +20,7 @@ from datetime import timedelta
 import nats.errors
 from conveyor_broker.errors import LeaseLost
 from conveyor_broker.interface import Broker
-from conveyor_broker.types import Task
+from conveyor_broker.types import RateLimit, Task
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.wire import task_to_envelope
@@ -71,6 +72,9 @@ class QueueDispatcher:
         self._bus = bus
         self._config = config
         self._paused = False
+        self._rate: RateLimit | None = None
+        # Armed while a rate-limited queue waits for its bucket's next token.
+        self._rate_timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._dirty = False
         self._cycle: asyncio.Task[None] | None = None
@@ -90,6 +94,11 @@ class QueueDispatcher:
         return self._paused
 
     @property
+    def rate_limit(self) -> RateLimit | None:
+        """The queue's rate limit as last loaded from the broker."""
+        return self._rate
+
+    @property
     def closed(self) -> bool:
         """True once the dispatcher stopped dispatching for good."""
         return self._closed
@@ -107,6 +116,7 @@ class QueueDispatcher:
     async def open(self) -> None:
         """Load the queue's settings from the broker (called once, on claim)."""
         self._paused = await self._broker.queue_paused(self.queue)
+        self._rate = await self._broker.get_rate_limit(self.queue)
         self._last_active = self._now()
 
     def wake(self) -> None:
@@ -154,11 +164,22 @@ class QueueDispatcher:
             self._kick()
 
     async def reload(self) -> None:
-        """Control: reload the pause flag. Pause stops dispatch at once; resume kicks."""
+        """Control: reload the pause flag and the rate limit. Pause stops dispatch at once;
+        resume (or a changed limit) kicks."""
         paused = await self._broker.queue_paused(self.queue)
+        rate = await self._broker.get_rate_limit(self.queue)
         if paused != self._paused:
             logger.info("dispatcher.pause_changed queue=%s paused=%s", self.queue, paused)
+        if rate != self._rate:
+            logger.info(
+                "dispatcher.rate_limit_changed queue=%s per_second=%s burst=%s",
+                self.queue,
+                None if rate is None else rate.per_second,
+                None if rate is None else rate.burst,
+            )
+            self._disarm()  # a wait for the old bucket's next token no longer holds
         self._paused = paused
+        self._rate = rate
         if not paused:
             self._kick()
 
@@ -166,6 +187,7 @@ class QueueDispatcher:
         """Stop dispatching now (ownership lost or given up). A cycle in flight finishes its
         current request and releases whatever it leased but did not send."""
         self._closed = True
+        self._disarm()
 
     def stuck(self) -> float | None:
         """Seconds the running cycle has spent in its current round, when that is past
@@ -182,6 +204,7 @@ class QueueDispatcher:
         """Stop dispatching now and cancel the cycle in flight (stuck): what it leased and
         did not send comes back when its lease expires (the reaper)."""
         self._closed = True
+        self._disarm()
         if self._cycle is not None:
             self._cycle.cancel()
 
@@ -210,7 +233,8 @@ class QueueDispatcher:
     # ------------------------------------------------------------------ cycle
 
     def _kick(self) -> None:
-        if self._closed:
+        if self._closed or self._rate_timer is not None:
+            # Rate-limited and out of tokens: the timer kicks when the next one is due.
             return
         if self.cycling:
             # Coalesce: the running cycle goes round once more instead of a second cycle.
@@ -231,10 +255,21 @@ class QueueDispatcher:
                 # The slots are picked before the lease, so that each task is leased in
                 # the name of the process that will hold it (its gateway's holder): if
                 # that process dies, the reaper releases the task within seconds.
-                slots = self.book.take_slots(min(self.book.total, self._config.batch_max))
-                want = len(slots)
+                want = min(self.book.total, self._config.batch_max)
                 if want <= 0:
                     break
+                try:
+                    # As many tokens as slots, or fewer: the lease takes no more.
+                    want, wait = await self._take_tokens(want)
+                except Exception as exc:
+                    logger.warning("dispatcher.rate_failed queue=%s error=%r", self.queue, exc)
+                    await asyncio.sleep(ERROR_BACKOFF)
+                    if self._dirty:
+                        continue
+                    break
+                if want <= 0:
+                    break  # the timer kicks when the next token is due
+                slots = self.book.take_slots(want)
                 holders = [self.book.holder_of(gw) for gw in slots]
                 try:
                     tasks = await self._leaser.lease(
@@ -242,11 +277,13 @@ class QueueDispatcher:
                     )
                 except Exception as exc:
                     self.book.refund(slots)
+                    await self._give_tokens_back(want)
                     logger.warning("dispatcher.lease_failed queue=%s error=%r", self.queue, exc)
                     await asyncio.sleep(ERROR_BACKOFF)
                     if self._dirty:
                         continue
                     break
+                await self._give_tokens_back(want - len(tasks))
                 if not tasks:
                     self.book.refund(slots)
                     if self._dirty:
@@ -257,8 +294,15 @@ class QueueDispatcher:
                     # Paused or lost the queue while leasing: give the tasks back now.
                     self.book.refund(slots)
                     await self._release(tasks)
+                    await self._give_tokens_back(len(tasks))
                     break
                 accepted, rejected = await self._dispatch(tasks, slots, holders)
+                # A task no gateway took did not start: its token goes back too.
+                await self._give_tokens_back(rejected)
+                if wait is not None:
+                    # The bucket ran dry: go on when it holds the next token.
+                    self._arm(wait)
+                    break
                 more = len(tasks) == want or (rejected > 0 and accepted > 0)
                 if not (more or self._dirty):
                     break
@@ -269,6 +313,44 @@ class QueueDispatcher:
             logger.exception("dispatcher.cycle_failed queue=%s", self.queue)
         finally:
             self._round_since = None
+
+    # ------------------------------------------------------------ rate limit
+
+    async def _take_tokens(self, want: int) -> tuple[int, float | None]:
+        """How many tasks this round may lease (``want``, or fewer when the queue is
+        rate-limited), and, when the bucket gave fewer than ``want``, the seconds until
+        it holds the next token. Tokens are spent in the broker: every owner of the
+        queue, at once or one after another, draws from one bucket."""
+        if self._rate is None:
+            return want, None
+        grant = await self._broker.take_rate_tokens(self.queue, want)
+        wait = None if grant.wait is None else grant.wait.total_seconds()
+        if grant.granted == 0 and wait is not None:
+            self._arm(wait)
+        return grant.granted, wait
+
+    async def _give_tokens_back(self, count: int) -> None:
+        """Return ``count`` tokens this round took and leased no started task for."""
+        if self._rate is None or count <= 0:
+            return
+        try:
+            await self._broker.return_rate_tokens(self.queue, count)
+        except Exception as exc:
+            # The bucket refills anyway: a few tokens lost slow the queue for a moment.
+            logger.warning("dispatcher.rate_return_failed queue=%s error=%r", self.queue, exc)
+
+    def _arm(self, wait: float) -> None:
+        if self._rate_timer is None and not self._closed:
+            self._rate_timer = asyncio.get_running_loop().call_later(wait, self._tokens_due)
+
+    def _disarm(self) -> None:
+        if self._rate_timer is not None:
+            self._rate_timer.cancel()
+            self._rate_timer = None
+
+    def _tokens_due(self) -> None:
+        self._rate_timer = None
+        self._kick()
 
     async def _dispatch(
         self, tasks: Sequence[Task], slots: Sequence[str], holders: Sequence[str]

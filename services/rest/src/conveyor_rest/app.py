@@ -404,8 +404,24 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
     )
     body_route(cron, "UpsertCronEntry", pb.UpsertCronEntryRequest, "entry", pb.CronEntry, "cron")
 
-    # The seam for the limits and group-config RPCs (being built): each list is one GET; an
-    # api without them answers UNIMPLEMENTED, which is a 501 problem.
+    rate = "/v1/limits/rate/{queue}"
+
+    @app.put(rate, tags=["limits"], responses=PROBLEM_RESPONSES)
+    async def put_rate_limit(queue: str, body: JsonObject, request: Request) -> JsonObject:
+        """AdminService.SetRateLimit: the body is a RateLimit in JSON (``perSecond``,
+        ``burst``: 0 or absent for one second's worth), its queue from the path."""
+        message = pb.SetRateLimitRequest()
+        parse({**body, "queue": queue}, message.limit)
+        return await call(admin().SetRateLimit, message, request)
+
+    @app.delete(rate, tags=["limits"], responses=PROBLEM_RESPONSES)
+    async def delete_rate_limit(queue: str, request: Request) -> JsonObject:
+        """AdminService.DeleteRateLimit."""
+        message = pb.DeleteRateLimitRequest(queue=queue)
+        return await call(admin().DeleteRateLimit, message, request)
+
+    # The lists of the limits and group configs: each one GET; an api without one answers
+    # UNIMPLEMENTED, which is a 501 problem.
     for path, rpc, request_type in (
         ("/v1/limits/rate", "ListRateLimits", pb.ListRateLimitsRequest),
         ("/v1/limits/concurrency", "ListConcurrencyLimits", pb.ListConcurrencyLimitsRequest),

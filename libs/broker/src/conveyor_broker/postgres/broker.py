@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import asyncpg
 
-from conveyor_broker import cron, groups
+from conveyor_broker import cron, groups, rates
 from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
     CronEntryNotFound,
@@ -34,6 +34,7 @@ from conveyor_broker.errors import (
     InvalidState,
     InvalidTask,
     LeaseLost,
+    RateLimitNotFound,
     TaskNotFound,
     WebhookWorkerNotFound,
 )
@@ -99,6 +100,13 @@ from conveyor_broker.postgres.queries.lease import (
     SET_PROGRESS,
 )
 from conveyor_broker.postgres.queries.outcomes import ACK, ACK_BATCH, ARCHIVE, FAIL, RELEASE
+from conveyor_broker.postgres.queries.rates import (
+    DELETE_RATE_LIMIT,
+    GET_RATE_LIMIT,
+    LIST_RATE_LIMITS,
+    LOCK_RATE_LIMIT,
+    STORE_RATE_BUCKET,
+)
 from conveyor_broker.postgres.queries.sweeps import (
     ARCHIVE_EXPIRED,
     BEAT_HOLDER,
@@ -152,6 +160,8 @@ from conveyor_broker.types import (
     NewTask,
     QueuePage,
     QueueStats,
+    RateGrant,
+    RateLimit,
     ReapedTask,
     ReleasedTask,
     Resolution,
@@ -888,6 +898,67 @@ class PostgresBroker(Broker):
         self._emit(self._event(task, TaskState.AGGREGATING, now) for task in leased)
         return leased
 
+    # -------------------------------------------------------------- rate limits
+
+    async def _bucket(
+        self, conn: asyncpg.pool.PoolConnectionProxy[asyncpg.Record], queue: str, now: datetime
+    ) -> tuple[RateLimit, float] | None:
+        """Queue's limit and the tokens its bucket holds at ``now``, the row locked."""
+        row = await conn.fetchrow(LOCK_RATE_LIMIT, queue)
+        if row is None:
+            return None
+        limit = _rate_limit(row)
+        return limit, rates.refilled(limit, row["tokens"], row["refilled_at"], now)
+
+    @staticmethod
+    async def _keep(
+        conn: asyncpg.pool.PoolConnectionProxy[asyncpg.Record],
+        limit: RateLimit,
+        tokens: float,
+        now: datetime,
+    ) -> None:
+        await conn.execute(
+            STORE_RATE_BUCKET, limit.queue, limit.per_second, limit.burst, tokens, now
+        )
+
+    async def _set_rate_limit(self, limit: RateLimit) -> RateLimit:
+        now = self._clock.now()
+        async with self._conn() as conn, conn.transaction():
+            bucket = await self._bucket(conn, limit.queue, now)
+            tokens = float(limit.burst) if bucket is None else min(bucket[1], limit.burst)
+            await self._keep(conn, limit, tokens, now)
+        return limit
+
+    async def _get_rate_limit(self, queue: str) -> RateLimit | None:
+        row = await self._fetchrow(GET_RATE_LIMIT, queue)
+        return None if row is None else _rate_limit(row)
+
+    async def _list_rate_limits(self) -> list[RateLimit]:
+        return [_rate_limit(row) for row in await self._fetch(LIST_RATE_LIMITS)]
+
+    async def _delete_rate_limit(self, queue: str) -> None:
+        if await self._fetchval(DELETE_RATE_LIMIT, queue) is None:
+            raise RateLimitNotFound(queue)
+
+    async def _take_rate_tokens(self, queue: str, want: int) -> RateGrant:
+        now = self._clock.now()
+        async with self._conn() as conn, conn.transaction():
+            bucket = await self._bucket(conn, queue, now)
+            if bucket is None:
+                return RateGrant(want)
+            limit, tokens = bucket
+            grant, left = rates.take(limit, tokens, want)
+            await self._keep(conn, limit, left, now)
+            return grant
+
+    async def _return_rate_tokens(self, queue: str, count: int) -> None:
+        now = self._clock.now()
+        async with self._conn() as conn, conn.transaction():
+            bucket = await self._bucket(conn, queue, now)
+            if bucket is not None:
+                limit, tokens = bucket
+                await self._keep(conn, limit, min(float(limit.burst), tokens + count), now)
+
     # ------------------------------------------------------------- cron entries
 
     async def _upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
@@ -1089,3 +1160,7 @@ async def _keep_session(conn: asyncpg.Connection[asyncpg.Record]) -> None:
     LISTEN or change settings, so there is nothing to undo; an open transaction is still
     rolled back by the pool itself before this runs.
     """
+
+
+def _rate_limit(row: asyncpg.Record) -> RateLimit:
+    return RateLimit(row["queue"], row["per_second"], row["burst"])

@@ -31,6 +31,7 @@ pytest.register_assert_rewrite(
     "conveyor_broker.testing.holders",
     "conveyor_broker.testing.lease",
     "conveyor_broker.testing.outcomes",
+    "conveyor_broker.testing.rates",
     "conveyor_broker.testing.sweeps",
     "conveyor_broker.testing.webhooks",
 )
@@ -45,6 +46,7 @@ from conveyor_broker.testing.groups import GroupTests  # noqa: E402
 from conveyor_broker.testing.holders import HolderTests  # noqa: E402
 from conveyor_broker.testing.lease import LeaseTests  # noqa: E402
 from conveyor_broker.testing.outcomes import OutcomeTests  # noqa: E402
+from conveyor_broker.testing.rates import RateLimitTests  # noqa: E402
 from conveyor_broker.testing.sweeps import SweepTests  # noqa: E402
 from conveyor_broker.testing.webhooks import WebhookTests  # noqa: E402
 
@@ -61,6 +63,7 @@ class BrokerConformance(
     WebhookTests,
     CronTests,
     GroupTests,
+    RateLimitTests,
 ):
     """Every behaviour the Broker interface promises. Subclass it and provide the
     ``clock`` and ``broker`` fixtures (see the module docstring)."""

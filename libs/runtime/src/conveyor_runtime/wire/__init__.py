@@ -38,6 +38,7 @@ from conveyor_runtime.wire.groups import (
     group_config_to_proto,
     group_stats_to_proto,
 )
+from conveyor_runtime.wire.limits import rate_limit_from_proto, rate_limit_to_proto
 from conveyor_runtime.wire.requests import (
     DISPATCH_OVERHEAD,
     TaskDefaults,
@@ -91,6 +92,8 @@ __all__ = [
     "new_task_to_proto",
     "on_failure_from_proto",
     "on_failure_to_proto",
+    "rate_limit_from_proto",
+    "rate_limit_to_proto",
     "set_timestamp",
     "state_filter",
     "state_from_proto",

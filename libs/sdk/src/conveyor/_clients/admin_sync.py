@@ -22,6 +22,7 @@ from conveyor._clients.admin_types import (
     GroupStats,
     QueueInfo,
     QueuePage,
+    RateLimit,
     TaskDependency,
     TaskPage,
     WebhookWorker,
@@ -50,6 +51,8 @@ from conveyor._clients.admin_wire import (
     list_request,
     queue_info,
     queues_request,
+    rate_limit_from_wire,
+    rate_limit_request,
     reschedule_request,
     response_type,
     watch_request,
@@ -57,6 +60,7 @@ from conveyor._clients.admin_wire import (
     webhook_request,
     with_cron_name,
     with_group_config,
+    with_rate_limit,
     with_webhook_name,
 )
 from conveyor._clients.events import EventStream
@@ -476,6 +480,36 @@ class AdminClient(AdminBase, SyncRpcClient):
         """Delete entry ``name`` (the tasks it created stay)."""
         request = svc.DeleteCronEntryRequest(name=name)
         self._cron("DeleteCronEntry", request, svc.DeleteCronEntryResponse, name)
+
+    # ----------------------------------------------------------- rate limits
+
+    def set_rate_limit(
+        self, queue: str, per_second: float, *, burst: int | None = None
+    ) -> RateLimit:
+        """Start at most ``per_second`` tasks of ``queue`` a second (a fraction for less
+        than one: 0.5 is one every two seconds), across every worker, and at most
+        ``burst`` at once after a quiet spell (None: one second's worth, at least 1).
+        Replacing a limit keeps the tokens its bucket holds, so a change never grants a
+        fresh burst. Returns the stored limit; :class:`InvalidArgument` for a bad queue,
+        a rate outside (0, 1,000,000] or a burst outside 1..1,000,000."""
+        request = rate_limit_request(queue, per_second, burst)
+        response = self._call("SetRateLimit", request, svc.SetRateLimitResponse)
+        return rate_limit_from_wire(response.limit)
+
+    def delete_rate_limit(self, queue: str) -> None:
+        """Remove ``queue``'s rate limit: its tasks start as fast as workers take them.
+        :class:`RateLimitNotFound` when it has none."""
+        request = svc.DeleteRateLimitRequest(queue=queue)
+        try:
+            self._call("DeleteRateLimit", request, svc.DeleteRateLimitResponse)
+        except ConveyorError as exc:
+            raise with_rate_limit(exc, queue) from None
+
+    def list_rate_limits(self) -> list[RateLimit]:
+        """Every queue's rate limit, by queue."""
+        request = svc.ListRateLimitsRequest()
+        response = self._call("ListRateLimits", request, svc.ListRateLimitsResponse)
+        return [rate_limit_from_wire(limit) for limit in response.limits]
 
     # ---------------------------------------------------- aggregation groups
 

@@ -60,6 +60,18 @@ class GroupConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RateLimit:
+    """At most ``per_second`` tasks of ``queue`` started a second on average, and at most
+    ``burst`` at once after a quiet spell: a token bucket, stored by the server and
+    enforced by the queue's dispatcher (which leases no more tasks than it holds tokens),
+    so it holds across every worker and every change of dispatcher."""
+
+    queue: str
+    per_second: float
+    burst: int
+
+
+@dataclass(frozen=True, slots=True)
 class GroupStats:
     """An aggregation group's waiting members: how many, and when the first and the last
     joined."""

@@ -22,6 +22,7 @@ from conveyor._clients.admin_types import (
     GroupConfig,
     GroupStats,
     QueueInfo,
+    RateLimit,
     TaskDependency,
     TaskEvent,
     TaskPage,
@@ -42,6 +43,7 @@ from conveyor._errors import (
     CronEntryNotFound,
     GroupConfigNotFound,
     InvalidArgument,
+    RateLimitNotFound,
     WebhookWorkerNotFound,
 )
 from conveyor._payload import Codec, decode_value
@@ -381,6 +383,32 @@ def with_group_config(exc: ConveyorError, queue: str, pattern: str) -> ConveyorE
     if exc.code == "NOT_FOUND":
         return GroupConfigNotFound(exc.message, code=exc.code, queue=queue, pattern=pattern)
     return exc
+
+
+def with_rate_limit(exc: ConveyorError, queue: str) -> ConveyorError:
+    """``exc``, as a RateLimitNotFound naming ``queue`` when the server said NOT_FOUND."""
+    if exc.code == "NOT_FOUND":
+        return RateLimitNotFound(exc.message, code=exc.code, queue=queue)
+    return exc
+
+
+def rate_limit_request(queue: str, per_second: float, burst: int | None) -> svc.SetRateLimitRequest:
+    """A SetRateLimit request; burst None takes the server default (one second's worth).
+    InvalidArgument for a rate or burst that is not a number of the right kind."""
+    if isinstance(per_second, bool) or not isinstance(per_second, int | float):
+        raise InvalidArgument(f"per_second must be a number, got {per_second!r}")
+    if burst is not None and (
+        isinstance(burst, bool) or not isinstance(burst, int) or not 0 < burst < 2**31
+    ):
+        raise InvalidArgument(f"burst must be a positive int, got {burst!r}")
+    return svc.SetRateLimitRequest(
+        limit=svc.RateLimit(queue=queue, per_second=float(per_second), burst=burst or 0)
+    )
+
+
+def rate_limit_from_wire(limit: svc.RateLimit) -> RateLimit:
+    """A stored rate limit."""
+    return RateLimit(queue=limit.queue, per_second=limit.per_second, burst=limit.burst)
 
 
 def group_config_request(
