@@ -29,6 +29,9 @@ bench/results/e2e-encryption.json, every run and the medians).
 N queues that no worker serves, a busy queue beside them, and what they cost in NATS
 messages, JetStream operations and CPU, and in the busy queue's latency.
 
+With ``--rate-limit`` it measures how closely a rate-limited queue's starts keep to the
+limit (bench/rate_bench.py; writes bench/results/rate-limit.json).
+
 With ``--recovery`` it measures recovery instead: the stall after the queue's owning dispatcher is killed (or stopped)
 and how soon a killed api's tasks run again (bench/recovery_bench.py; writes
 bench/results/recovery.json).
@@ -353,7 +356,7 @@ def main() -> None:
         "--rounds",
         type=int,
         default=1,
-        help="with --encryption both: pairs of runs; with --recovery: rounds",
+        help="with --encryption both: pairs of runs; with --recovery, --rate-limit: rounds",
     )
     parser.add_argument(
         "--payload-bytes", type=int, default=0, help="pad each task's payload to about this"
@@ -372,6 +375,14 @@ def main() -> None:
     many.add_argument(
         "--settle", type=float, default=5.0, help="seconds after the N enqueues before measuring"
     )
+    rated = parser.add_argument_group("rate-limit mode")
+    rated.add_argument(
+        "--rate-limit", action="store_true", help="measure a rate limit's accuracy instead"
+    )
+    rated.add_argument("--rate", type=float, default=50.0, help="the limit, tasks/s")
+    rated.add_argument("--burst", type=int, default=5)
+    rated.add_argument("--seconds", type=float, default=60.0, help="the measured window")
+    rated.add_argument("--kill", action="store_true", help="kill -9 the owner halfway")
     parser.add_argument(
         "--recovery",
         action="store_true",
@@ -384,6 +395,14 @@ def main() -> None:
         found = uvloop.run(many_queues.run_many_queues(args))
         many_queues.write(found)
         print(many_queues.report(found))
+        return
+    if args.rate_limit:
+        from bench import rate_bench
+
+        rated_result = uvloop.run(rate_bench.run_rate_limit(args))
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "rate-limit.json").write_text(json.dumps(rated_result, indent=2) + "\n")
+        print(rate_bench.report(rated_result))
         return
     if args.recovery:
         recovery = uvloop.run(run_recovery(args))

@@ -95,6 +95,8 @@ EXPORTED = {
     "JsonCodec",
     "OnFailure",
     "PermissionDenied",
+    "RateLimit",
+    "RateLimitNotFound",
     "RawCodec",
     "ReconnectBackoff",
     "ResourceExhausted",
