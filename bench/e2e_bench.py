@@ -32,6 +32,9 @@ messages, JetStream operations and CPU, and in the busy queue's latency.
 With ``--rate-limit`` it measures how closely a rate-limited queue's starts keep to the
 limit (bench/rate_bench.py; writes bench/results/rate-limit.json).
 
+With ``--keyed`` it measures how much a hot key under a concurrency limit slows the
+other keys (bench/concurrency_bench.py; writes bench/results/concurrency.json).
+
 With ``--recovery`` it measures recovery instead: the stall after the queue's owning dispatcher is killed (or stopped)
 and how soon a killed api's tasks run again (bench/recovery_bench.py; writes
 bench/results/recovery.json).
@@ -356,7 +359,7 @@ def main() -> None:
         "--rounds",
         type=int,
         default=1,
-        help="with --encryption both: pairs of runs; with --recovery, --rate-limit: rounds",
+        help="with --encryption both: pairs of runs; with --recovery, --rate-limit, --keyed: rounds",
     )
     parser.add_argument(
         "--payload-bytes", type=int, default=0, help="pad each task's payload to about this"
@@ -375,6 +378,15 @@ def main() -> None:
     many.add_argument(
         "--settle", type=float, default=5.0, help="seconds after the N enqueues before measuring"
     )
+    keyed = parser.add_argument_group("concurrency-limit mode")
+    keyed.add_argument(
+        "--keyed",
+        action="store_true",
+        help="measure how much a hot key under a concurrency limit slows the others instead",
+    )
+    keyed.add_argument("--hot", type=int, default=10_000, help="tasks of the hot key")
+    keyed.add_argument("--keys", type=int, default=100, help="other keys")
+    keyed.add_argument("--per-key-tasks", type=int, default=40, help="tasks per other key")
     rated = parser.add_argument_group("rate-limit mode")
     rated.add_argument(
         "--rate-limit", action="store_true", help="measure a rate limit's accuracy instead"
@@ -395,6 +407,14 @@ def main() -> None:
         found = uvloop.run(many_queues.run_many_queues(args))
         many_queues.write(found)
         print(many_queues.report(found))
+        return
+    if args.keyed:
+        from bench import concurrency_bench
+
+        keyed_result = uvloop.run(concurrency_bench.run_concurrency(args))
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "concurrency.json").write_text(json.dumps(keyed_result, indent=2) + "\n")
+        print(concurrency_bench.report(keyed_result))
         return
     if args.rate_limit:
         from bench import rate_bench

@@ -15,41 +15,24 @@ Prints a summary and writes bench/results/rate-limit.json.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
-import uuid
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import asyncpg
-from conveyor_broker.postgres import migrate
-from conveyor_runtime.embedded_nats import EmbeddedNats
-
+from bench.scratch import scratch_services
 from tests.e2e.harness import Cluster
 from tests.e2e.rates import rate_run
 
 
 async def run_rate_limit(args: argparse.Namespace) -> dict[str, Any]:
     """``args.rounds`` runs; each one's figures."""
-    admin = args.admin_dsn
-    name = f"conveyor_bench_{uuid.uuid4().hex[:8]}"
-    conn = await asyncpg.connect(admin)
-    await conn.execute(f'CREATE DATABASE "{name}"')
-    await conn.close()
-    dsn = admin.rpartition("/")[0] + f"/{name}"
-    workdir = Path(tempfile.mkdtemp(prefix="conveyor-bench-rate-"))
-    nats = EmbeddedNats()
-    nats.start()
     window = timedelta(seconds=args.seconds)
     tasks = int(args.rate * args.seconds * 1.1) + args.burst
     runs: list[dict[str, Any]] = []
-    try:
-        await migrate(dsn)
+    async with scratch_services(args.admin_dsn, "rate") as scratch:
         for n in range(args.rounds):
-            folder = workdir / f"round-{n}"
+            folder = scratch.workdir / f"round-{n}"
             folder.mkdir()
-            cluster = Cluster(dsn=dsn, nats_url=nats.url, workdir=folder)
+            cluster = Cluster(dsn=scratch.dsn, nats_url=scratch.nats.url, workdir=folder)
             try:
                 run = await rate_run(
                     cluster,
@@ -74,19 +57,13 @@ async def run_rate_limit(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
             print(f"  round {n + 1}: {_line(runs[-1], args)}", flush=True)
-        return {
-            "rate": args.rate,
-            "burst": args.burst,
-            "seconds": args.seconds,
-            "kill": args.kill,
-            "runs": runs,
-        }
-    finally:
-        nats.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-        conn = await asyncpg.connect(admin)
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await conn.close()
+    return {
+        "rate": args.rate,
+        "burst": args.burst,
+        "seconds": args.seconds,
+        "kill": args.kill,
+        "runs": runs,
+    }
 
 
 def _line(run: dict[str, Any], args: argparse.Namespace) -> str:

@@ -11,7 +11,14 @@ from types import ModuleType
 import pytest
 from conveyor_broker.postgres import queries
 from conveyor_broker.postgres.migrations import declared_schema, load_migrations
-from conveyor_broker.postgres.queries import admin, dependencies, enqueue, lease, sweeps
+from conveyor_broker.postgres.queries import (
+    admin,
+    concurrency,
+    dependencies,
+    enqueue,
+    lease,
+    sweeps,
+)
 from conveyor_broker.types import (
     INCOMPLETE_STATES,
     LEASABLE_STATES,
@@ -38,6 +45,7 @@ def test_no_sql_reads_the_database_clock() -> None:
     modules = _statement_modules()
     assert {m.__name__.rpartition(".")[2] for m in modules} >= {
         "admin",
+        "concurrency",
         "dependencies",
         "enqueue",
         "lease",
@@ -64,7 +72,7 @@ def _sql_list(states: frozenset[TaskState]) -> str:
 
 
 _RESCHEDULABLE = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
-_RUNNABLE_NOW = _RESCHEDULABLE | {TaskState.BLOCKED}
+_RUNNABLE_NOW = _RESCHEDULABLE | {TaskState.BLOCKED, TaskState.HELD}
 
 
 #: Statement -> (its text, the states each of its state lists must hold).
@@ -72,6 +80,7 @@ _STATE_LISTS = {
     "lease.LEASE": (lease.LEASE, LEASABLE_STATES),
     "lease.LEASE_MANY": (lease.LEASE_MANY, LEASABLE_STATES),
     "lease.LEASE_SELECT": (lease.LEASE_SELECT, LEASABLE_STATES),
+    "concurrency.KEYED_CANDIDATES": (concurrency.KEYED_CANDIDATES, LEASABLE_STATES),
     "sweeps.PENDING_COUNT": (sweeps.PENDING_COUNT, LEASABLE_STATES),
     "sweeps.PENDING_COUNT_QUEUE": (sweeps.PENDING_COUNT_QUEUE, LEASABLE_STATES),
     "sweeps.DUE_QUEUES": (sweeps.DUE_QUEUES, LEASABLE_STATES),

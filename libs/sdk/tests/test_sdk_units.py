@@ -67,6 +67,8 @@ EXPORTED = {
     "BatchActionResult",
     "ClusterInfo",
     "ClusterNode",
+    "ConcurrencyLimit",
+    "ConcurrencyLimitNotFound",
     "WebhookGateway",
     "WorkerSession",
     "EventStream",

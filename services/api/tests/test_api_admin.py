@@ -149,13 +149,11 @@ async def test_errors_map_to_status_codes(
         grpc.StatusCode.INVALID_ARGUMENT,
     )
     details = await expect_code(
-        admin.SetConcurrencyLimit,
-        service_pb2.SetConcurrencyLimitRequest(
-            limit=service_pb2.ConcurrencyLimit(queue="q", per_key=1)
-        ),
-        grpc.StatusCode.UNIMPLEMENTED,
+        admin.DeleteConcurrencyLimit,
+        service_pb2.DeleteConcurrencyLimitRequest(queue="q"),
+        grpc.StatusCode.NOT_FOUND,
     )
-    assert "SetConcurrencyLimit" in details
+    assert "'q'" in details
     assert (await broker.get_task(pending.id)).state is TaskState.PENDING
 
 
@@ -455,6 +453,8 @@ async def test_read_only_refuses_admin_mutations_only(
             (admin.CancelTask, action(task.id)),
             (admin.DeleteTask, action(task.id)),
             (admin.SetRateLimit, service_pb2.SetRateLimitRequest()),
+            (admin.SetConcurrencyLimit, service_pb2.SetConcurrencyLimitRequest()),
+            (admin.DeleteConcurrencyLimit, service_pb2.DeleteConcurrencyLimitRequest()),
             (admin.BatchTaskAction, service_pb2.BatchTaskActionRequest()),
         ):
             details = await expect_code(call, request, grpc.StatusCode.PERMISSION_DENIED)

@@ -167,9 +167,6 @@ def test_status_message_cuts_at_a_character_boundary() -> None:
 #: Options whose feature is not built: each must be refused, never stored to wait forever.
 UNBUILT = [
     pytest.param(task_pb2.TaskOptions(group="digest"), "group", id="group"),
-    pytest.param(
-        task_pb2.TaskOptions(concurrency_key="tenant-1"), "concurrency_key", id="concurrency_key"
-    ),
 ]
 
 

@@ -207,6 +207,27 @@ async def test_rate_limits(rest: httpx.AsyncClient) -> None:
     assert gone.json()["code"] == "NOT_FOUND"
 
 
+async def test_concurrency_limits(rest: httpx.AsyncClient) -> None:
+    put = await rest.put("/v1/limits/concurrency/calls", json={"perKey": 2})
+    assert put.status_code == 200, put.text
+    assert put.json()["limit"] == {"queue": "calls", "perKey": 2, "pattern": "*"}
+    vip = await rest.put("/v1/limits/concurrency/calls", json={"perKey": 5, "pattern": "vip-*"})
+    assert vip.status_code == 200, vip.text
+    listed = (await rest.get("/v1/limits/concurrency")).json()["limits"]
+    assert [(c["pattern"], c["perKey"]) for c in listed] == [("*", 2), ("vip-*", 5)]
+    bad = await rest.put("/v1/limits/concurrency/calls", json={"perKey": 0})
+    assert bad.status_code == 400
+    assert bad.json()["code"] == "INVALID_ARGUMENT"
+    assert "per_key" in bad.json()["detail"]
+    assert len((await rest.get("/v1/limits/concurrency")).json()["limits"]) == 2
+    gone = await rest.delete("/v1/limits/concurrency/calls", params={"pattern": "vip-*"})
+    assert gone.status_code == 200, gone.text
+    assert (await rest.delete("/v1/limits/concurrency/calls")).status_code == 200
+    missing = await rest.delete("/v1/limits/concurrency/calls")
+    assert missing.status_code == 404
+    assert missing.json()["code"] == "NOT_FOUND"
+
+
 async def test_producer_gets_its_task(rest_auth: httpx.AsyncClient) -> None:
     admin = {"authorization": f"Bearer {ADMIN}"}
     made = await rest_auth.post("/v1/tasks", json={"type": "t", "queue": "q"}, headers=admin)

@@ -65,6 +65,7 @@ from conveyor_broker.keyring import (
 from conveyor_broker.types import (
     AckItem,
     BrokerInfo,
+    ConcurrencyLimit,
     CronEntry,
     CronEntrySpec,
     CronFired,
@@ -680,6 +681,17 @@ class EncryptedBroker(Broker):
 
     async def _lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
         return await self._leased(await self._inner._lease_group(queue, group, limit, ttl))
+
+    # ------------------------------------------------------ concurrency limits
+
+    async def _set_concurrency_limit(self, limit: ConcurrencyLimit) -> ConcurrencyLimit:
+        return await self._inner._set_concurrency_limit(limit)
+
+    async def _list_concurrency_limits(self, queue: str | None) -> list[ConcurrencyLimit]:
+        return await self._inner._list_concurrency_limits(queue)
+
+    async def _delete_concurrency_limit(self, queue: str, pattern: str) -> None:
+        await self._inner._delete_concurrency_limit(queue, pattern)
 
     # ------------------------------------------------------------- rate limits
 

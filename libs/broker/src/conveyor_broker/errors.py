@@ -96,6 +96,15 @@ class RateLimitNotFound(BrokerError, LookupError):
         self.queue = queue
 
 
+class ConcurrencyLimitNotFound(BrokerError, LookupError):
+    """No concurrency limit is stored for this queue and key pattern."""
+
+    def __init__(self, queue: str, pattern: str) -> None:
+        super().__init__(f"no concurrency limit for queue {queue!r} and key pattern {pattern!r}")
+        self.queue = queue
+        self.pattern = pattern
+
+
 class GroupConfigNotFound(BrokerError, LookupError):
     """No group config is stored for this queue and pattern."""
 

@@ -69,6 +69,7 @@ from conveyor_broker.errors import BrokerClosed, InvalidTask
 from conveyor_broker.types import (
     AckItem,
     BrokerInfo,
+    ConcurrencyLimit,
     CronEntry,
     CronEntrySpec,
     CronFired,
@@ -104,6 +105,7 @@ from conveyor_broker.validation import (
     check_aware,
     check_batch,
     check_batch_size,
+    check_concurrency_limit,
     check_cron_entry,
     check_cron_name,
     check_cursor,
@@ -112,6 +114,7 @@ from conveyor_broker.validation import (
     check_group_pattern,
     check_holder,
     check_holders,
+    check_key_pattern,
     check_lease_ttl,
     check_lease_wants,
     check_limit,
@@ -907,6 +910,36 @@ class Broker(abc.ABC):
         check_limit(count, upper=MAX_BATCH)
         await self._return_rate_tokens(queue, count)
 
+    # -------------------------------------------------------- concurrency limits
+
+    async def set_concurrency_limit(self, limit: ConcurrencyLimit) -> ConcurrencyLimit:
+        """Create or replace the concurrency limit of ``limit.queue`` for the keys that
+        match ``limit.pattern``; return it as stored. From the next lease on, a task of a
+        limited key is leased only while fewer than the key's limit are ACTIVE, else it is
+        HELD (:mod:`conveyor_broker.concurrency`); tasks already ACTIVE are left running.
+        HELD tasks whose key now has room are PENDING again at once. InvalidTask for bad
+        input (:func:`conveyor_broker.validation.check_concurrency_limit`)."""
+        self._check_open()
+        check_concurrency_limit(limit)
+        return await self._set_concurrency_limit(limit)
+
+    async def list_concurrency_limits(self, queue: str | None = None) -> list[ConcurrencyLimit]:
+        """The stored concurrency limits (of ``queue``, or of every queue), by queue and
+        pattern (code point order)."""
+        self._check_open()
+        if queue is not None:
+            check_queue(queue)
+        return await self._list_concurrency_limits(queue)
+
+    async def delete_concurrency_limit(self, queue: str, pattern: str = "*") -> None:
+        """Delete the concurrency limit of ``queue`` for ``pattern``: the keys it limited
+        take another pattern's limit or none, and their HELD tasks that now have room are
+        PENDING again. Raises ConcurrencyLimitNotFound."""
+        self._check_open()
+        check_queue(queue)
+        check_key_pattern(pattern)
+        await self._delete_concurrency_limit(queue, pattern)
+
     # ------------------------------------------------------------- cron entries
 
     async def upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
@@ -1286,3 +1319,12 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _return_rate_tokens(self, queue: str, count: int) -> None: ...
+
+    @abc.abstractmethod
+    async def _set_concurrency_limit(self, limit: ConcurrencyLimit) -> ConcurrencyLimit: ...
+
+    @abc.abstractmethod
+    async def _list_concurrency_limits(self, queue: str | None) -> list[ConcurrencyLimit]: ...
+
+    @abc.abstractmethod
+    async def _delete_concurrency_limit(self, queue: str, pattern: str) -> None: ...

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import datetime, timedelta
 from types import MappingProxyType
 
-from conveyor_broker import cron, groups, rates
+from conveyor_broker import concurrency, cron, groups, rates
 from conveyor_broker.clock import Clock
 from conveyor_broker.dependencies import (
     BatchItem,
@@ -28,6 +28,7 @@ from conveyor_broker.dependencies import (
 )
 from conveyor_broker.errors import (
     BrokerClosed,
+    ConcurrencyLimitNotFound,
     CronEntryNotFound,
     DuplicateTask,
     GroupConfigNotFound,
@@ -50,6 +51,7 @@ from conveyor_broker.types import (
     WAITING_STATES,
     AckItem,
     BrokerInfo,
+    ConcurrencyLimit,
     CronEntry,
     CronEntrySpec,
     CronFired,
@@ -87,7 +89,7 @@ from conveyor_broker.types import (
 from conveyor_broker.validation import MAX_PAYLOAD
 
 _RESCHEDULABLE = frozenset({TaskState.PENDING, TaskState.SCHEDULED, TaskState.RETRY})
-_RUNNABLE_NOW = _RESCHEDULABLE | {TaskState.BLOCKED}
+_RUNNABLE_NOW = _RESCHEDULABLE | {TaskState.BLOCKED, TaskState.HELD}
 
 
 class MemoryBroker(Broker):
@@ -113,6 +115,8 @@ class MemoryBroker(Broker):
         self._group_configs: dict[tuple[str, str], GroupConfig] = {}
         # Queue -> its rate limit, the tokens its bucket held and when.
         self._rates: dict[str, tuple[RateLimit, float, datetime]] = {}
+        # Queue -> its concurrency limits by pattern.
+        self._concurrency: dict[str, dict[str, ConcurrencyLimit]] = {}
         # Holder -> its last beat.
         self._beats: dict[str, datetime] = {}
         # Dependency work the call holding the lock leaves for the sink (besides the ended
@@ -147,6 +151,20 @@ class MemoryBroker(Broker):
                         if e.state in TERMINAL_STATES and e.task_id in pending
                     }
                     self._report(Resolution(promoted=promoted, pending=tuple(sorted(ended))))
+
+    def _promote_held(self, keys: Iterable[tuple[str, str]], now: datetime) -> None:
+        for queue, key in sorted(set(keys)):
+            held = self._table.held(queue, key)
+            if not held:
+                continue
+            per_key = concurrency.limit_for(key, self._concurrency.get(queue, {}).values())
+            room = (
+                len(held)
+                if per_key is None
+                else max(0, per_key - self._table.active_with_key(queue, key))
+            )
+            for task in heapq.nsmallest(room, held, key=lambda t: (t.available_at, t.id)):
+                self._table.put(replace(task, state=TaskState.PENDING, updated_at=now), task)
 
     def _get(self, task_id: str) -> Task:
         task = self._table.get(task_id)
@@ -263,7 +281,27 @@ class MemoryBroker(Broker):
     ) -> list[Task]:
         due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
         leased: list[Task] = []
-        ordered = heapq.nsmallest(limit, due, key=lambda t: (t.available_at, t.id))
+        limits = list(self._concurrency.get(queue, {}).values())
+        freed = self._table.take_freed(queue)
+        if limits:
+            # The HELD tasks of keys with room again are PENDING first, as Postgres's
+            # lease makes them (from what its triggers noted).
+            if freed:
+                self._promote_held(((queue, key) for key in freed), now)
+                due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
+            # Every due task in lease order: those parked make way for the ones behind.
+            candidates = sorted(due, key=lambda t: (t.available_at, t.id))
+            keys = [t.concurrency_key for t in candidates]
+            active = {
+                key: self._table.active_with_key(queue, key) for key in set(keys) if key is not None
+            }
+            plan = concurrency.plan_lease(keys, limits, active, limit)
+            for index in plan.park:
+                task = candidates[index]
+                self._table.put(replace(task, state=TaskState.HELD, updated_at=now), task)
+            ordered = [candidates[index] for index in plan.lease]
+        else:
+            ordered = heapq.nsmallest(limit, due, key=lambda t: (t.available_at, t.id))
         for n, task in enumerate(ordered):
             leased.append(
                 self._table.put(
@@ -927,6 +965,34 @@ class MemoryBroker(Broker):
                 )
                 for task in heapq.nsmallest(limit, live, key=lambda t: (t.created_at, t.id))
             ]
+
+    # -------------------------------------------------------- concurrency limits
+
+    async def _set_concurrency_limit(self, limit: ConcurrencyLimit) -> ConcurrencyLimit:
+        async with self._locked() as now:
+            self._concurrency.setdefault(limit.queue, {})[limit.pattern] = limit
+            self._promote_held(
+                ((limit.queue, key) for key in self._table.held_keys(limit.queue)), now
+            )
+            return limit
+
+    async def _list_concurrency_limits(self, queue: str | None) -> list[ConcurrencyLimit]:
+        async with self._locked():
+            return [
+                self._concurrency[q][pattern]
+                for q in sorted(self._concurrency)
+                if queue is None or q == queue
+                for pattern in sorted(self._concurrency[q])
+            ]
+
+    async def _delete_concurrency_limit(self, queue: str, pattern: str) -> None:
+        async with self._locked() as now:
+            limits = self._concurrency.get(queue, {})
+            if limits.pop(pattern, None) is None:
+                raise ConcurrencyLimitNotFound(queue, pattern)
+            if not limits:
+                del self._concurrency[queue]
+            self._promote_held(((queue, key) for key in self._table.held_keys(queue)), now)
 
     # -------------------------------------------------------------- rate limits
 

@@ -95,6 +95,11 @@ class TaskTable:
         # have lapsed since; claim_holder checks.
         self._claims: dict[tuple[str, str], str] = {}
         self._events: list[TaskEvent] = []
+        # (queue, concurrency key) -> ids of its HELD tasks; -> how many are ACTIVE.
+        self._held: defaultdict[tuple[str, str], set[str]] = defaultdict(set)
+        self._active_keys: defaultdict[tuple[str, str], int] = defaultdict(int)
+        # Queue -> keys an ACTIVE task of it left since the queue's last take_freed.
+        self._freed: defaultdict[str, set[str]] = defaultdict(set)
 
     # ------------------------------------------------------------------ reading
 
@@ -143,6 +148,22 @@ class TaskTable:
                     candidates.append((at, task_id))
         return [self._tasks[task_id] for _, task_id in heapq.nsmallest(limit, candidates)]
 
+    def held(self, queue: str, key: str) -> list[Task]:
+        """The HELD tasks of ``queue`` with concurrency key ``key`` (unordered)."""
+        return [self._tasks[task_id] for task_id in self._held.get((queue, key), ())]
+
+    def held_keys(self, queue: str) -> list[str]:
+        """The concurrency keys of ``queue`` that have HELD tasks."""
+        return [key for (q, key), ids in self._held.items() if q == queue and ids]
+
+    def active_with_key(self, queue: str, key: str) -> int:
+        """How many tasks of ``queue`` with concurrency key ``key`` are ACTIVE."""
+        return self._active_keys.get((queue, key), 0)
+
+    def take_freed(self, queue: str) -> set[str]:
+        """The keys of ``queue`` whose ACTIVE tasks left ACTIVE since the last call."""
+        return self._freed.pop(queue, set())
+
     def claim_holder(self, queue: str, unique_key: str, now: datetime) -> str | None:
         """The id of the live task holding (queue, unique_key) now, if any."""
         key = (queue, unique_key)
@@ -166,6 +187,12 @@ class TaskTable:
         if task.state in LEASABLE_STATES:
             self._leasable[task.queue].add(task.id)
         self._counts[task.queue][task.state] += 1
+        if task.concurrency_key is not None:
+            keyed = (task.queue, task.concurrency_key)
+            if task.state is TaskState.HELD:
+                self._held[keyed].add(task.id)
+            elif task.state is TaskState.ACTIVE:
+                self._active_keys[keyed] += 1
         if task.unique_key is not None:
             key = (task.queue, task.unique_key)
             if task.state not in INCOMPLETE_STATES:
@@ -219,3 +246,16 @@ class TaskTable:
         self._by_state[task.state].discard(task.id)
         self._leasable[task.queue].discard(task.id)
         self._counts[task.queue][task.state] -= 1
+        if task.concurrency_key is not None:
+            keyed = (task.queue, task.concurrency_key)
+            if task.state is TaskState.HELD:
+                held = self._held[keyed]
+                held.discard(task.id)
+                if not held:
+                    del self._held[keyed]
+            elif task.state is TaskState.ACTIVE:
+                self._active_keys[keyed] -= 1
+                if not self._active_keys[keyed]:
+                    del self._active_keys[keyed]
+                # Left ACTIVE (put re-adds it when it stays): its key may have room.
+                self._freed[task.queue].add(task.concurrency_key)

@@ -15,6 +15,7 @@ class TaskState(StrEnum):
     SCHEDULED = "scheduled"
     AGGREGATING = "aggregating"
     BLOCKED = "blocked"
+    HELD = "held"
     ACTIVE = "active"
     RETRY = "retry"
     COMPLETED = "completed"
@@ -29,6 +30,7 @@ WAITING_STATES: frozenset[TaskState] = frozenset(
         TaskState.SCHEDULED,
         TaskState.AGGREGATING,
         TaskState.BLOCKED,
+        TaskState.HELD,
         TaskState.RETRY,
     }
 )
@@ -552,6 +554,22 @@ class RateLimit:
     queue: str
     per_second: float
     burst: int
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyLimit:
+    """At most ``per_key`` tasks of ``queue`` ACTIVE at once per concurrency key, for the
+    keys that match ``pattern`` (a glob: ``*`` any text, ``?`` one character). A key
+    takes the limit of its queue's longest matching pattern (then the first in code point
+    order); a task with no key, or a key no pattern matches, is not limited.
+
+    The broker enforces it as it leases (see :mod:`conveyor_broker.concurrency`): a task
+    whose key is at its limit is HELD instead of leased, and the oldest HELD task of a
+    key is PENDING again once an ACTIVE task of that key stops being ACTIVE."""
+
+    queue: str
+    per_key: int
+    pattern: str = "*"
 
 
 @dataclass(frozen=True, slots=True)

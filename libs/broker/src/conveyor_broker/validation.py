@@ -16,6 +16,7 @@ from conveyor_broker import cron
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.ids import is_ulid
 from conveyor_broker.types import (
+    ConcurrencyLimit,
     CronEntrySpec,
     CronMisfire,
     GroupConfig,
@@ -426,6 +427,28 @@ def check_group_pattern(pattern: str) -> None:
     if not isinstance(pattern, str) or not _PATTERN_RE.fullmatch(pattern):
         raise InvalidTask("a group pattern is 1-256 characters, '*' and '?' as wildcards")
     check_text("group pattern", pattern)
+
+
+def check_key_pattern(pattern: str) -> None:
+    """Raise InvalidTask unless ``pattern`` is a concurrency key glob (1-256 characters,
+    no control characters)."""
+    if not isinstance(pattern, str) or not _PATTERN_RE.fullmatch(pattern):
+        raise InvalidTask("a key pattern is 1-256 characters, '*' and '?' as wildcards")
+    check_text("key pattern", pattern)
+
+
+#: The highest per-key limit of a concurrency limit.
+MAX_PER_KEY = 1_000_000
+
+
+def check_concurrency_limit(limit: ConcurrencyLimit) -> None:
+    """Raise InvalidTask unless ``limit`` is one a broker may store: a queue, a key
+    pattern and a whole per-key limit of 1..MAX_PER_KEY."""
+    check_queue(limit.queue)
+    check_key_pattern(limit.pattern)
+    n = limit.per_key
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PER_KEY:
+        raise InvalidTask(f"per_key must be a whole number 1..{MAX_PER_KEY}, got {n!r}")
 
 
 def check_group_config(config: GroupConfig) -> None:

@@ -21,14 +21,15 @@ from conveyor_gateway.attempt_bounds import AttemptBound, AttemptTimers, envelop
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """One delivery: its task, lease and queue, the retries before this attempt, and the
-    task's deadline (None: none)."""
+    """One delivery: its task, lease and queue, the retries before this attempt, the
+    task's deadline (None: none), and whether it has a concurrency key."""
 
     task_id: str
     lease_id: str
     queue: str
     retried: int
     deadline: datetime | None = None
+    keyed: bool = False
 
 
 class Holdings:
@@ -62,7 +63,14 @@ class Holdings:
         """Hold the dispatched ``env`` of ``queue``, arming its attempt bound if it has one."""
         bounded = env.HasField("timeout") or env.HasField("deadline")
         timeout, deadline = envelope_bounds(env) if bounded else (None, None)
-        held = Held(env.id, env.lease_id, queue, max(0, env.attempt - 1), deadline)
+        held = Held(
+            env.id,
+            env.lease_id,
+            queue,
+            max(0, env.attempt - 1),
+            deadline,
+            keyed=bool(env.concurrency_key),
+        )
         self.by_lease[held.lease_id] = held
         self.lease_of[held.task_id] = held.lease_id
         self.per_queue[queue] += 1
@@ -73,7 +81,14 @@ class Holdings:
         """Hold ``task``, an attempt that started elsewhere under ``lease_id``; its bound is
         armed with what is left of its timeout (a bound at once when nothing is) and its
         deadline."""
-        held = Held(task.id, lease_id, task.queue, task.retried, task.deadline)
+        held = Held(
+            task.id,
+            lease_id,
+            task.queue,
+            task.retried,
+            task.deadline,
+            keyed=task.concurrency_key is not None,
+        )
         self.by_lease[lease_id] = held
         self.lease_of[task.id] = lease_id
         self.per_queue[task.queue] += 1

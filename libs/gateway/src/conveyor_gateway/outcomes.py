@@ -203,6 +203,15 @@ class Outcomes:
             return
         for held in lost:
             self._lease_lost(held)
+        self._wake_keyed(batch)
+
+    def _wake_keyed(self, batch: Sequence[Held]) -> None:
+        """Wake the queues of committed outcomes of tasks with a concurrency key: each
+        freed its key's slot, and the queue's next lease gives a HELD task of that key
+        its turn (the Done for the slot may reach the dispatcher before this commit, so
+        its lease may have come too early to see the slot free)."""
+        for queue in {held.queue for held in batch if held.keyed}:
+            self._wakes.wake(queue)
 
     def _refused(self, batch: Sequence[Held], what: str) -> None:
         logger.exception(
@@ -267,6 +276,7 @@ class Outcomes:
                     continue
                 for held in lost:
                     self._lease_lost(held)
+                self._wake_keyed(batch)
                 logger.info(
                     "gateway.%s_committed_after_retry gateway=%s count=%d tries=%d",
                     what,
@@ -385,7 +395,14 @@ class Outcomes:
             return False
         if task.queue not in served:
             raise ValueError(f"task {task.id} is on queue {task.queue!r}, which is not served here")
-        stranger = Held(task.id, result.lease_id, task.queue, task.retried, task.deadline)
+        stranger = Held(
+            task.id,
+            result.lease_id,
+            task.queue,
+            task.retried,
+            task.deadline,
+            keyed=task.concurrency_key is not None,
+        )
         try:
             await self.apply(stranger, result)
         except LeaseLost:

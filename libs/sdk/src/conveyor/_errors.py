@@ -77,6 +77,23 @@ class RateLimitNotFound(ConveyorError, LookupError):
         self.queue = queue
 
 
+class ConcurrencyLimitNotFound(ConveyorError, LookupError):
+    """The queue has no concurrency limit for this key pattern. ``queue`` and ``pattern``
+    are the ones asked for."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = "NOT_FOUND",
+        queue: str | None = None,
+        pattern: str | None = None,
+    ) -> None:
+        super().__init__(message, code=code)
+        self.queue = queue
+        self.pattern = pattern
+
+
 class CronEntryNotFound(ConveyorError, LookupError):
     """No cron entry has this name. ``name`` is the name asked for."""
 

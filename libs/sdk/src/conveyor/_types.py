@@ -22,7 +22,8 @@ MAX_BATCH = 1000
 class TaskState(StrEnum):
     """Where a task is in its lifecycle.
 
-    Waiting: ``PENDING``, ``SCHEDULED``, ``AGGREGATING``, ``BLOCKED``, ``RETRY``. Running:
+    Waiting: ``PENDING``, ``SCHEDULED``, ``AGGREGATING``, ``BLOCKED``, ``HELD`` (due, its
+    concurrency key at its limit), ``RETRY``. Running:
     ``ACTIVE``. Terminal: ``COMPLETED``, ``ARCHIVED``, ``CANCELED``. ``UNKNOWN`` stands for a
     state this SDK version does not know (a newer server).
     """
@@ -31,6 +32,7 @@ class TaskState(StrEnum):
     SCHEDULED = "scheduled"
     AGGREGATING = "aggregating"
     BLOCKED = "blocked"
+    HELD = "held"
     ACTIVE = "active"
     RETRY = "retry"
     COMPLETED = "completed"

@@ -546,12 +546,14 @@ class ListRateLimitsResponse(_message.Message):
     def __init__(self, limits: _Optional[_Iterable[_Union[RateLimit, _Mapping]]] = ...) -> None: ...
 
 class ConcurrencyLimit(_message.Message):
-    __slots__ = ("queue", "per_key")
+    __slots__ = ("queue", "per_key", "pattern")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     PER_KEY_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
     queue: str
     per_key: int
-    def __init__(self, queue: _Optional[str] = ..., per_key: _Optional[int] = ...) -> None: ...
+    pattern: str
+    def __init__(self, queue: _Optional[str] = ..., per_key: _Optional[int] = ..., pattern: _Optional[str] = ...) -> None: ...
 
 class SetConcurrencyLimitRequest(_message.Message):
     __slots__ = ("limit",)
@@ -560,22 +562,28 @@ class SetConcurrencyLimitRequest(_message.Message):
     def __init__(self, limit: _Optional[_Union[ConcurrencyLimit, _Mapping]] = ...) -> None: ...
 
 class SetConcurrencyLimitResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: ConcurrencyLimit
+    def __init__(self, limit: _Optional[_Union[ConcurrencyLimit, _Mapping]] = ...) -> None: ...
 
 class DeleteConcurrencyLimitRequest(_message.Message):
-    __slots__ = ("queue",)
+    __slots__ = ("queue", "pattern")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
     queue: str
-    def __init__(self, queue: _Optional[str] = ...) -> None: ...
+    pattern: str
+    def __init__(self, queue: _Optional[str] = ..., pattern: _Optional[str] = ...) -> None: ...
 
 class DeleteConcurrencyLimitResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ListConcurrencyLimitsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("queue",)
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    def __init__(self, queue: _Optional[str] = ...) -> None: ...
 
 class ListConcurrencyLimitsResponse(_message.Message):
     __slots__ = ("limits",)

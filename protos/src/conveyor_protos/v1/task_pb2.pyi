@@ -24,6 +24,7 @@ class TaskState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_STATE_COMPLETED: _ClassVar[TaskState]
     TASK_STATE_ARCHIVED: _ClassVar[TaskState]
     TASK_STATE_CANCELED: _ClassVar[TaskState]
+    TASK_STATE_HELD: _ClassVar[TaskState]
 
 class OnFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ TASK_STATE_RETRY: TaskState
 TASK_STATE_COMPLETED: TaskState
 TASK_STATE_ARCHIVED: TaskState
 TASK_STATE_CANCELED: TaskState
+TASK_STATE_HELD: TaskState
 ON_FAILURE_UNSPECIFIED: OnFailure
 ON_FAILURE_BLOCK: OnFailure
 ON_FAILURE_CONTINUE: OnFailure

@@ -73,11 +73,7 @@ _WATCH_BACKLOG = 10_000
 MAX_WATCH_QUEUES = 1_000
 
 #: AdminService methods that exist on the wire but not yet in this server.
-NOT_YET_IMPLEMENTED = (
-    "SetConcurrencyLimit",
-    "DeleteConcurrencyLimit",
-    "ListConcurrencyLimits",
-)
+NOT_YET_IMPLEMENTED: tuple[str, ...] = ()
 
 
 class AdminService(service_pb2_grpc.AdminServiceServicer):
@@ -749,6 +745,58 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             await abort_for_error(context, exc)
         return service_pb2.ListRateLimitsResponse(
             limits=[wire.rate_limit_to_proto(limit) for limit in limits]
+        )
+
+    # ----------------------------------------------------- concurrency limits
+    # The broker enforces them as it leases; a change may make HELD tasks PENDING, so
+    # the queue is woken.
+
+    async def SetConcurrencyLimit(
+        self, request: service_pb2.SetConcurrencyLimitRequest, context: _Context
+    ) -> service_pb2.SetConcurrencyLimitResponse:
+        """Create or replace the per-key limit of a queue and key pattern (empty: ``*``).
+        HELD tasks whose key now has room are PENDING at once."""
+        try:
+            if not request.HasField("limit"):
+                raise InvalidTask("limit is required")
+            limit = await self._broker.set_concurrency_limit(
+                wire.concurrency_limit_from_proto(request.limit)
+            )
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        self._wakes.wake(limit.queue)
+        logger.info(
+            "admin.concurrency_limit_set queue=%s pattern=%s per_key=%d",
+            limit.queue,
+            limit.pattern,
+            limit.per_key,
+        )
+        return service_pb2.SetConcurrencyLimitResponse(limit=wire.concurrency_limit_to_proto(limit))
+
+    async def DeleteConcurrencyLimit(
+        self, request: service_pb2.DeleteConcurrencyLimitRequest, context: _Context
+    ) -> service_pb2.DeleteConcurrencyLimitResponse:
+        """Delete the limit of a queue and key pattern (empty: ``*``; NOT_FOUND when
+        there is none); the keys it limited take another pattern's limit or none."""
+        pattern = request.pattern or "*"
+        try:
+            await self._broker.delete_concurrency_limit(request.queue, pattern)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        self._wakes.wake(request.queue)
+        logger.info("admin.concurrency_limit_deleted queue=%s pattern=%s", request.queue, pattern)
+        return service_pb2.DeleteConcurrencyLimitResponse()
+
+    async def ListConcurrencyLimits(
+        self, request: service_pb2.ListConcurrencyLimitsRequest, context: _Context
+    ) -> service_pb2.ListConcurrencyLimitsResponse:
+        """The stored limits (of ``queue``, or of every queue), by queue and pattern."""
+        try:
+            limits = await self._broker.list_concurrency_limits(request.queue or None)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.ListConcurrencyLimitsResponse(
+            limits=[wire.concurrency_limit_to_proto(limit) for limit in limits]
         )
 
     async def _select(

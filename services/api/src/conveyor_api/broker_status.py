@@ -9,6 +9,7 @@ import grpc
 from conveyor_broker import (
     BrokerClosed,
     BrokerError,
+    ConcurrencyLimitNotFound,
     CronEntryNotFound,
     DatabaseUnavailable,
     DuplicateTask,
@@ -54,6 +55,7 @@ _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (CronEntryNotFound, grpc.StatusCode.NOT_FOUND),
     (GroupConfigNotFound, grpc.StatusCode.NOT_FOUND),
     (RateLimitNotFound, grpc.StatusCode.NOT_FOUND),
+    (ConcurrencyLimitNotFound, grpc.StatusCode.NOT_FOUND),
     (NotSupported, grpc.StatusCode.UNIMPLEMENTED),
     # A stored value this server has no key for: its configuration must change.
     (DecryptionError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -43,7 +43,7 @@ __all__ = ["BlockingEmbeddedServer", "EmbeddedServer", "Unfinished"]
 _T = TypeVar("_T")
 
 #: States of a task that still has to run (or is running): what :meth:`drain` waits out.
-UNFINISHED = (TaskState.PENDING, TaskState.ACTIVE, TaskState.RETRY)
+UNFINISHED = (TaskState.PENDING, TaskState.HELD, TaskState.ACTIVE, TaskState.RETRY)
 
 #: How often the waits below look again.
 _POLL = 0.01
@@ -163,7 +163,7 @@ class EmbeddedServer:
         timeout: float = 10.0,  # noqa: ASYNC109 - a test helper's deadline
         queues: Collection[str] = (),
     ) -> None:
-        """Wait until no task of ``queues`` (default: every queue) is pending, running or
+        """Wait until no task of ``queues`` (default: every queue) is pending, held, running or
         waiting for a retry. Scheduled, blocked and aggregating tasks are not waited
         for. Raises :class:`Unfinished` after ``timeout`` seconds with what is left."""
         admin = self._admin_client()

@@ -420,6 +420,24 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
         message = pb.DeleteRateLimitRequest(queue=queue)
         return await call(admin().DeleteRateLimit, message, request)
 
+    keyed = "/v1/limits/concurrency/{queue}"
+
+    @app.put(keyed, tags=["limits"], responses=PROBLEM_RESPONSES)
+    async def put_concurrency_limit(queue: str, body: JsonObject, request: Request) -> JsonObject:
+        """AdminService.SetConcurrencyLimit: the body is a ConcurrencyLimit in JSON
+        (``perKey``, ``pattern``: absent for ``*``), its queue from the path."""
+        message = pb.SetConcurrencyLimitRequest()
+        parse({**body, "queue": queue}, message.limit)
+        return await call(admin().SetConcurrencyLimit, message, request)
+
+    @app.delete(keyed, tags=["limits"], responses=PROBLEM_RESPONSES)
+    async def delete_concurrency_limit(
+        queue: str, request: Request, pattern: Annotated[str, Query(max_length=256)] = "*"
+    ) -> JsonObject:
+        """AdminService.DeleteConcurrencyLimit (``?pattern=``, default ``*``)."""
+        message = pb.DeleteConcurrencyLimitRequest(queue=queue, pattern=pattern)
+        return await call(admin().DeleteConcurrencyLimit, message, request)
+
     # The lists of the limits and group configs: each one GET; an api without one answers
     # UNIMPLEMENTED, which is a 501 problem.
     for path, rpc, request_type in (

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 from google.protobuf import json_format
 
-STATES = ("pending", "scheduled", "active", "retry", "blocked", "archived", "completed")
+STATES = ("pending", "scheduled", "held", "active", "retry", "blocked", "archived", "completed")
 
 PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>{title} · Conveyor</title>
 <style>body{{font:14px system-ui;margin:2rem}}table{{border-collapse:collapse}}

@@ -27,6 +27,7 @@ import asyncpg
 from conveyor_broker import cron, groups, rates
 from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
+    ConcurrencyLimitNotFound,
     CronEntryNotFound,
     DatabaseUnavailable,
     DuplicateTask,
@@ -40,7 +41,7 @@ from conveyor_broker.errors import (
 )
 from conveyor_broker.ids import new_id, new_ids
 from conveyor_broker.interface import DEFAULT_MAX_RETRY, MAX_BATCH, Broker, package_version
-from conveyor_broker.postgres import enqueue, upkeep
+from conveyor_broker.postgres import enqueue, keyed, upkeep
 from conveyor_broker.postgres.migrations import schema_version
 from conveyor_broker.postgres.queries.admin import (
     ARCHIVE_TASK,
@@ -60,6 +61,7 @@ from conveyor_broker.postgres.queries.admin import (
     RUN_TASK_NOW,
     SET_QUEUE_PAUSED,
 )
+from conveyor_broker.postgres.queries.concurrency import LIMITED_QUEUES, LIST_CONCURRENCY_LIMITS
 from conveyor_broker.postgres.queries.cron import (
     ADVANCE_CRON_ENTRY,
     DELETE_CRON_ENTRY,
@@ -143,6 +145,7 @@ from conveyor_broker.types import (
     TERMINAL_STATES,
     AckItem,
     BrokerInfo,
+    ConcurrencyLimit,
     CronEntry,
     CronEntrySpec,
     CronFired,
@@ -339,7 +342,23 @@ class PostgresBroker(Broker):
         now = self._clock.now()
         lease_ids = new_ids(now, limit)
         rows = await self._fetch(LEASE, queue, now, limit, lease_ids, now + ttl, holders)
-        return self._leased(rows, now)
+        if rows:
+            return self._leased(rows, now)
+        # Nothing due, or the queue has concurrency limits (the statement skips it).
+        leased = await self._lease_keyed(queue, limit, ttl, holders)
+        return [] if leased is None else leased
+
+    async def _lease_keyed(
+        self, queue: str, limit: int, ttl: timedelta, holders: Sequence[str]
+    ) -> list[Task] | None:
+        """The keyed lease of ``queue`` (:mod:`.keyed`); None when it has no limit."""
+        now = self._clock.now()
+        async with self._conn() as conn:
+            done = await keyed.lease(conn, queue, limit, ttl, holders, now)
+        if done is None:
+            return None
+        self._emit(self._event(task, previous, now) for task, previous in done.changes)
+        return done.leased
 
     def _leased(self, rows: Iterable[asyncpg.Record], now: datetime) -> list[Task]:
         """The tasks a lease statement returned, in lease order; their events emitted."""
@@ -381,6 +400,15 @@ class PostgresBroker(Broker):
         by_queue: dict[str, list[Task]] = {queue: [] for queue, _ in wants}
         for task in self._leased(rows, now):
             by_queue[task.queue].append(task)
+        empty = [queue for queue, _ in wants if not by_queue[queue]]
+        if empty:
+            # The statement skips queues with concurrency limits: each has its own lease.
+            limited = {row["queue"] for row in await self._fetch(LIMITED_QUEUES, empty)}
+            for (queue, limit), queue_holders in zip(wants, holders, strict=True):
+                if queue in limited and not by_queue[queue]:
+                    by_queue[queue] = (
+                        await self._lease_keyed(queue, limit, ttl, queue_holders) or []
+                    )
         return [by_queue[queue] for queue, _ in wants]
 
     async def _extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
@@ -897,6 +925,28 @@ class PostgresBroker(Broker):
         leased = sorted((task_from_row(row) for row in rows), key=lambda t: (t.created_at, t.id))
         self._emit(self._event(task, TaskState.AGGREGATING, now) for task in leased)
         return leased
+
+    # -------------------------------------------------------- concurrency limits
+
+    async def _set_concurrency_limit(self, limit: ConcurrencyLimit) -> ConcurrencyLimit:
+        now = self._clock.now()
+        async with self._conn() as conn:
+            changes = await keyed.set_limit(conn, limit, now)
+        self._emit(self._event(task, previous, now) for task, previous in changes)
+        return limit
+
+    async def _list_concurrency_limits(self, queue: str | None) -> list[ConcurrencyLimit]:
+        return [
+            keyed.limit_from_row(row) for row in await self._fetch(LIST_CONCURRENCY_LIMITS, queue)
+        ]
+
+    async def _delete_concurrency_limit(self, queue: str, pattern: str) -> None:
+        now = self._clock.now()
+        async with self._conn() as conn:
+            changes = await keyed.delete_limit(conn, queue, pattern, now)
+        if changes is None:
+            raise ConcurrencyLimitNotFound(queue, pattern)
+        self._emit(self._event(task, previous, now) for task, previous in changes)
 
     # -------------------------------------------------------------- rate limits
 

@@ -60,7 +60,7 @@ CREATE TABLE conveyor_tasks (
     dependents_pending boolean NOT NULL DEFAULT false,
     CONSTRAINT conveyor_tasks_pkey PRIMARY KEY (id),
     CONSTRAINT conveyor_tasks_state_check CHECK (state IN (
-        'pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry',
+        'pending', 'scheduled', 'aggregating', 'blocked', 'held', 'active', 'retry',
         'completed', 'archived', 'canceled')),
     CONSTRAINT conveyor_tasks_on_failure_check CHECK (
         on_failure IN ('block', 'continue', 'cascade_cancel')),
@@ -88,7 +88,7 @@ CREATE INDEX conveyor_tasks_lease_expiry_idx ON conveyor_tasks (lease_expires_at
 -- ArchiveExpired: only tasks that have a pre-dispatch TTL and still wait.
 CREATE INDEX conveyor_tasks_expiry_idx ON conveyor_tasks (expires_at, id)
     WHERE expires_at IS NOT NULL
-      AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'retry');
+      AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'held', 'retry');
 
 -- PurgeTerminal walks these three in purge order, so a sweep reads about as many rows as
 -- it deletes however many terminal rows are kept. Completed tasks with a retention of
@@ -111,7 +111,7 @@ CREATE INDEX conveyor_tasks_queue_state_idx ON conveyor_tasks (queue, state, id)
 -- setting unique_claim to NULL, which takes the row out of this index.
 CREATE UNIQUE INDEX conveyor_tasks_unique_idx ON conveyor_tasks (queue, unique_claim)
     WHERE unique_claim IS NOT NULL
-      AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry');
+      AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'held', 'active', 'retry');
 
 -- PromoteReadyDependents: ended tasks whose dependents are not resolved yet, oldest end
 -- first.
@@ -257,3 +257,45 @@ CREATE TABLE conveyor_rate_limits (
     CONSTRAINT conveyor_rate_limits_rate_check CHECK (per_second > 0 AND burst > 0),
     CONSTRAINT conveyor_rate_limits_tokens_check CHECK (tokens >= 0 AND tokens <= burst)
 );
+
+-- Concurrency limits per key: the limits, the HELD tasks by key, the ACTIVE ones with a
+-- key, and the keys whose ACTIVE tasks stopped being ACTIVE since the queue's last lease
+-- (kept by the triggers below; see conveyor_broker.concurrency).
+CREATE INDEX conveyor_tasks_held_idx ON conveyor_tasks (queue, concurrency_key, available_at, id)
+    WHERE state = 'held';
+CREATE INDEX conveyor_tasks_keyed_active_idx ON conveyor_tasks (queue, concurrency_key)
+    WHERE state = 'active' AND concurrency_key IS NOT NULL;
+
+CREATE TABLE conveyor_concurrency_limits (
+    queue   text COLLATE "C" NOT NULL,
+    pattern text COLLATE "C" NOT NULL,
+    per_key integer NOT NULL,
+    CONSTRAINT conveyor_concurrency_limits_pkey PRIMARY KEY (queue, pattern),
+    CONSTRAINT conveyor_concurrency_limits_per_key_check CHECK (per_key > 0)
+);
+
+CREATE TABLE conveyor_concurrency_freed (
+    queue text COLLATE "C" NOT NULL,
+    key   text NOT NULL
+);
+CREATE INDEX conveyor_concurrency_freed_queue_idx ON conveyor_concurrency_freed (queue);
+
+CREATE FUNCTION conveyor_concurrency_freed() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM conveyor_concurrency_limits WHERE queue = OLD.queue) THEN
+        INSERT INTO conveyor_concurrency_freed (queue, key)
+        VALUES (OLD.queue, OLD.concurrency_key);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER conveyor_tasks_left_active
+    AFTER UPDATE OF state ON conveyor_tasks FOR EACH ROW
+    WHEN (OLD.state = 'active' AND NEW.state <> 'active' AND OLD.concurrency_key IS NOT NULL)
+    EXECUTE FUNCTION conveyor_concurrency_freed();
+
+CREATE TRIGGER conveyor_tasks_deleted_active
+    AFTER DELETE ON conveyor_tasks FOR EACH ROW
+    WHEN (OLD.state = 'active' AND OLD.concurrency_key IS NOT NULL)
+    EXECUTE FUNCTION conveyor_concurrency_freed();

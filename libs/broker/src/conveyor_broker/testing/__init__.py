@@ -23,6 +23,7 @@ import pytest
 pytest.register_assert_rewrite(
     "conveyor_broker.testing.admin",
     "conveyor_broker.testing.builders",
+    "conveyor_broker.testing.concurrency",
     "conveyor_broker.testing.cron",
     "conveyor_broker.testing.dependencies",
     "conveyor_broker.testing.enqueue",
@@ -38,6 +39,7 @@ pytest.register_assert_rewrite(
 
 from conveyor_broker.clock import FakeClock  # noqa: E402
 from conveyor_broker.testing.admin import AdminTests  # noqa: E402
+from conveyor_broker.testing.concurrency import ConcurrencyLimitTests  # noqa: E402
 from conveyor_broker.testing.cron import CronTests  # noqa: E402
 from conveyor_broker.testing.dependencies import DependencyTests  # noqa: E402
 from conveyor_broker.testing.enqueue import EnqueueTests  # noqa: E402
@@ -64,6 +66,7 @@ class BrokerConformance(
     CronTests,
     GroupTests,
     RateLimitTests,
+    ConcurrencyLimitTests,
 ):
     """Every behaviour the Broker interface promises. Subclass it and provide the
     ``clock`` and ``broker`` fixtures (see the module docstring)."""

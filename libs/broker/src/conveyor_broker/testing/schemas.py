@@ -15,7 +15,8 @@ from conveyor_broker.postgres import PostgresBroker, migrate
 #: Every table that holds broker data (not the migration log): ``TRUNCATE`` empties a store.
 DATA_TABLES = (
     "conveyor_tasks, conveyor_queues, conveyor_task_dependencies, conveyor_webhook_workers, "
-    "conveyor_cron_entries, conveyor_group_configs, conveyor_rate_limits"
+    "conveyor_cron_entries, conveyor_group_configs, conveyor_rate_limits, "
+    "conveyor_concurrency_limits, conveyor_concurrency_freed"
 )
 
 

@@ -38,7 +38,12 @@ from conveyor_runtime.wire.groups import (
     group_config_to_proto,
     group_stats_to_proto,
 )
-from conveyor_runtime.wire.limits import rate_limit_from_proto, rate_limit_to_proto
+from conveyor_runtime.wire.limits import (
+    concurrency_limit_from_proto,
+    concurrency_limit_to_proto,
+    rate_limit_from_proto,
+    rate_limit_to_proto,
+)
 from conveyor_runtime.wire.requests import (
     DISPATCH_OVERHEAD,
     TaskDefaults,
@@ -71,6 +76,8 @@ __all__ = [
     "DISPATCH_OVERHEAD",
     "TaskDefaults",
     "check_time_bounds",
+    "concurrency_limit_from_proto",
+    "concurrency_limit_to_proto",
     "cron_entry_to_proto",
     "cron_spec_from_proto",
     "decode_events",

@@ -92,7 +92,6 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
 #: a task using one would do if it were stored: nothing, ever.
 UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = (
     ("group", "aggregation groups are not dispatched yet: the task would stay aggregating forever"),
-    ("concurrency_key", "per-key concurrency limits are not enforced yet: it would run unlimited"),
 )
 
 

@@ -20,6 +20,7 @@ _STATE_TO_PROTO: dict[TaskState, task_pb2.TaskState] = {
     TaskState.SCHEDULED: task_pb2.TASK_STATE_SCHEDULED,
     TaskState.AGGREGATING: task_pb2.TASK_STATE_AGGREGATING,
     TaskState.BLOCKED: task_pb2.TASK_STATE_BLOCKED,
+    TaskState.HELD: task_pb2.TASK_STATE_HELD,
     TaskState.ACTIVE: task_pb2.TASK_STATE_ACTIVE,
     TaskState.RETRY: task_pb2.TASK_STATE_RETRY,
     TaskState.COMPLETED: task_pb2.TASK_STATE_COMPLETED,

@@ -14,6 +14,7 @@ from conveyor._channel import DEFAULT_TARGET, TlsFile
 from conveyor._clients.admin_types import (
     BatchActionResult,
     ClusterInfo,
+    ConcurrencyLimit,
     CronEntry,
     CronMisfire,
     CronSpec,
@@ -40,6 +41,8 @@ from conveyor._clients.admin_wire import (
     batch_request,
     batch_result,
     cluster_from_wire,
+    concurrency_limit_from_wire,
+    concurrency_limit_request,
     cron_from_wire,
     cron_request,
     dependencies_request,
@@ -58,6 +61,7 @@ from conveyor._clients.admin_wire import (
     watch_request,
     webhook_from_wire,
     webhook_request,
+    with_concurrency_limit,
     with_cron_name,
     with_group_config,
     with_rate_limit,
@@ -549,6 +553,39 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
         request = svc.ListRateLimitsRequest()
         response = await self._call("ListRateLimits", request, svc.ListRateLimitsResponse)
         return [rate_limit_from_wire(limit) for limit in response.limits]
+
+    # ---------------------------------------------------- concurrency limits
+
+    async def set_concurrency_limit(
+        self, queue: str, per_key: int, *, pattern: str = "*"
+    ) -> ConcurrencyLimit:
+        """Run at most ``per_key`` tasks of ``queue`` at once per concurrency key (the
+        ``concurrency_key`` task option), for the keys matching ``pattern``, across every
+        worker. A task of a key at its limit waits (state HELD) without holding up other
+        keys. Raising a limit releases waiting tasks at once. Returns the stored limit;
+        :class:`InvalidArgument` for a bad queue or pattern or a limit outside
+        1..1,000,000."""
+        request = concurrency_limit_request(queue, per_key, pattern)
+        response = await self._call("SetConcurrencyLimit", request, svc.SetConcurrencyLimitResponse)
+        return concurrency_limit_from_wire(response.limit)
+
+    async def delete_concurrency_limit(self, queue: str, *, pattern: str = "*") -> None:
+        """Remove ``queue``'s limit for ``pattern``: its keys take another pattern's
+        limit, or run unlimited. :class:`ConcurrencyLimitNotFound` when there is none."""
+        request = svc.DeleteConcurrencyLimitRequest(queue=queue, pattern=pattern)
+        try:
+            await self._call("DeleteConcurrencyLimit", request, svc.DeleteConcurrencyLimitResponse)
+        except ConveyorError as exc:
+            raise with_concurrency_limit(exc, queue, pattern) from None
+
+    async def list_concurrency_limits(self, queue: str | None = None) -> list[ConcurrencyLimit]:
+        """The concurrency limits of ``queue`` (None: of every queue), by queue and
+        pattern."""
+        request = svc.ListConcurrencyLimitsRequest(queue=queue or "")
+        response = await self._call(
+            "ListConcurrencyLimits", request, svc.ListConcurrencyLimitsResponse
+        )
+        return [concurrency_limit_from_wire(limit) for limit in response.limits]
 
     # ---------------------------------------------------- aggregation groups
 

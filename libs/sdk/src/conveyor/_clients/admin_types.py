@@ -72,6 +72,19 @@ class RateLimit:
 
 
 @dataclass(frozen=True, slots=True)
+class ConcurrencyLimit:
+    """At most ``per_key`` tasks of ``queue`` running at once per concurrency key, for
+    the keys that match ``pattern`` (``*`` any text, ``?`` one character; a key takes its
+    queue's longest matching pattern). Enforced by the server as it leases, across every
+    worker and dispatcher: a due task whose key is at its limit waits HELD, out of the way
+    of other keys' tasks, until a task of its key stops running."""
+
+    queue: str
+    per_key: int
+    pattern: str = "*"
+
+
+@dataclass(frozen=True, slots=True)
 class GroupStats:
     """An aggregation group's waiting members: how many, and when the first and the last
     joined."""

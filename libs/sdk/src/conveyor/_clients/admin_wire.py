@@ -14,6 +14,7 @@ from conveyor._clients.admin_types import (
     BatchActionResult,
     ClusterInfo,
     ClusterNode,
+    ConcurrencyLimit,
     CronEntry,
     CronMisfire,
     CronSpec,
@@ -39,6 +40,7 @@ from conveyor._clients.task_wire import (
 )
 from conveyor._errors import (
     CodecError,
+    ConcurrencyLimitNotFound,
     ConveyorError,
     CronEntryNotFound,
     GroupConfigNotFound,
@@ -409,6 +411,30 @@ def rate_limit_request(queue: str, per_second: float, burst: int | None) -> svc.
 def rate_limit_from_wire(limit: svc.RateLimit) -> RateLimit:
     """A stored rate limit."""
     return RateLimit(queue=limit.queue, per_second=limit.per_second, burst=limit.burst)
+
+
+def with_concurrency_limit(exc: ConveyorError, queue: str, pattern: str) -> ConveyorError:
+    """``exc``, as a ConcurrencyLimitNotFound naming ``queue`` and ``pattern`` when the
+    server said NOT_FOUND."""
+    if exc.code == "NOT_FOUND":
+        return ConcurrencyLimitNotFound(exc.message, code=exc.code, queue=queue, pattern=pattern)
+    return exc
+
+
+def concurrency_limit_request(
+    queue: str, per_key: int, pattern: str
+) -> svc.SetConcurrencyLimitRequest:
+    """A SetConcurrencyLimit request. InvalidArgument for a limit that is not an int."""
+    if isinstance(per_key, bool) or not isinstance(per_key, int) or not 0 < per_key < 2**31:
+        raise InvalidArgument(f"per_key must be a positive int, got {per_key!r}")
+    return svc.SetConcurrencyLimitRequest(
+        limit=svc.ConcurrencyLimit(queue=queue, per_key=per_key, pattern=pattern)
+    )
+
+
+def concurrency_limit_from_wire(limit: svc.ConcurrencyLimit) -> ConcurrencyLimit:
+    """A stored concurrency limit."""
+    return ConcurrencyLimit(queue=limit.queue, per_key=limit.per_key, pattern=limit.pattern)
 
 
 def group_config_request(

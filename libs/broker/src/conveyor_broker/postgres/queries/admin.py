@@ -134,13 +134,13 @@ WITH old AS (
         updated_at = $2::timestamptz
     FROM old
     WHERE t.id = old.id
-      AND old.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
+      AND old.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'held', 'active', 'retry')
     RETURNING {TASK_COLUMNS}, t.dependents_pending
 )
 SELECT changed.*, old.state AS previous_state FROM old LEFT JOIN changed ON true
 """
 
-#: SCHEDULED, RETRY, PENDING or BLOCKED -> PENDING, due now.
+#: SCHEDULED, RETRY, PENDING, BLOCKED or HELD -> PENDING, due now.
 RUN_TASK_NOW = f"""
 WITH old AS (
     SELECT id, state FROM conveyor_tasks WHERE id = $1 FOR UPDATE
@@ -148,7 +148,7 @@ WITH old AS (
     UPDATE conveyor_tasks t
     SET state = 'pending', available_at = $2, updated_at = $2::timestamptz
     FROM old
-    WHERE t.id = old.id AND old.state IN ('pending', 'scheduled', 'blocked', 'retry')
+    WHERE t.id = old.id AND old.state IN ('pending', 'scheduled', 'blocked', 'held', 'retry')
     RETURNING {TASK_COLUMNS}
 )
 SELECT changed.*, old.state AS previous_state FROM old LEFT JOIN changed ON true
@@ -182,7 +182,7 @@ WITH old AS (
         updated_at = $2::timestamptz
     FROM old
     WHERE t.id = old.id
-      AND old.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'retry')
+      AND old.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'held', 'retry')
     RETURNING {TASK_COLUMNS}, t.dependents_pending
 )
 SELECT changed.*, old.state AS previous_state FROM old LEFT JOIN changed ON true

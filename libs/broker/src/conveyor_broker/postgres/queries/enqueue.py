@@ -116,7 +116,7 @@ UPDATE conveyor_tasks t SET unique_claim = NULL
 FROM unnest($1::text[], $2::text[]) AS u(queue, unique_key)
 WHERE t.queue = u.queue AND t.unique_claim = u.unique_key
   AND t.unique_until <= $3
-  AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
+  AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'held', 'active', 'retry')
 """
 
 #: FREE_LAPSED_CLAIMS, and the live holders (id, queue, unique_key) of the same pairs.
@@ -127,14 +127,14 @@ WITH freed AS (
     FROM unnest($1::text[], $2::text[]) AS u(queue, unique_key)
     WHERE t.queue = u.queue AND t.unique_claim = u.unique_key
       AND t.unique_until <= $3
-      AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
+      AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'held', 'active', 'retry')
     RETURNING t.id
 )
 SELECT t.id, t.queue, t.unique_claim
 FROM conveyor_tasks t
 JOIN unnest($1::text[], $2::text[]) AS u(queue, unique_key)
   ON t.queue = u.queue AND t.unique_claim = u.unique_key
-WHERE t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
+WHERE t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'held', 'active', 'retry')
   AND (t.unique_until IS NULL OR t.unique_until > $3)
 """
 
@@ -142,6 +142,6 @@ WHERE t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'r
 UNIQUE_HOLDER = """
 SELECT t.id FROM conveyor_tasks t
 WHERE t.queue = $1 AND t.unique_claim = $2
-  AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'active', 'retry')
+  AND t.state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'held', 'active', 'retry')
   AND (t.unique_until IS NULL OR t.unique_until > $3)
 """

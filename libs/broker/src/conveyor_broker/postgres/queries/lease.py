@@ -13,12 +13,14 @@ from conveyor_broker.postgres.queries import TASK_COLUMNS
 
 #: Lease up to $3 due tasks of queue $1 at now $2, handing out the lease ids $4, expiry
 #: $5 and the holders $6. The state list is written as conveyor_tasks_due_idx's
-#: predicate is.
+#: predicate is. A queue with a concurrency limit leases nothing here (a one-time test:
+#: the keyed lease of queries.concurrency is its own).
 LEASE = f"""
 WITH due AS (
     SELECT id, state FROM conveyor_tasks
     WHERE queue = $1 AND state IN ('pending', 'retry') AND available_at <= $2
       AND (expires_at IS NULL OR expires_at > $2)
+      AND NOT EXISTS (SELECT 1 FROM conveyor_concurrency_limits l WHERE l.queue = $1)
     ORDER BY available_at, id
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -46,6 +48,8 @@ WITH due AS (
             SELECT c.id, c.state FROM conveyor_tasks c
             WHERE c.queue = r.queue AND c.state IN ('pending', 'retry')
               AND c.available_at <= $3 AND (c.expires_at IS NULL OR c.expires_at > $3)
+              AND NOT EXISTS (
+                  SELECT 1 FROM conveyor_concurrency_limits l WHERE l.queue = r.queue)
             ORDER BY c.available_at, c.id
             LIMIT r.n
             FOR UPDATE SKIP LOCKED

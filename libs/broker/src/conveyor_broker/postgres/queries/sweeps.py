@@ -166,7 +166,7 @@ ARCHIVE_EXPIRED = f"""
 WITH expired AS (
     SELECT id, state FROM conveyor_tasks
     WHERE expires_at IS NOT NULL AND expires_at <= $1
-      AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'retry')
+      AND state IN ('pending', 'scheduled', 'aggregating', 'blocked', 'held', 'retry')
     ORDER BY expires_at, id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
