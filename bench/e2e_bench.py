@@ -336,6 +336,22 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _separate_mode(args: argparse.Namespace) -> tuple[str, Any, Any] | None:
+    """The mode that replaces the burst benchmark, if one was asked for: its results file,
+    its coroutine function and its report."""
+    if args.keyed:
+        from bench import concurrency_bench
+
+        return "concurrency.json", concurrency_bench.run_concurrency, concurrency_bench.report
+    if args.rate_limit:
+        from bench import rate_bench
+
+        return "rate-limit.json", rate_bench.run_rate_limit, rate_bench.report
+    if args.recovery:
+        return "recovery.json", run_recovery, recovery_report
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -408,27 +424,13 @@ def main() -> None:
         many_queues.write(found)
         print(many_queues.report(found))
         return
-    if args.keyed:
-        from bench import concurrency_bench
-
-        keyed_result = uvloop.run(concurrency_bench.run_concurrency(args))
+    mode = _separate_mode(args)
+    if mode is not None:
+        name, result_of, report_of = mode
+        separate = uvloop.run(result_of(args))
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "concurrency.json").write_text(json.dumps(keyed_result, indent=2) + "\n")
-        print(concurrency_bench.report(keyed_result))
-        return
-    if args.rate_limit:
-        from bench import rate_bench
-
-        rated_result = uvloop.run(rate_bench.run_rate_limit(args))
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "rate-limit.json").write_text(json.dumps(rated_result, indent=2) + "\n")
-        print(rate_bench.report(rated_result))
-        return
-    if args.recovery:
-        recovery = uvloop.run(run_recovery(args))
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "recovery.json").write_text(json.dumps(recovery, indent=2) + "\n")
-        print(recovery_report(recovery))
+        (RESULTS / name).write_text(json.dumps(separate, indent=2) + "\n")
+        print(report_of(separate))
         return
     # The producer runs on uvloop, as the services and the SDK's Worker do. On the default
     # asyncio loop, grpc's asyncio client costs about 1 ms more per call here (measured:

@@ -50,9 +50,9 @@ class WebhookWorkerNotFound(ConveyorError, LookupError):
         self.name = name
 
 
-class GroupConfigNotFound(ConveyorError, LookupError):
-    """No group config is stored for this queue and pattern (``queue``, ``pattern``:
-    those asked for)."""
+class _PatternNotFound(ConveyorError, LookupError):
+    """Nothing is stored for this queue and pattern (``queue``, ``pattern``: those asked
+    for)."""
 
     def __init__(
         self,
@@ -77,21 +77,14 @@ class RateLimitNotFound(ConveyorError, LookupError):
         self.queue = queue
 
 
-class ConcurrencyLimitNotFound(ConveyorError, LookupError):
-    """The queue has no concurrency limit for this key pattern. ``queue`` and ``pattern``
-    are the ones asked for."""
+class GroupConfigNotFound(_PatternNotFound):
+    """No group config is stored for this queue and pattern (``queue``, ``pattern``:
+    those asked for)."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        code: str | None = "NOT_FOUND",
-        queue: str | None = None,
-        pattern: str | None = None,
-    ) -> None:
-        super().__init__(message, code=code)
-        self.queue = queue
-        self.pattern = pattern
+
+class ConcurrencyLimitNotFound(_PatternNotFound):
+    """The queue has no concurrency limit for this key pattern (``queue``, ``pattern``:
+    those asked for)."""
 
 
 class CronEntryNotFound(ConveyorError, LookupError):
