@@ -93,8 +93,6 @@ async def test_bad_input_gets_clear_errors_and_loses_nothing(
         # An option whose feature is not built: refused, never stored to wait forever.
         with pytest.raises(Unimplemented, match="group"):
             await client.enqueue("e2e.noop", {}, queue="bad", group="digest")
-        with pytest.raises(Unimplemented, match="concurrency_key"):
-            await client.enqueue("e2e.noop", {}, queue="bad", concurrency_key="tenant-1")
 
     async with grpc.aio.insecure_channel(stack.target) as channel:
         tasks: Any = service_pb2_grpc.TaskServiceStub
