@@ -19,17 +19,10 @@ Prints a summary and writes bench/results/recovery.json.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import tempfile
-import uuid
-from pathlib import Path
 from typing import Any
 
-import asyncpg
-from conveyor_broker.postgres import migrate
-from conveyor_runtime.embedded_nats import EmbeddedNats
-
+from bench.scratch import scratch_services
 from tests.e2e.harness import Cluster
 from tests.e2e.recovery import api_release, owner_stall
 
@@ -44,15 +37,6 @@ def _summary(values: list[float]) -> dict[str, Any]:
 
 async def run_recovery(args: argparse.Namespace) -> dict[str, Any]:
     """Every scenario, ``args.rounds`` times; the figures in seconds."""
-    admin = args.admin_dsn
-    name = f"conveyor_bench_{uuid.uuid4().hex[:8]}"
-    conn = await asyncpg.connect(admin)
-    await conn.execute(f'CREATE DATABASE "{name}"')
-    await conn.close()
-    dsn = admin.rpartition("/")[0] + f"/{name}"
-    workdir = Path(tempfile.mkdtemp(prefix="conveyor-bench-recovery-"))
-    nats = EmbeddedNats()
-    nats.start()
     figures: dict[str, list[float]] = {
         "owner_kill_stall": [],
         "owner_kill_first_start": [],
@@ -60,13 +44,13 @@ async def run_recovery(args: argparse.Namespace) -> dict[str, Any]:
         "api_kill_first": [],
         "api_kill_all": [],
     }
-    try:
-        await migrate(dsn)
+    async with scratch_services(args.admin_dsn, "recovery") as scratch:
+        dsn, nats_url, workdir = scratch.dsn, scratch.nats.url, scratch.workdir
         for n in range(args.rounds):
             for how in ("kill", "term"):
                 folder = workdir / f"owner-{how}-{n}"
                 folder.mkdir()
-                cluster = Cluster(dsn=dsn, nats_url=nats.url, workdir=folder)
+                cluster = Cluster(dsn=dsn, nats_url=nats_url, workdir=folder)
                 try:
                     stall = await owner_stall(
                         cluster, folder / "record.txt", how=how, queue=f"steady{how}{n}"
@@ -80,7 +64,7 @@ async def run_recovery(args: argparse.Namespace) -> dict[str, Any]:
                     figures["owner_stop_stall"].append(stall.longest_gap)
             folder = workdir / f"api-{n}"
             folder.mkdir()
-            cluster = Cluster(dsn=dsn, nats_url=nats.url, workdir=folder)
+            cluster = Cluster(dsn=dsn, nats_url=nats_url, workdir=folder)
             try:
                 released = await api_release(cluster, folder / "record.txt", queue=f"held{n}")
             finally:
@@ -93,13 +77,7 @@ async def run_recovery(args: argparse.Namespace) -> dict[str, Any]:
                 f"released {released.first:.2f}-{released.last:.2f} s",
                 flush=True,
             )
-        return {"rounds": args.rounds, **{k: _summary(v) for k, v in figures.items()}}
-    finally:
-        nats.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
-        conn = await asyncpg.connect(admin)
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await conn.close()
+    return {"rounds": args.rounds, **{k: _summary(v) for k, v in figures.items()}}
 
 
 def report(result: dict[str, Any]) -> str:

@@ -345,20 +345,27 @@ class PostgresBroker(Broker):
         if rows:
             return self._leased(rows, now)
         # Nothing due, or the queue has concurrency limits (the statement skips it).
-        leased = await self._lease_keyed(queue, limit, ttl, holders)
-        return [] if leased is None else leased
+        return (await self._lease_limited([(queue, limit, holders)], ttl)).get(queue, [])
 
-    async def _lease_keyed(
-        self, queue: str, limit: int, ttl: timedelta, holders: Sequence[str]
-    ) -> list[Task] | None:
-        """The keyed lease of ``queue`` (:mod:`.keyed`); None when it has no limit."""
-        now = self._clock.now()
-        async with self._conn() as conn:
-            done = await keyed.lease(conn, queue, limit, ttl, holders, now)
-        if done is None:
-            return None
-        self._emit(self._event(task, previous, now) for task, previous in done.changes)
-        return done.leased
+    async def _lease_limited(
+        self, wants: Sequence[tuple[str, int, Sequence[str]]], ttl: timedelta
+    ) -> dict[str, list[Task]]:
+        """The keyed leases (:mod:`.keyed`) of those of ``wants`` (queue, limit, holders)
+        that have concurrency limits, which the plain lease statements skip: one query
+        finds them (a queue without limits costs only that), then each is leased."""
+        queues = [queue for queue, _, _ in wants]
+        limited = {row["queue"] for row in await self._fetch(LIMITED_QUEUES, queues)}
+        out: dict[str, list[Task]] = {}
+        for queue, limit, holders in wants:
+            if queue not in limited:
+                continue
+            now = self._clock.now()
+            async with self._conn() as conn:
+                done = await keyed.lease(conn, queue, limit, ttl, holders, now)
+            if done is not None:
+                self._emit(self._event(task, previous, now) for task, previous in done.changes)
+                out[queue] = done.leased
+        return out
 
     def _leased(self, rows: Iterable[asyncpg.Record], now: datetime) -> list[Task]:
         """The tasks a lease statement returned, in lease order; their events emitted."""
@@ -400,15 +407,13 @@ class PostgresBroker(Broker):
         by_queue: dict[str, list[Task]] = {queue: [] for queue, _ in wants}
         for task in self._leased(rows, now):
             by_queue[task.queue].append(task)
-        empty = [queue for queue, _ in wants if not by_queue[queue]]
+        empty = [
+            (queue, limit, queue_holders)
+            for (queue, limit), queue_holders in zip(wants, holders, strict=True)
+            if not by_queue[queue]
+        ]
         if empty:
-            # The statement skips queues with concurrency limits: each has its own lease.
-            limited = {row["queue"] for row in await self._fetch(LIMITED_QUEUES, empty)}
-            for (queue, limit), queue_holders in zip(wants, holders, strict=True):
-                if queue in limited and not by_queue[queue]:
-                    by_queue[queue] = (
-                        await self._lease_keyed(queue, limit, ttl, queue_holders) or []
-                    )
+            by_queue.update(await self._lease_limited(empty, ttl))
         return [by_queue[queue] for queue, _ in wants]
 
     async def _extend_lease(self, task_id: str, lease_id: str, ttl: timedelta) -> datetime:
