@@ -35,6 +35,9 @@ limit (bench/rate_bench.py; writes bench/results/rate-limit.json).
 With ``--keyed`` it measures how much a hot key under a concurrency limit slows the
 other keys (bench/concurrency_bench.py; writes bench/results/concurrency.json).
 
+With ``--fair-slots`` it measures how a worker with fewer slots than queues shares them
+out by weight (bench/fair_bench.py; writes bench/results/fair-slots.json).
+
 With ``--recovery`` it measures recovery instead: the stall after the queue's owning dispatcher is killed (or stopped)
 and how soon a killed api's tasks run again (bench/recovery_bench.py; writes
 bench/results/recovery.json).
@@ -339,6 +342,10 @@ def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def _separate_mode(args: argparse.Namespace) -> tuple[str, Any, Any] | None:
     """The mode that replaces the burst benchmark, if one was asked for: its results file,
     its coroutine function and its report."""
+    if args.fair_slots:
+        from bench import fair_bench
+
+        return "fair-slots.json", fair_bench.run_fair_slots, fair_bench.report
     if args.keyed:
         from bench import concurrency_bench
 
@@ -375,7 +382,8 @@ def main() -> None:
         "--rounds",
         type=int,
         default=1,
-        help="with --encryption both: pairs of runs; with --recovery, --rate-limit, --keyed: rounds",
+        help="with --encryption both: pairs of runs; with --recovery, --rate-limit, --keyed, "
+        "--fair-slots: rounds",
     )
     parser.add_argument(
         "--payload-bytes", type=int, default=0, help="pad each task's payload to about this"
@@ -411,6 +419,14 @@ def main() -> None:
     rated.add_argument("--burst", type=int, default=5)
     rated.add_argument("--seconds", type=float, default=60.0, help="the measured window")
     rated.add_argument("--kill", action="store_true", help="kill -9 the owner halfway")
+    fair = parser.add_argument_group("fair-slots mode")
+    fair.add_argument(
+        "--fair-slots",
+        action="store_true",
+        help="measure how one worker with fewer slots than queues shares them (--concurrency"
+        " defaults to 2 here)",
+    )
+    fair.add_argument("--fair-tasks", type=int, default=10_000, help="completions counted")
     parser.add_argument(
         "--recovery",
         action="store_true",

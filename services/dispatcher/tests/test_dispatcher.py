@@ -242,6 +242,7 @@ async def test_a_wake_dispatches_leased_tasks_to_a_registered_gateway(
     assert len(gw.requests) == 1  # one DispatchRequest carried the whole batch
     assert gw.requests[0].queue == queue_name
     assert gw.requests[0].dispatcher == d.instance_id
+    assert not gw.requests[0].more  # it asked for 10 and got all there was
     for env in gw.received:
         stored = await broker.get_task(env.id)
         assert stored.state is TaskState.ACTIVE
@@ -253,6 +254,26 @@ async def test_a_wake_dispatches_leased_tasks_to_a_registered_gateway(
     # once the reply is in.
     await wait_until(lambda: qd.dispatched == 3)
     assert qd.book.total == 7
+
+
+async def test_an_offer_says_when_the_queue_probably_holds_more(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """A gateway whose queues share its slots keeps a queue in its turns while its
+    dispatcher has more: the offer says so when the lease got all it asked for."""
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=2)
+    await gw.start()
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await enqueue(broker, queue_name, 3)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 2)
+    assert [len(r.tasks) for r in gw.requests] == [2]
+    assert gw.requests[0].more
 
 
 async def test_a_starting_dispatcher_calls_the_roll_and_claims_the_served_queues(

@@ -13,6 +13,13 @@ call, when the concurrency is capped, and a closing one at the end), the
 (:class:`~conveyor_gateway.hints.DonePublisher`).
 All three carry the running total of slots given back on the queue, so the dispatcher can
 tell which Dones a reply already accounts for.
+
+When the slots per queue add up to more than the concurrency (more queues than slots),
+the queues *share* the gateway's room, and a freed slot goes to the queue whose turn it is
+(:mod:`~conveyor_gateway.turns`): only that queue's dispatcher hears of it. A queue that
+is not waiting keeps a standing credit of one (in its replies and registrations) while it
+has a slot of its own, so new work there is offered at once: taken when there is room,
+otherwise refused, and the queue joins the turns.
 """
 
 from __future__ import annotations
@@ -34,12 +41,17 @@ from conveyor_gateway.config import WorkerSpec
 from conveyor_gateway.hints import DonePublisher
 from conveyor_gateway.holdings import Holdings
 from conveyor_gateway.transport import Transport
+from conveyor_gateway.turns import CallLater, Turns
 
 logger = logging.getLogger(__name__)
 
 #: The most slots a worker may have in all, however many it asks for with Credit frames
 #: (the bound on a Hello's concurrency).
 MAX_SLOTS = MAX_WEBHOOK_CONCURRENCY
+
+#: Seconds a freed slot stays reserved for the queue whose turn it is, waiting for its
+#: dispatcher's offer, before it passes to the next waiting queue.
+TURN_TIMEOUT = 0.2
 
 #: Why a worker is told to drop a task it holds when the same task is dispatched again.
 REDELIVERED_REASON = "task was delivered again under a new lease"
@@ -60,6 +72,8 @@ class Credits:
         register_tick: float,
         spawn: Callable[[Coroutine[Any, Any, None]], None],
         holder: str = "",
+        turn_timeout: float = TURN_TIMEOUT,
+        call_later: CallLater | None = None,
     ) -> None:
         self._id = gateway_id
         self._holder = holder
@@ -94,6 +108,11 @@ class Credits:
         #: True while the gateway takes no new work (its backlog of outcomes to commit is
         #: full): every queue is announced with no slots and offers are refused.
         self.held_back = False
+        #: Whose turn a freed slot is while the queues share the gateway's room.
+        self.turns = Turns(
+            spec.queues, timeout=turn_timeout, on_lapse=self._pass_on, call_later=call_later
+        )
+        self._shared = self._sharing()
 
     # ------------------------------------------------------------- lifecycle
 
@@ -101,7 +120,7 @@ class Credits:
         """Subscribe to dispatch offers, owner changes and roll calls, then announce the
         slots on every queue and keep re-announcing them."""
         bus = self._bus
-        self._subs.append(await bus.serve_dispatch(self._id, self._answer))
+        self._subs.append(await bus.serve_dispatch(self._id, self.answer))
         for queue in sorted(self.capacity):
             self._subs.append(
                 await bus.subscribe_owner_changed(self._on_owner_changed, queue=queue)
@@ -120,6 +139,7 @@ class Credits:
         Register). :attr:`closed` must be set already."""
         if self._ticker is not None:
             self._ticker.cancel()
+        self.turns.clear()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -132,12 +152,66 @@ class Credits:
     # ----------------------------------------------------------------- slots
 
     def free(self, queue: str) -> int:
-        """Slots the gateway can still take on ``queue``."""
+        """Slots the gateway can still take on ``queue``: its own free slots, within the
+        gateway's room less what is reserved for other queues' turns."""
         if self.closed or self.held_back or queue not in self.capacity:
             return 0
         by_queue = self._slots[queue] - self._per_queue[queue]
         overall = self.limit - len(self._held)
+        turns = self.turns
+        if turns.total_reserved:
+            mine = turns.reserved[queue]
+            overall = min(overall, mine + max(0, overall - turns.total_reserved))
         return max(0, min(by_queue, overall))
+
+    def _room(self, queue: str) -> int:
+        """``queue``'s own free slots, whatever the gateway's room."""
+        return self._slots[queue] - self._per_queue[queue]
+
+    def _sharing(self) -> bool:
+        """True when the queues' slots add up to more than the concurrency in force."""
+        return sum(self._slots.values()) > self.limit
+
+    def offered(self, queue: str) -> int:
+        """The credits to announce on ``queue`` (in a reply): its free slots, or, while
+        the queues share the room, a standing credit of one when the queue is not waiting
+        for a turn and has a slot of its own free (so new work is offered at once)."""
+        free = self.free(queue)
+        if (
+            free == 0
+            and self._shared
+            and queue not in self.turns.waiting
+            and not (self.closed or self.held_back)
+            and queue in self.capacity
+            and self._room(queue) > 0
+        ):
+            return 1
+        return free
+
+    def freed(self, queue: str) -> None:
+        """A slot of ``queue`` was given back: tell the dispatcher whose turn it is (a
+        waiting queue's, while the queues share the room), else ``queue``'s."""
+        if self._shared and not (self.closed or self.held_back):
+            turn = self.turns.give(self._room)
+            if turn is not None:
+                self.done.done(turn)
+                return
+        self.done.done(queue)
+
+    def _pass_on(self, queue: str) -> None:
+        """A turn lapsed unused (``queue``'s dispatcher did not offer): the next waiting
+        queue gets the slot, else it stays free for whoever offers first."""
+        logger.debug("gateway.turn_lapsed gateway=%s queue=%s", self._id, queue)
+        if self._shared and not (self.closed or self.held_back):
+            turn = self.turns.give(self._room)
+            if turn is not None:
+                self.done.done(turn)
+
+    def _reshape(self) -> None:
+        """The slots or the concurrency changed: recompute whether the queues share."""
+        self._shared = self._sharing()
+        if not self._shared:
+            self.turns.clear()
 
     def cap(self, cap: int | None, *, kept: Collection[str] = ()) -> None:
         """Hold at most ``cap`` tasks (None: the worker's full concurrency) from now on,
@@ -156,6 +230,7 @@ class Credits:
             return
         self.limit = limit
         self._slots = slots
+        self._reshape()
         logger.info("gateway.concurrency_capped gateway=%s concurrency=%d", self._id, limit)
         if self._started and not self.closed:
             self._spawn(self._register_all())
@@ -183,6 +258,8 @@ class Credits:
         if on == self.held_back:
             return
         self.held_back = on
+        if on:
+            self.turns.clear()
         if self._started and not self.closed:
             self._spawn(self._register_all())
 
@@ -245,9 +322,24 @@ class Credits:
             room -= 1
         if envelopes:
             self._transport.dispatch(envelopes)
+        if self._shared:
+            self._turn_taken(request, queue, len(accepted))
         return accepted
 
-    def _answer(self, request: cluster_pb2.DispatchRequest) -> cluster_pb2.DispatchReply:
+    def _turn_taken(self, request: cluster_pb2.DispatchRequest, queue: str, taken: int) -> None:
+        """While the queues share the room: ``queue`` used its reservations, and waits
+        for a turn when its offer did not fit, or when it was served and its dispatcher
+        has more (a turn goes only to a waiting queue with a slot of its own free)."""
+        turns = self.turns
+        turns.take(queue, taken)
+        if self.closed or self.held_back or queue not in self.capacity:
+            return
+        if taken < len(request.tasks) or request.more:
+            turns.wait(queue)
+        else:
+            turns.stop_waiting(queue)
+
+    def answer(self, request: cluster_pb2.DispatchRequest) -> cluster_pb2.DispatchReply:
         """The reply to a dispatch offer (the bus sends it; one it cannot decode comes
         here empty, and gets the free slots of no queue: none)."""
         queue = request.queue
@@ -260,7 +352,7 @@ class Credits:
             len(accepted),
         )
         return cluster_pb2.DispatchReply(
-            accepted=accepted, credits=self.free(queue), returned=self.done.returned(queue)
+            accepted=accepted, credits=self.offered(queue), returned=self.done.returned(queue)
         )
 
     # -------------------------------------------------------------- register

@@ -248,7 +248,7 @@ class Gateway:
         """
         held = self._holdings.take(lease_id)
         if held is not None:
-            self._done.done(held.queue)
+            self._credits.freed(held.queue)
         return held
 
     def _lose(self, lease_id: str) -> Held | None:

@@ -84,14 +84,16 @@ class Control(_message.Message):
     def __init__(self, queue: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("queue", "dispatcher", "tasks")
+    __slots__ = ("queue", "dispatcher", "tasks", "more")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     DISPATCHER_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     queue: str
     dispatcher: str
     tasks: _containers.RepeatedCompositeFieldContainer[_task_pb2.TaskEnvelope]
-    def __init__(self, queue: _Optional[str] = ..., dispatcher: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[_task_pb2.TaskEnvelope, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, queue: _Optional[str] = ..., dispatcher: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[_task_pb2.TaskEnvelope, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class DispatchReply(_message.Message):
     __slots__ = ("accepted", "credits", "returned")

@@ -296,7 +296,9 @@ class QueueDispatcher:
                     await self._release(tasks)
                     await self._give_tokens_back(len(tasks))
                     break
-                accepted, rejected = await self._dispatch(tasks, slots, holders)
+                accepted, rejected = await self._dispatch(
+                    tasks, slots, holders, more=len(tasks) == want
+                )
                 # A task no gateway took did not start: its token goes back too.
                 await self._give_tokens_back(rejected)
                 if wait is not None:
@@ -353,11 +355,18 @@ class QueueDispatcher:
         self._kick()
 
     async def _dispatch(
-        self, tasks: Sequence[Task], slots: Sequence[str], holders: Sequence[str]
+        self,
+        tasks: Sequence[Task],
+        slots: Sequence[str],
+        holders: Sequence[str],
+        *,
+        more: bool = False,
     ) -> tuple[int, int]:
         """Send ``tasks`` to the gateways whose ``slots`` (taken from the book for this
         lease, the gateway of each, named as ``holders`` in the lease) they were leased
-        for; release what nobody accepted, and give back the slots no task used.
+        for; release what nobody accepted, and give back the slots no task used. ``more``:
+        the lease got all it asked for (the queue probably holds more), which the offers
+        say.
 
         A task too big for any NATS message is archived first (see :func:`split_offer`):
         its slot is given back and it counts as neither accepted nor released. Returns
@@ -374,7 +383,7 @@ class QueueDispatcher:
         # back at once.
         leftover = [task for gw, batch in plan.items() if gw not in self.book for task, _ in batch]
         results = await asyncio.gather(
-            *(self._send(gw, batch) for gw, batch in plan.items() if gw in self.book)
+            *(self._send(gw, batch, more) for gw, batch in plan.items() if gw in self.book)
         )
         rejected = leftover + [task for batch in results for task in batch]
         await self._release(rejected)
@@ -383,7 +392,7 @@ class QueueDispatcher:
         return accepted, len(rejected)
 
     async def _send(
-        self, gateway: str, batch: Sequence[tuple[Task, task_pb2.TaskEnvelope]]
+        self, gateway: str, batch: Sequence[tuple[Task, task_pb2.TaskEnvelope]], more: bool
     ) -> list[Task]:
         """Offer ``batch`` to ``gateway``; returns the tasks it did not accept.
 
@@ -397,7 +406,7 @@ class QueueDispatcher:
             if n and (self._stopped() or self.book.credits_of(gateway) <= 0):
                 rejected += [task for later in pieces[n:] for task, _ in later]
                 break
-            left = await self._send_piece(gateway, piece)
+            left = await self._send_piece(gateway, piece, more)
             rejected += left
             if left:
                 # Full, gone or failing: the rest is not worth offering now.
@@ -406,7 +415,7 @@ class QueueDispatcher:
         return rejected
 
     async def _send_piece(
-        self, gateway: str, piece: Sequence[tuple[Task, task_pb2.TaskEnvelope]]
+        self, gateway: str, piece: Sequence[tuple[Task, task_pb2.TaskEnvelope]], more: bool
     ) -> list[Task]:
         """One DispatchRequest to ``gateway``; returns the tasks it did not accept."""
         batch = [task for task, _ in piece]
@@ -414,6 +423,7 @@ class QueueDispatcher:
             queue=self.queue,
             dispatcher=self._config.instance_id,
             tasks=[envelope for _, envelope in piece],
+            more=more,
         )
         reconnects = self._bus.nc.stats["reconnects"]
         try:
