@@ -616,3 +616,75 @@ async def test_cli_help_and_bad_registrations_get_clear_errors(
         assert await admin.list_webhook_workers() == listed
         with pytest.raises(WebhookWorkerNotFound):
             await admin.get_webhook_worker("fresh")
+
+
+async def test_a_task_types_breaker_stops_failing_deliveries_and_a_probe_closes_it(
+    cluster: Cluster, store: PostgresBroker
+) -> None:
+    """A webhook worker's breaker per task type: after 3 failed deliveries of one type
+    that type goes to the endpoint no more (its tasks wait, PENDING) while the other type
+    of the queue is still delivered; once the endpoint is fixed, the probe after the
+    cool-down closes the breaker and the waiting tasks are delivered."""
+    stack = await start_stack(cluster)
+    broken = True
+
+    async def answer(delivery: Delivery) -> web.StreamResponse:
+        if delivery.call["params"]["type"] == "report.build" and broken:
+            return await rpc("failure", error="reports are down")(delivery)
+        return await rpc("success")(delivery)
+
+    async with (
+        Endpoint(answer=answer) as endpoint,
+        AsyncAdminClient(stack.target) as admin,
+        AsyncClient(stack.target) as client,
+    ):
+        await admin.set_breaker_config(
+            "reports", 3, window=60, cooldown=1.0, pattern="report.*", scope="worker"
+        )
+        await register(admin, "brk-hook", endpoint.url, {"reports": 1}, concurrency=2)
+        reports = await client.enqueue_batch(
+            [spec("report.build", {"i": i}, queue="reports", max_retry=0) for i in range(20)]
+        )
+        report_ids = {r.task.id for r in reports if r.task is not None}
+
+        def report_deliveries() -> int:
+            return sum(1 for d in endpoint.deliveries if d.task_id in report_ids)
+
+        async def opened() -> bool:
+            return any(b.state == "open" for b in await admin.list_breakers("reports"))
+
+        await wait_until(opened, within=30, interval=POLL_INTERVAL, message="breaker opened")
+        (breaker,) = await admin.list_breakers("reports")
+        assert breaker.type == "report.build"
+        assert breaker.worker_id == "webhook:brk-hook"
+        failed = report_deliveries()
+        # The three that opened it, and at most one more per slot that was already out.
+        assert 3 <= failed <= 5
+        invoices = await client.enqueue_batch(
+            [spec("invoice.charge", {"i": i}, queue="reports") for i in range(50)]
+        )
+        invoice_ids = [r.task.id for r in invoices if r.task is not None]
+        await wait_tasks(admin, invoice_ids, TaskState.COMPLETED)
+        # Meanwhile at most the probes of the cool-downs went (each failed, reopening it).
+        pending = [
+            t
+            for t in [await store.get_task(i) for i in report_ids]
+            if t.state is StoredState.PENDING
+        ]
+        assert len(pending) >= 20 - report_deliveries()
+        assert len(pending) >= 20 - failed - 4
+
+        broken = False
+
+        async def reports_done() -> bool:
+            tasks = [await store.get_task(i) for i in report_ids]
+            return all(t.state in (StoredState.COMPLETED, StoredState.ARCHIVED) for t in tasks)
+
+        await wait_until(reports_done, within=60, interval=POLL_INTERVAL, message="reports done")
+
+        async def closed() -> bool:
+            return not await admin.list_breakers("reports")
+
+        await wait_until(closed, within=30, interval=POLL_INTERVAL, message="breaker closed")
+        delivered = Counter(d.task_id for d in endpoint.deliveries if d.task_id in report_ids)
+        assert max(delivered.values()) == 1  # a task waiting behind it was never delivered

@@ -13,6 +13,8 @@ Lifecycle types, whatever the mode, each driven by its payload (a JSON object):
 - ``e2e.fail``: raises ``RuntimeError(payload["error"])`` on the first ``payload["fails"]``
   attempts (every attempt without it), then returns ``{"attempt": n}``;
 - ``e2e.skip``: raises ``SkipRetry(payload["error"])``;
+- ``e2e.flaky``: raises ``RuntimeError`` while the file ``payload["flag"]`` exists, else
+  returns (a handler that fails until it is fixed: for circuit breakers);
 - ``e2e.retry_after``: raises ``RetryAfter(payload["delay"])`` on the first
   ``payload["fails"]`` attempts, then returns;
 - ``e2e.result``: returns ``payload["result"]``, or ``"x" * payload["size"]``;
@@ -105,6 +107,13 @@ def register_lifecycle_handlers(worker: Worker, record: Callable[[str], None], p
             raise RuntimeError(payload.get("error", "boom"))
         record(f"done {ctx.task_id} {pid} {ctx.queue}")
         return {"attempt": ctx.attempt}
+
+    @worker.task("e2e.flaky")
+    def flaky(payload: dict[str, Any], ctx: TaskContext) -> None:  # sync: it reads a file
+        record(f"start {ctx.task_id} {ctx.attempt} {pid} {ctx.queue}")
+        if os.path.exists(payload["flag"]):
+            raise RuntimeError("the flaky handler is broken")
+        record(f"done {ctx.task_id} {pid} {ctx.queue}")
 
     @worker.task("e2e.skip")
     async def skip(payload: dict[str, Any], ctx: TaskContext) -> None:

@@ -8,9 +8,23 @@ import pytest
 from conveyor_broker.clock import FakeClock
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.memory import MemoryBroker
-from conveyor_broker.types import NewTask, OnFailure, TaskEvent, TaskState
+from conveyor_broker.types import (
+    Breaker,
+    BreakerConfig,
+    BreakerScope,
+    BreakerStatus,
+    NewTask,
+    OnFailure,
+    QueueStats,
+    TaskEvent,
+    TaskState,
+)
 from conveyor_protos.v1 import service_pb2, task_pb2
 from conveyor_runtime.wire import (
+    breaker_config_from_proto,
+    breaker_config_to_proto,
+    breaker_scope_from_proto,
+    breaker_to_proto,
     decode_events,
     encode_events,
     event_from_proto,
@@ -21,10 +35,12 @@ from conveyor_runtime.wire import (
     new_task_to_proto,
     state_from_proto,
     state_to_proto,
+    stats_to_proto,
     task_to_envelope,
     task_to_proto,
     timestamp,
 )
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -201,3 +217,86 @@ def test_event_batches_round_trip_in_order() -> None:
 def test_a_malformed_event_batch_is_a_decode_error(data: bytes) -> None:
     with pytest.raises(DecodeError):
         decode_events(data)
+
+
+def test_breaker_config_round_trip_and_request_defaults() -> None:
+    config = BreakerConfig(
+        queue="calls",
+        pattern="pay.*",
+        failures=3,
+        window=timedelta(seconds=90),
+        cooldown=timedelta(milliseconds=1500),
+        scope=BreakerScope.QUEUE,
+    )
+    pb = breaker_config_to_proto(config)
+    assert pb.scope == service_pb2.BREAKER_SCOPE_QUEUE
+    assert (pb.window.seconds, pb.cooldown.seconds, pb.cooldown.nanos) == (90, 1, 500_000_000)
+    assert breaker_config_from_proto(pb) == config
+    # In a request, an empty pattern is "*" and scope UNSPECIFIED is WORKER.
+    bare = service_pb2.BreakerConfig(
+        queue="calls", failures=5, window=Duration(seconds=60), cooldown=Duration(seconds=30)
+    )
+    assert breaker_config_from_proto(bare) == BreakerConfig("calls", "*", 5)
+    assert breaker_scope_from_proto(service_pb2.BREAKER_SCOPE_WORKER) is BreakerScope.WORKER
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"cooldown": Duration(seconds=30)}, "window is required"),
+        ({"window": Duration(seconds=60)}, "cooldown is required"),
+        (
+            {"window": Duration(seconds=60), "cooldown": Duration(seconds=30), "scope": 9},
+            "scope must be worker or queue",
+        ),
+        (
+            {"window": Duration(seconds=10**14), "cooldown": Duration(seconds=30)},
+            "window is not a valid Duration",
+        ),
+    ],
+)
+def test_a_bad_breaker_config_request_is_invalid_task(
+    fields: dict[str, object], message: str
+) -> None:
+    pb = service_pb2.BreakerConfig(queue="calls", failures=5, **fields)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTask, match=message):
+        breaker_config_from_proto(pb)
+
+
+def test_breaker_on_the_wire_and_in_queue_stats() -> None:
+    worker = Breaker(
+        queue="calls",
+        type="pay.charge",
+        status=BreakerStatus.OPEN,
+        opened_at=START,
+        until=START + timedelta(seconds=30),
+        failures=5,
+        gateway="gw-1",
+        worker_id="w-1",
+        holder="h-1",
+    )
+    pb = breaker_to_proto(worker)
+    assert (pb.queue, pb.type, pb.scope, pb.gateway, pb.worker_id, pb.state, pb.failures) == (
+        "calls",
+        "pay.charge",
+        service_pb2.BREAKER_SCOPE_WORKER,
+        "gw-1",
+        "w-1",
+        "open",
+        5,
+    )
+    assert from_timestamp(pb.opened_at) == START
+    assert from_timestamp(pb.until) == START + timedelta(seconds=30)
+    queue_wide = breaker_to_proto(
+        Breaker("calls", "pay.refund", BreakerStatus.HALF_OPEN, START, START, 2)
+    )
+    assert (queue_wide.scope, queue_wide.gateway, queue_wide.state) == (
+        service_pb2.BREAKER_SCOPE_QUEUE,
+        "",
+        "half_open",
+    )
+    stats = QueueStats(queue="calls", paused=False, counts={TaskState.PENDING: 2})
+    assert list(stats_to_proto(stats).breakers) == []
+    with_breakers = stats_to_proto(stats, [worker])
+    assert [b.type for b in with_breakers.breakers] == ["pay.charge"]
+    assert with_breakers.counts["pending"] == 2

@@ -16,6 +16,11 @@ from conveyor import (
     AdminClient,
     AsyncAdminClient,
     BatchActionResult,
+    Breaker,
+    BreakerConfig,
+    BreakerConfigNotFound,
+    BreakerScope,
+    BreakerState,
     FailedPrecondition,
     InvalidArgument,
     QueueInfo,
@@ -26,6 +31,7 @@ from conveyor import (
 )
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import Message
 
 T0 = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -46,6 +52,10 @@ _UNARY: dict[str, type[Message]] = {
     "ReviveTask": svc.TaskActionRequest,
     "RescheduleTask": svc.RescheduleTaskRequest,
     "BatchTaskAction": svc.BatchTaskActionRequest,
+    "SetBreakerConfig": svc.SetBreakerConfigRequest,
+    "DeleteBreakerConfig": svc.DeleteBreakerConfigRequest,
+    "ListBreakerConfigs": svc.ListBreakerConfigsRequest,
+    "ListBreakers": svc.ListBreakersRequest,
 }
 
 
@@ -352,3 +362,202 @@ async def test_the_blocking_client(double: tuple[AdminDouble, str]) -> None:
         TaskState.ACTIVE,
         TaskState.PENDING,
     )
+
+
+# ------------------------------------------------------------- circuit breakers
+
+
+def wire_breaker(
+    queue: str = "q", type: str = "pay.charge", gateway: str = "gw-1", state: str = "open"
+) -> svc.Breaker:
+    breaker = svc.Breaker(
+        queue=queue,
+        type=type,
+        scope=svc.BREAKER_SCOPE_WORKER if gateway else svc.BREAKER_SCOPE_QUEUE,
+        gateway=gateway,
+        worker_id=f"worker-of-{gateway}" if gateway else "",
+        state=state,
+        failures=5,
+    )
+    breaker.opened_at.FromDatetime(T0)
+    breaker.until.FromDatetime(T0 + timedelta(seconds=30))
+    return breaker
+
+
+async def test_breaker_configs_send_what_was_asked_and_read_what_was_stored(
+    double: tuple[AdminDouble, str],
+) -> None:
+    service, target = double
+    service.replies["SetBreakerConfig"] = lambda r: svc.SetBreakerConfigResponse(config=r.config)
+    service.replies["ListBreakerConfigs"] = lambda r: svc.ListBreakerConfigsResponse(
+        configs=[
+            svc.BreakerConfig(
+                queue=r.queue or "q",
+                pattern="*",
+                failures=5,
+                window=Duration(seconds=60),
+                cooldown=Duration(seconds=30),
+                scope=svc.BREAKER_SCOPE_WORKER,
+            )
+        ]
+    )
+    service.replies["DeleteBreakerConfig"] = lambda _: svc.DeleteBreakerConfigResponse()
+    async with AsyncAdminClient(target) as admin:
+        stored = await admin.set_breaker_config("q", 5, 60, timedelta(milliseconds=1500))
+        assert stored == BreakerConfig(
+            queue="q",
+            pattern="*",
+            failures=5,
+            window=timedelta(seconds=60),
+            cooldown=timedelta(seconds=1.5),
+            scope=BreakerScope.WORKER,
+        )
+        queue_wide = await admin.set_breaker_config("q", 2, 10.5, 1, pattern="pay.*", scope="queue")
+        assert (queue_wide.pattern, queue_wide.scope) == ("pay.*", BreakerScope.QUEUE)
+        assert await admin.list_breaker_configs() == [
+            BreakerConfig("q", "*", 5, timedelta(seconds=60), timedelta(seconds=30))
+        ]
+        [other] = await admin.list_breaker_configs("other")
+        assert other.queue == "other"
+        await admin.delete_breaker_config("q", pattern="pay.*")
+        await admin.delete_breaker_config("q")
+    sent = [r for name, r in service.requests if name == "SetBreakerConfig"]
+    assert [(r.config.queue, r.config.failures, r.config.pattern) for r in sent] == [
+        ("q", 5, "*"),
+        ("q", 2, "pay.*"),
+    ]
+    assert (sent[1].config.window.seconds, sent[1].config.window.nanos) == (10, 500_000_000)
+    assert [r.config.scope for r in sent] == [svc.BREAKER_SCOPE_WORKER, svc.BREAKER_SCOPE_QUEUE]
+    listed = [r.queue for name, r in service.requests if name == "ListBreakerConfigs"]
+    assert listed == ["", "other"]
+    deleted = [
+        (r.queue, r.pattern) for name, r in service.requests if name == "DeleteBreakerConfig"
+    ]
+    assert deleted == [("q", "pay.*"), ("q", "*")]
+
+
+async def test_breaker_config_errors(double: tuple[AdminDouble, str]) -> None:
+    service, target = double
+    service.replies["DeleteBreakerConfig"] = grpc.StatusCode.NOT_FOUND
+    service.replies["SetBreakerConfig"] = grpc.StatusCode.INVALID_ARGUMENT
+    async with AsyncAdminClient(target) as admin:
+        with pytest.raises(BreakerConfigNotFound) as info:
+            await admin.delete_breaker_config("q", pattern="pay.*")
+        assert (info.value.queue, info.value.pattern, info.value.code) == (
+            "q",
+            "pay.*",
+            "NOT_FOUND",
+        )
+        assert isinstance(info.value, LookupError)
+        # The server's refusal of a value is InvalidArgument with its message.
+        with pytest.raises(InvalidArgument, match="SetBreakerConfig refused"):
+            await admin.set_breaker_config("q", 5, 60, 0.01)
+        # What the SDK can tell is wrong never reaches the server.
+        sent_before = len(service.requests)
+        for kwargs, says in (
+            ({"failures": 0}, "failures"),
+            ({"failures": True}, "failures"),
+            ({"failures": 2.5}, "failures"),
+            ({"window": "60"}, "window"),
+            ({"window": None}, "window is required"),
+            ({"cooldown": None}, "cooldown is required"),
+            ({"window": float("inf")}, "window is out of range"),
+            ({"cooldown": float("nan")}, "cooldown is out of range"),
+            ({"scope": "everyone"}, "scope must be 'worker' or 'queue'"),
+        ):
+            arguments: dict[str, Any] = {"failures": 5, "window": 60, "cooldown": 30, **kwargs}
+            scope = arguments.pop("scope", "worker")
+            with pytest.raises(InvalidArgument, match=says):
+                await admin.set_breaker_config("q", scope=scope, **arguments)
+        assert len(service.requests) == sent_before
+
+
+async def test_breakers_and_queue_stats_show_the_ones_not_closed(
+    double: tuple[AdminDouble, str],
+) -> None:
+    service, target = double
+    service.replies["ListBreakers"] = lambda r: svc.ListBreakersResponse(
+        breakers=[
+            wire_breaker(),
+            wire_breaker(type="pay.refund", gateway="", state="half_open"),
+            wire_breaker(type="pay.new", state="something_newer"),
+        ]
+    )
+    service.replies["GetQueueStats"] = lambda r: svc.GetQueueStatsResponse(
+        stats=svc.QueueStats(queue=r.queue, counts={"pending": 1}, breakers=[wire_breaker()])
+    )
+    service.replies["ListQueues"] = lambda _: svc.ListQueuesResponse(
+        queues=[svc.QueueStats(queue="a"), svc.QueueStats(queue="q", breakers=[wire_breaker()])]
+    )
+    expected = Breaker(
+        queue="q",
+        type="pay.charge",
+        scope=BreakerScope.WORKER,
+        state=BreakerState.OPEN,
+        opened_at=T0,
+        until=T0 + timedelta(seconds=30),
+        failures=5,
+        gateway="gw-1",
+        worker_id="worker-of-gw-1",
+    )
+    async with AsyncAdminClient(target) as admin:
+        worker, queue_wide, newer = await admin.list_breakers()
+        assert worker == expected
+        assert (queue_wide.scope, queue_wide.state) == (BreakerScope.QUEUE, BreakerState.HALF_OPEN)
+        assert (queue_wide.gateway, queue_wide.worker_id) == (None, None)
+        assert newer.state is BreakerState.UNKNOWN
+        await admin.list_breakers("q")
+        stats = await admin.queue_stats("q")
+        assert list(stats.breakers) == [expected]
+        assert stats.count(TaskState.PENDING) == 1
+        page = await admin.list_queues()
+        assert {q.name: list(q.breakers) for q in page.queues} == {"a": [], "q": [expected]}
+    asked = [r.queue for name, r in service.requests if name == "ListBreakers"]
+    assert asked == ["", "q"]
+
+
+async def test_breaker_events_are_no_task_events(double: tuple[AdminDouble, str]) -> None:
+    service, target = double
+    opened = svc.TaskEvent(queue="q", type="pay.charge", breaker=wire_breaker())
+    opened.at.FromDatetime(T0)
+    closed = svc.TaskEvent(
+        queue="q", type="pay.charge", breaker=wire_breaker(gateway="", state="closed")
+    )
+    closed.at.FromDatetime(T0)
+    service.events = [opened, wire_event(ULID_A, pb.TASK_STATE_UNSPECIFIED), closed]
+    async with AsyncAdminClient(target) as admin, admin.watch_events(queues="q") as events:
+        first, deleted, last = [event async for event in events]
+    assert first.breaker is not None
+    assert (first.task_id, first.state, first.deleted) == ("", None, False)
+    assert (first.breaker.state, first.breaker.worker_id) == (BreakerState.OPEN, "worker-of-gw-1")
+    assert deleted.deleted
+    assert deleted.breaker is None
+    assert last.breaker is not None
+    assert (last.breaker.state, last.breaker.scope) == (BreakerState.CLOSED, BreakerScope.QUEUE)
+
+
+async def test_the_blocking_client_has_the_breakers_too(double: tuple[AdminDouble, str]) -> None:
+    service, target = double
+    service.replies["SetBreakerConfig"] = lambda r: svc.SetBreakerConfigResponse(config=r.config)
+    service.replies["ListBreakerConfigs"] = lambda _: svc.ListBreakerConfigsResponse()
+    service.replies["ListBreakers"] = lambda _: svc.ListBreakersResponse(breakers=[wire_breaker()])
+    service.replies["DeleteBreakerConfig"] = grpc.StatusCode.NOT_FOUND
+
+    def run() -> tuple[BreakerConfig, list[Breaker]]:
+        with AdminClient(target) as admin:
+            stored = admin.set_breaker_config(
+                "q", 3, timedelta(minutes=2), 5, scope=BreakerScope.QUEUE
+            )
+            assert admin.list_breaker_configs("q") == []
+            with pytest.raises(BreakerConfigNotFound):
+                admin.delete_breaker_config("q")
+            return stored, admin.list_breakers()
+
+    stored, breakers = await asyncio.to_thread(run)
+    assert (stored.failures, stored.window, stored.cooldown, stored.scope) == (
+        3,
+        timedelta(minutes=2),
+        timedelta(seconds=5),
+        BreakerScope.QUEUE,
+    )
+    assert [b.type for b in breakers] == ["pay.charge"]

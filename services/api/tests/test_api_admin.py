@@ -455,6 +455,8 @@ async def test_read_only_refuses_admin_mutations_only(
             (admin.SetRateLimit, service_pb2.SetRateLimitRequest()),
             (admin.SetConcurrencyLimit, service_pb2.SetConcurrencyLimitRequest()),
             (admin.DeleteConcurrencyLimit, service_pb2.DeleteConcurrencyLimitRequest()),
+            (admin.SetBreakerConfig, service_pb2.SetBreakerConfigRequest()),
+            (admin.DeleteBreakerConfig, service_pb2.DeleteBreakerConfigRequest()),
             (admin.BatchTaskAction, service_pb2.BatchTaskActionRequest()),
         ):
             details = await expect_code(call, request, grpc.StatusCode.PERMISSION_DENIED)
@@ -464,6 +466,8 @@ async def test_read_only_refuses_admin_mutations_only(
         # Reads, producers and workers pass.
         assert (await admin.GetTask(service_pb2.GetTaskRequest(id=task.id))).task.id == task.id
         await admin.ListQueues(service_pb2.ListQueuesRequest())
+        await admin.ListBreakerConfigs(service_pb2.ListBreakerConfigsRequest())
+        await admin.ListBreakers(service_pb2.ListBreakersRequest())
         created = await tasks.Enqueue(
             service_pb2.EnqueueRequest(task=task_pb2.NewTask(queue="q", type="t"))
         )

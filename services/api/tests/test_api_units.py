@@ -128,6 +128,10 @@ def test_every_configured_secret_is_compared_whichever_matches(
         ("/conveyor.v1.AdminService/DeleteTask", Role.ADMIN),
         ("/conveyor.v1.AdminService/UpsertWebhookWorker", Role.ADMIN),
         ("/conveyor.v1.AdminService/PauseQueue", Role.ADMIN),
+        ("/conveyor.v1.AdminService/ListBreakerConfigs", Role.READ_ONLY),
+        ("/conveyor.v1.AdminService/ListBreakers", Role.READ_ONLY),
+        ("/conveyor.v1.AdminService/SetBreakerConfig", Role.ADMIN),
+        ("/conveyor.v1.AdminService/DeleteBreakerConfig", Role.ADMIN),
         # A method nobody mapped needs admin: new calls fail closed.
         ("/conveyor.v1.SomethingNew/Do", Role.ADMIN),
     ],

@@ -23,7 +23,14 @@ from conveyor_broker.clock import FakeClock, SystemClock
 from conveyor_broker.interface import Broker
 from conveyor_broker.memory import MemoryBroker
 from conveyor_broker.postgres import PostgresBroker, migrate
-from conveyor_broker.types import NewTask, RateLimit, TaskListParams, TaskState
+from conveyor_broker.types import (
+    Breaker,
+    BreakerStatus,
+    NewTask,
+    RateLimit,
+    TaskListParams,
+    TaskState,
+)
 from conveyor_dispatcher import Dispatcher
 from conveyor_dispatcher.peers import PeerWatch
 from conveyor_dispatcher.queue import QueueDispatcher
@@ -82,6 +89,8 @@ class FakeGateway:
         self.received: list[task_pb2.TaskEnvelope] = []
         #: Owner hints heard (each makes it register again).
         self.owner_hints = 0
+        #: Task types it announces it takes none of (its circuit breakers).
+        self.blocked: list[str] = []
         self._subs: list[Subscription] = []
 
     async def start(self) -> None:
@@ -112,6 +121,7 @@ class FakeGateway:
             closing=closing,
             returned=self.returned,
             holder=self.holder,
+            blocked_types=self.blocked,
         )
         await self.bus.publish(msg)
         await self.nc.flush()
@@ -146,6 +156,7 @@ class FakeGateway:
             accepted=[env.id for env in taken],
             credits=0 if self.accept is not None else self.capacity - self.in_flight,
             returned=self.returned,
+            blocked_types=self.blocked,
         )
         if self.finish_at_once and taken:
             await self.done(len(taken))
@@ -1290,3 +1301,77 @@ async def test_a_new_owner_spends_the_same_bucket_not_a_fresh_burst(
     await wait_until(lambda: len(gw.received) == 6, within=TIMEOUT)
     assert {r.dispatcher for r in gw.requests[-1:]} == {second.instance_id}
     assert await count(broker, queue_name, TaskState.ACTIVE) == 6
+
+
+# -------------------------------------------------------------- breakers
+
+
+async def test_a_gateway_gets_none_of_the_types_it_blocks_and_another_gets_them(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    """A gateway whose breaker for a type is open names it in blocked_types: the
+    dispatcher leases that type for the other gateways only; the type's tasks wait."""
+    d = await dispatchers()
+    broken = FakeGateway(nc, subjects, queue=queue_name, capacity=50)
+    broken.blocked = ["bad"]
+    await broken.start()
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and broken.id in qd.book)
+    bad = await broker.enqueue_batch([NewTask(queue=queue_name, type="bad") for _ in range(5)])
+    good = await enqueue(broker, queue_name, 5)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(broken.received) == 5)
+    assert sorted(broken.accepted_ids) == sorted(good)
+    assert await count(broker, queue_name, TaskState.PENDING) == 5
+    healthy = FakeGateway(nc, subjects, queue=queue_name, capacity=50)
+    await healthy.start()
+    await wait_until(lambda: len(healthy.received) == 5)
+    assert sorted(healthy.accepted_ids) == sorted(r.task.id for r in bad)
+    assert {env.type for env in broken.received} == {"t"}
+
+
+async def test_a_queue_wide_breaker_leases_its_type_to_nobody_then_sends_one_probe(
+    broker: Broker,
+    nc: NatsClient,
+    subjects: Subjects,
+    clock: FakeClock,
+    dispatchers: Callable[..., Awaitable[Dispatcher]],
+    queue_name: str,
+) -> None:
+    now = clock.now()
+    await broker.put_breaker(
+        Breaker(
+            queue=queue_name,
+            type="bad",
+            status=BreakerStatus.OPEN,
+            opened_at=now,
+            until=now + timedelta(seconds=30),
+            failures=3,
+        )
+    )
+    d = await dispatchers()
+    gw = FakeGateway(nc, subjects, queue=queue_name, capacity=50)
+    await gw.start()
+    await wait_until(lambda: (qd := d.queue(queue_name)) is not None and gw.id in qd.book)
+    await broker.enqueue_batch([NewTask(queue=queue_name, type="bad") for _ in range(3)])
+    good = await enqueue(broker, queue_name, 4)
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 4)
+    assert sorted(gw.accepted_ids) == sorted(good)
+    # The cool-down is over: the next cycle sends one probe, marked, and no more.
+    clock.advance(timedelta(seconds=30))
+    await wake(nc, subjects, queue_name)
+    await wait_until(lambda: len(gw.received) == 5)
+    probe = gw.received[-1]
+    assert (probe.type, probe.probe) == ("bad", True)
+    (row,) = await broker.list_breakers(queue_name)
+    assert row.status is BreakerStatus.HALF_OPEN
+    await wake(nc, subjects, queue_name)
+    qd = d.queue(queue_name)
+    assert qd is not None
+    await wait_until(lambda: qd.wakes >= 3 and not qd.cycling)
+    assert len(gw.received) == 5
+    assert qd.probes == 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import timedelta
 
 import pytest
@@ -29,10 +29,24 @@ class CountingBroker(MemoryBroker):
         self.hold: asyncio.Event | None = None
 
     async def lease(
-        self, queue: str, limit: int, ttl: timedelta, *, holders: Sequence[str] = ()
+        self,
+        queue: str,
+        limit: int,
+        ttl: timedelta,
+        *,
+        holders: Sequence[str] = (),
+        exclude_types: Collection[str] = (),
+        only_types: Collection[str] | None = None,
     ) -> list[Task]:
         self.calls.append("lease")
-        return await super().lease(queue, limit, ttl, holders=holders)
+        return await super().lease(
+            queue,
+            limit,
+            ttl,
+            holders=holders,
+            exclude_types=exclude_types,
+            only_types=only_types,
+        )
 
     async def lease_many(
         self,

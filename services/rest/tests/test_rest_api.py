@@ -6,13 +6,14 @@ from __future__ import annotations
 import base64
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import grpc
 import httpx
 import pytest
 from conveyor_api import ApiServer
-from conveyor_broker import FakeClock
+from conveyor_broker import Breaker, BreakerStatus, FakeClock
 from conveyor_rest.app import create_app
 from conveyor_runtime.nats_connect import NatsClient, connect_nats
 from conveyor_runtime.settings import ApiSettings
@@ -21,6 +22,7 @@ from conveyor_testkit.webhooks import WEBHOOK_KEY, FakeDns
 
 ADMIN = "ops-admin-secret-0123456789"
 READER = "ops-reader-secret-0123456789"
+OPENED = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 async def start_api(
@@ -46,14 +48,16 @@ async def start_api(
     return server, broker, nc
 
 
-async def rest_client(nats_url: str, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def rest_client(
+    nats_url: str, **overrides: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, CountingBroker]]:
     server, broker, nc = await start_api(nats_url, **overrides)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     app = create_app(f"127.0.0.1:{server.port}", channel=channel)
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://rest") as client:
-            yield client
+            yield client, broker
     finally:
         await channel.close()
         await server.stop(grace=1.0)
@@ -64,15 +68,22 @@ async def rest_client(nats_url: str, **overrides: Any) -> AsyncIterator[httpx.As
 @pytest.fixture
 async def rest(nats_url: str) -> AsyncIterator[httpx.AsyncClient]:
     """The REST app in front of a real api with auth off."""
-    async for client in rest_client(nats_url):
+    async for client, _ in rest_client(nats_url):
         yield client
+
+
+@pytest.fixture
+async def rest_broker(nats_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, CountingBroker]]:
+    """The REST app in front of a real api with auth off, and the api's broker."""
+    async for both in rest_client(nats_url):
+        yield both
 
 
 @pytest.fixture
 async def rest_auth(nats_url: str) -> AsyncIterator[httpx.AsyncClient]:
     """The REST app in front of a real api with an admin and a read-only token."""
     tokens = [f"ops:admin:{ADMIN}", f"viewer:read-only:{READER}"]
-    async for client in rest_client(nats_url, auth_tokens=tokens, allow_unauthenticated=False):
+    async for client, _ in rest_client(nats_url, auth_tokens=tokens, allow_unauthenticated=False):
         yield client
 
 
@@ -226,6 +237,101 @@ async def test_concurrency_limits(rest: httpx.AsyncClient) -> None:
     missing = await rest.delete("/v1/limits/concurrency/calls")
     assert missing.status_code == 404
     assert missing.json()["code"] == "NOT_FOUND"
+
+
+async def test_breaker_configs(rest: httpx.AsyncClient) -> None:
+    body = {"failures": 5, "window": "60s", "cooldown": "30s"}
+    put = await rest.put("/v1/limits/breakers/calls", json=body)
+    assert put.status_code == 200, put.text
+    assert put.json()["config"] == {
+        "queue": "calls",
+        "pattern": "*",
+        "failures": 5,
+        "window": "60s",
+        "cooldown": "30s",
+        "scope": "BREAKER_SCOPE_WORKER",
+    }
+    pay = {"failures": 2, "window": "10s", "cooldown": "0.500s", "pattern": "pay.*"}
+    for scope in ("queue", "BREAKER_SCOPE_QUEUE"):
+        made = await rest.put("/v1/limits/breakers/calls", json={**pay, "scope": scope})
+        assert made.status_code == 200, made.text
+        assert made.json()["config"]["scope"] == "BREAKER_SCOPE_QUEUE"
+    other = await rest.put("/v1/limits/breakers/other", json={**body, "scope": "worker"})
+    assert other.status_code == 200, other.text
+    listed = (await rest.get("/v1/limits/breakers")).json()["configs"]
+    assert [(c["queue"], c["pattern"], c["scope"]) for c in listed] == [
+        ("calls", "*", "BREAKER_SCOPE_WORKER"),
+        ("calls", "pay.*", "BREAKER_SCOPE_QUEUE"),
+        ("other", "*", "BREAKER_SCOPE_WORKER"),
+    ]
+    one = (await rest.get("/v1/limits/breakers", params={"queue": "other"})).json()["configs"]
+    assert [c["queue"] for c in one] == ["other"]
+
+    for bad, says in (
+        ({**body, "failures": 0}, "failures"),
+        ({**body, "window": "0.5s"}, "window"),
+        ({"failures": 5, "cooldown": "30s"}, "window is required"),
+        ({**body, "cooldown": "0.01s"}, "cooldown"),
+        ({**body, "scope": "everyone"}, "scope"),
+        ({**body, "window": "a minute"}, "window"),
+        ({**body, "pattern": "x" * 300}, "pattern"),
+    ):
+        refused = await rest.put("/v1/limits/breakers/calls", json=bad)
+        assert refused.status_code == 400, (bad, refused.text)
+        assert refused.json()["code"] == "INVALID_ARGUMENT"
+        assert says in refused.json()["detail"], refused.json()
+    assert (await rest.get("/v1/limits/breakers")).json()["configs"] == listed
+
+    gone = await rest.delete("/v1/limits/breakers/calls", params={"pattern": "pay.*"})
+    assert gone.status_code == 200, gone.text
+    assert (await rest.delete("/v1/limits/breakers/calls")).status_code == 200
+    missing = await rest.delete("/v1/limits/breakers/calls")
+    assert missing.status_code == 404
+    assert missing.json()["code"] == "NOT_FOUND"
+    assert (await rest.delete("/v1/limits/breakers/a b")).status_code == 400
+
+
+async def test_open_breakers_and_queue_stats(
+    rest_broker: tuple[httpx.AsyncClient, CountingBroker],
+) -> None:
+    rest, broker = rest_broker
+    assert (await rest.get("/v1/breakers")).json() == {"breakers": []}
+    await rest.post("/v1/tasks", json={"type": "pay.charge", "queue": "pay"})
+    assert (await rest.get("/v1/queues/pay/stats")).json()["stats"]["breakers"] == []
+    await broker.put_breaker(
+        Breaker(
+            queue="pay",
+            type="pay.charge",
+            status=BreakerStatus.OPEN,
+            opened_at=OPENED,
+            until=OPENED + timedelta(seconds=30),
+            failures=5,
+            gateway="gw-1",
+            worker_id="worker-1",
+        )
+    )
+    listed = (await rest.get("/v1/breakers")).json()["breakers"]
+    assert listed == [
+        {
+            "queue": "pay",
+            "type": "pay.charge",
+            "scope": "BREAKER_SCOPE_WORKER",
+            "gateway": "gw-1",
+            "workerId": "worker-1",
+            "state": "open",
+            "openedAt": "2030-01-02T03:04:05Z",
+            "until": "2030-01-02T03:04:35Z",
+            "failures": 5,
+        }
+    ]
+    assert (await rest.get("/v1/breakers", params={"queue": "mail"})).json() == {"breakers": []}
+    bad = await rest.get("/v1/breakers", params={"queue": "a b"})
+    assert bad.status_code == 400
+    assert bad.json()["code"] == "INVALID_ARGUMENT"
+    stats = (await rest.get("/v1/queues/pay/stats")).json()["stats"]
+    assert stats["breakers"] == listed
+    queues = (await rest.get("/v1/queues")).json()["queues"]
+    assert [(q["queue"], q["breakers"]) for q in queues] == [("pay", listed)]
 
 
 async def test_producer_gets_its_task(rest_auth: httpx.AsyncClient) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from conveyor_broker.backoff import Backoff
 from conveyor_broker.clock import Clock, FakeClock, SystemClock
 from conveyor_broker.errors import (
+    BreakerConfigNotFound,
     BrokerClosed,
     BrokerError,
     ConcurrencyLimitNotFound,
@@ -33,6 +34,10 @@ from conveyor_broker.types import (
     TERMINAL_STATES,
     WAITING_STATES,
     AckItem,
+    Breaker,
+    BreakerConfig,
+    BreakerScope,
+    BreakerStatus,
     BrokerInfo,
     ConcurrencyLimit,
     CronEntry,
@@ -80,6 +85,11 @@ __all__ = [
     "WAITING_STATES",
     "AckItem",
     "Backoff",
+    "Breaker",
+    "BreakerConfig",
+    "BreakerConfigNotFound",
+    "BreakerScope",
+    "BreakerStatus",
     "Broker",
     "BrokerClosed",
     "BrokerError",

@@ -64,6 +64,8 @@ from conveyor_broker.keyring import (
 )
 from conveyor_broker.types import (
     AckItem,
+    Breaker,
+    BreakerConfig,
     BrokerInfo,
     ConcurrencyLimit,
     CronEntry,
@@ -366,9 +368,21 @@ class EncryptedBroker(Broker):
             logger.exception("broker.lease_decrypt_fail_failed task_id=%s", task.id)
 
     async def _lease(
-        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...]
+        self,
+        queue: str,
+        limit: int,
+        ttl: timedelta,
+        holders: tuple[str, ...],
+        exclude_types: tuple[str, ...] = (),
+        only_types: tuple[str, ...] | None = None,
     ) -> list[Task]:
-        return await self._leased(await self._inner._lease(queue, limit, ttl, holders))
+        # Types stay clear: the inner broker filters them. Unfiltered, the call is the one
+        # it always was (the hot path).
+        if not exclude_types and only_types is None:
+            return await self._leased(await self._inner._lease(queue, limit, ttl, holders))
+        return await self._leased(
+            await self._inner._lease(queue, limit, ttl, holders, exclude_types, only_types)
+        )
 
     async def _lease_many(
         self,
@@ -692,6 +706,30 @@ class EncryptedBroker(Broker):
 
     async def _delete_concurrency_limit(self, queue: str, pattern: str) -> None:
         await self._inner._delete_concurrency_limit(queue, pattern)
+
+    # -------------------------------------------------------- circuit breakers
+    # Queues, types, gateways and times: nothing here is a user's, all of it stays clear.
+
+    async def _set_breaker_config(self, config: BreakerConfig) -> BreakerConfig:
+        return await self._inner._set_breaker_config(config)
+
+    async def _list_breaker_configs(self, queue: str | None) -> list[BreakerConfig]:
+        return await self._inner._list_breaker_configs(queue)
+
+    async def _delete_breaker_config(self, queue: str, pattern: str) -> None:
+        await self._inner._delete_breaker_config(queue, pattern)
+
+    async def _put_breaker(self, breaker: Breaker) -> None:
+        await self._inner._put_breaker(breaker)
+
+    async def _drop_breaker(self, queue: str, task_type: str, gateway: str) -> bool:
+        return await self._inner._drop_breaker(queue, task_type, gateway)
+
+    async def _list_breakers(self, queue: str | None) -> list[Breaker]:
+        return await self._inner._list_breakers(queue)
+
+    async def _take_probe(self, queue: str, task_type: str, until: datetime) -> bool:
+        return await self._inner._take_probe(queue, task_type, until)
 
     # ------------------------------------------------------------- rate limits
 

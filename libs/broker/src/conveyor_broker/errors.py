@@ -96,6 +96,15 @@ class RateLimitNotFound(BrokerError, LookupError):
         self.queue = queue
 
 
+class BreakerConfigNotFound(BrokerError, LookupError):
+    """No circuit breaker config is stored for this queue and type pattern."""
+
+    def __init__(self, queue: str, pattern: str) -> None:
+        super().__init__(f"no breaker config for queue {queue!r} and type pattern {pattern!r}")
+        self.queue = queue
+        self.pattern = pattern
+
+
 class ConcurrencyLimitNotFound(BrokerError, LookupError):
     """No concurrency limit is stored for this queue and key pattern."""
 

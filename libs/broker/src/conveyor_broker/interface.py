@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from importlib import metadata
@@ -68,6 +68,10 @@ from conveyor_broker.dependencies import unique_dependencies
 from conveyor_broker.errors import BrokerClosed, InvalidTask
 from conveyor_broker.types import (
     AckItem,
+    Breaker,
+    BreakerConfig,
+    BreakerScope,
+    BreakerStatus,
     BrokerInfo,
     ConcurrencyLimit,
     CronEntry,
@@ -102,9 +106,11 @@ from conveyor_broker.types import (
 from conveyor_broker.validation import (
     MAX_PAYLOAD,
     MAX_RETRY_CAP,
+    MAX_TYPE_LEN,
     check_aware,
     check_batch,
     check_batch_size,
+    check_breaker_config,
     check_concurrency_limit,
     check_cron_entry,
     check_cron_name,
@@ -125,6 +131,8 @@ from conveyor_broker.validation import (
     check_rate_limit,
     check_stored_secrets,
     check_task_id,
+    check_text,
+    check_type_pattern,
     check_webhook_name,
     check_webhook_worker,
     clean_error,
@@ -146,6 +154,12 @@ MAX_BATCH = 1000
 #: Default for NewTask.max_retry when it is None.
 DEFAULT_MAX_RETRY = 25
 
+#: Most task types one lease's ``exclude_types`` (or ``only_types``) may name.
+MAX_TYPE_FILTER = 1000
+#: The longest gateway name and worker id a stored breaker may carry.
+MAX_BREAKER_NAME_LEN = 1024
+_MILLISECOND = timedelta(milliseconds=1)
+
 # What list_tasks and reap_expired_leases do when given no params.
 _DEFAULT_LIST = TaskListParams()
 _DEFAULT_REAP = LeaseReapParams()
@@ -158,6 +172,60 @@ def package_version() -> str:
         return metadata.version("conveyor-broker")
     except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
         return "0"
+
+
+def check_task_type(name: str, task_type: str) -> None:
+    """Raise InvalidTask unless ``task_type`` is a task type (1..MAX_TYPE_LEN characters,
+    no control character), as ``name`` says in the message."""
+    if not isinstance(task_type, str) or not 0 < len(task_type) <= MAX_TYPE_LEN:
+        raise InvalidTask(f"{name} must be 1-{MAX_TYPE_LEN} characters, got {task_type!r}")
+    check_text(name, task_type)
+
+
+def type_filter(name: str, types: Collection[str]) -> tuple[str, ...]:
+    """``types``, a lease's ``exclude_types`` or ``only_types``, checked (task types, at
+    most :data:`MAX_TYPE_FILTER`) and in the form the hooks get: distinct, sorted.
+    Raises InvalidTask."""
+    if isinstance(types, str | bytes):
+        raise InvalidTask(f"{name} is a collection of task types, not one type")
+    if len(types) > MAX_TYPE_FILTER:
+        raise InvalidTask(f"{name} names at most {MAX_TYPE_FILTER} types, got {len(types)}")
+    for task_type in types:
+        check_task_type(f"a type of {name}", task_type)
+    return tuple(sorted(set(types)))
+
+
+def _whole_ms(value: timedelta) -> timedelta:
+    """``value`` to the millisecond below (what a stored breaker config keeps)."""
+    return (value // _MILLISECOND) * _MILLISECOND
+
+
+def _check_breaker_name(name: str, value: str) -> None:
+    if not isinstance(value, str) or len(value) > MAX_BREAKER_NAME_LEN:
+        raise InvalidTask(f"{name} is a text of at most {MAX_BREAKER_NAME_LEN} characters")
+    check_text(name, value)
+
+
+def check_breaker(breaker: Breaker) -> None:
+    """Raise InvalidTask unless ``breaker`` is a breaker state a broker may store: a queue,
+    a task type, a status, aware times, a whole ``failures >= 0``, a gateway and worker id
+    (text, "" for none) and a holder ("" or a holder name)."""
+    check_queue(breaker.queue)
+    check_task_type("breaker type", breaker.type)
+    if not isinstance(breaker.status, BreakerStatus):
+        raise InvalidTask(f"status must be open or half_open, got {breaker.status!r}")
+    for name in ("opened_at", "until"):
+        value = getattr(breaker, name)
+        if not isinstance(value, datetime):
+            raise InvalidTask(f"{name} must be a datetime, got {value!r}")
+        check_aware(name, value)
+    n = breaker.failures
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n > 2**31 - 1:
+        raise InvalidTask(f"failures must be a whole number 0..{2**31 - 1}, got {n!r}")
+    _check_breaker_name("gateway", breaker.gateway)
+    _check_breaker_name("worker_id", breaker.worker_id)
+    if breaker.holder != "":
+        check_holder(breaker.holder)
 
 
 class Broker(abc.ABC):
@@ -283,7 +351,14 @@ class Broker(abc.ABC):
     # -------------------------------------------------------------------- lease
 
     async def lease(
-        self, queue: str, limit: int, ttl: timedelta, *, holders: Sequence[str] = ()
+        self,
+        queue: str,
+        limit: int,
+        ttl: timedelta,
+        *,
+        holders: Sequence[str] = (),
+        exclude_types: Collection[str] = (),
+        only_types: Collection[str] | None = None,
     ) -> list[Task]:
         """Lease up to ``limit`` due tasks of ``queue`` in one round trip.
 
@@ -298,13 +373,21 @@ class Broker(abc.ABC):
         k tasks are leased, each is held by one of the first k entries, each entry used
         once, in no particular order (``Task.holder`` tells which); "" or no entry
         (``holders`` may be shorter than ``limit``, not longer): by nobody.
+
+        Type filters (what circuit breakers need, :mod:`conveyor_broker.breakers`): only
+        tasks whose ``type`` is not in ``exclude_types`` and, when ``only_types`` is given
+        (not None), is in it are leased; the others are left as they are, as if they
+        were not there (they are not parked by a concurrency limit either). Each names at
+        most :data:`MAX_TYPE_FILTER` task types; InvalidTask otherwise.
         """
         self._check_open()
         check_queue(queue)
         check_limit(limit, upper=MAX_BATCH)
         check_lease_ttl(ttl)
         check_holders(holders, limit=limit)
-        return await self._lease(queue, limit, ttl, tuple(holders))
+        exclude = type_filter("exclude_types", exclude_types)
+        only = None if only_types is None else type_filter("only_types", only_types)
+        return await self._lease(queue, limit, ttl, tuple(holders), exclude, only)
 
     async def lease_many(
         self,
@@ -457,6 +540,10 @@ class Broker(abc.ABC):
         call after the one that released its last task forgets it); a later beat makes it
         alive again. InvalidTask for ``silence <= 0``, a ``limit`` outside 1..MAX_BATCH or
         a malformed name in ``alive``.
+
+        The stored circuit breakers held by dead holders (``Breaker.holder``: the
+        WORKER-scope breakers of a process that died) are dropped too, all of them
+        whatever ``limit`` says: they died with their gateways.
         """
         self._check_open()
         if params.silence <= timedelta(0):
@@ -940,6 +1027,90 @@ class Broker(abc.ABC):
         check_key_pattern(pattern)
         await self._delete_concurrency_limit(queue, pattern)
 
+    # ---------------------------------------------------------- circuit breakers
+
+    async def set_breaker_config(self, config: BreakerConfig) -> BreakerConfig:
+        """Create or replace the circuit breaker config of ``config.queue`` for the task
+        types that match ``config.pattern`` (:func:`conveyor_broker.breakers.config_for`
+        picks a type's); return it as stored: ``window`` and ``cooldown`` to the
+        millisecond below. The gateways read the configs and run the breakers
+        (:class:`conveyor_broker.breakers.BreakerMachine`); a change applies from their
+        next reload. InvalidTask for bad input
+        (:func:`conveyor_broker.validation.check_breaker_config`); nothing changes then."""
+        self._check_open()
+        check_breaker_config(config)
+        return await self._set_breaker_config(
+            BreakerConfig(
+                queue=config.queue,
+                pattern=config.pattern,
+                failures=config.failures,
+                window=_whole_ms(config.window),
+                cooldown=_whole_ms(config.cooldown),
+                scope=BreakerScope(config.scope),
+            )
+        )
+
+    async def list_breaker_configs(self, queue: str | None = None) -> list[BreakerConfig]:
+        """The stored breaker configs (of ``queue``, or of every queue), by queue and
+        pattern (code point order)."""
+        self._check_open()
+        if queue is not None:
+            check_queue(queue)
+        return await self._list_breaker_configs(queue)
+
+    async def delete_breaker_config(self, queue: str, pattern: str = "*") -> None:
+        """Delete the breaker config of ``queue`` for ``pattern`` (the types it covered
+        take another pattern's config or none). Stored breakers are left: their gateways
+        close them. Raises BreakerConfigNotFound."""
+        self._check_open()
+        check_queue(queue)
+        check_type_pattern(pattern)
+        await self._delete_breaker_config(queue, pattern)
+
+    async def put_breaker(self, breaker: Breaker) -> None:
+        """Store the state of a breaker that is not closed, replacing the one stored for
+        its (queue, type, gateway): a gateway's own breaker (WORKER scope), or with gateway
+        "" the queue-wide one (QUEUE scope) that the dispatchers obey. InvalidTask for bad
+        input (:func:`check_breaker`)."""
+        self._check_open()
+        check_breaker(breaker)
+        await self._put_breaker(breaker)
+
+    async def drop_breaker(self, queue: str, task_type: str, gateway: str = "") -> bool:
+        """Delete the stored breaker of (``queue``, ``task_type``, ``gateway``) (it closed,
+        or its gateway went away); True when there was one."""
+        self._check_open()
+        check_queue(queue)
+        check_task_type("task_type", task_type)
+        _check_breaker_name("gateway", gateway)
+        return await self._drop_breaker(queue, task_type, gateway)
+
+    async def list_breakers(self, queue: str | None = None) -> list[Breaker]:
+        """The stored breakers (of ``queue``, or of every queue), by queue, type and
+        gateway (code point order)."""
+        self._check_open()
+        if queue is not None:
+            check_queue(queue)
+        return await self._list_breakers(queue)
+
+    async def take_probe(self, queue: str, task_type: str, until: datetime) -> bool:
+        """Take the probe of the queue-wide breaker of (``queue``, ``task_type``): when
+        that breaker (gateway "") is stored and its ``until`` is at or before now (an OPEN
+        one's cool-down is over, or a HALF_OPEN one's probe chance lapsed), make it
+        HALF_OPEN with ``until`` (when this probe's chance lapses) and return True: the
+        caller sends one task of the type as the probe. False otherwise (no such breaker,
+        or it is not due): nothing changes.
+
+        Atomic: of concurrent callers, exactly one takes a due probe (as long as ``until``
+        is after now; one at or before it leaves the probe due at once)."""
+        self._check_open()
+        check_queue(queue)
+        check_task_type("task_type", task_type)
+        if not isinstance(until, datetime):
+            raise InvalidTask(f"until must be a datetime, got {until!r}")
+        check_aware("until", until)
+        return await self._take_probe(queue, task_type, until)
+
     # ------------------------------------------------------------- cron entries
 
     async def upsert_cron_entry(self, spec: CronEntrySpec) -> CronEntry:
@@ -1101,7 +1272,13 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _lease(
-        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...]
+        self,
+        queue: str,
+        limit: int,
+        ttl: timedelta,
+        holders: tuple[str, ...],
+        exclude_types: tuple[str, ...] = (),
+        only_types: tuple[str, ...] | None = None,
     ) -> list[Task]: ...
 
     @abc.abstractmethod
@@ -1328,3 +1505,24 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _delete_concurrency_limit(self, queue: str, pattern: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _set_breaker_config(self, config: BreakerConfig) -> BreakerConfig: ...
+
+    @abc.abstractmethod
+    async def _list_breaker_configs(self, queue: str | None) -> list[BreakerConfig]: ...
+
+    @abc.abstractmethod
+    async def _delete_breaker_config(self, queue: str, pattern: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _put_breaker(self, breaker: Breaker) -> None: ...
+
+    @abc.abstractmethod
+    async def _drop_breaker(self, queue: str, task_type: str, gateway: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def _list_breakers(self, queue: str | None) -> list[Breaker]: ...
+
+    @abc.abstractmethod
+    async def _take_probe(self, queue: str, task_type: str, until: datetime) -> bool: ...

@@ -27,6 +27,7 @@ from conveyor_broker.dependencies import (
     verdict,
 )
 from conveyor_broker.errors import (
+    BreakerConfigNotFound,
     BrokerClosed,
     ConcurrencyLimitNotFound,
     CronEntryNotFound,
@@ -50,6 +51,9 @@ from conveyor_broker.types import (
     TERMINAL_STATES,
     WAITING_STATES,
     AckItem,
+    Breaker,
+    BreakerConfig,
+    BreakerStatus,
     BrokerInfo,
     ConcurrencyLimit,
     CronEntry,
@@ -119,6 +123,10 @@ class MemoryBroker(Broker):
         self._concurrency: dict[str, dict[str, ConcurrencyLimit]] = {}
         # Holder -> its last beat.
         self._beats: dict[str, datetime] = {}
+        # Circuit breakers: the configs by (queue, pattern), the stored breakers by
+        # (queue, type, gateway).
+        self._breaker_configs: dict[tuple[str, str], BreakerConfig] = {}
+        self._breakers: dict[tuple[str, str, str], Breaker] = {}
         # Dependency work the call holding the lock leaves for the sink (besides the ended
         # tasks its events name), and whether it returns its work instead.
         self._left_promoted: dict[str, int] = {}
@@ -259,10 +267,18 @@ class MemoryBroker(Broker):
     # -------------------------------------------------------------------- lease
 
     async def _lease(
-        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...]
+        self,
+        queue: str,
+        limit: int,
+        ttl: timedelta,
+        holders: tuple[str, ...],
+        exclude_types: tuple[str, ...] = (),
+        only_types: tuple[str, ...] | None = None,
     ) -> list[Task]:
         async with self._locked() as now:
-            return self._lease_queue(queue, limit, ttl, now, holders)
+            return self._lease_queue(
+                queue, limit, ttl, now, holders, frozenset(exclude_types), only_types
+            )
 
     async def _lease_many(
         self,
@@ -277,9 +293,26 @@ class MemoryBroker(Broker):
             ]
 
     def _lease_queue(
-        self, queue: str, limit: int, ttl: timedelta, now: datetime, holders: tuple[str, ...]
+        self,
+        queue: str,
+        limit: int,
+        ttl: timedelta,
+        now: datetime,
+        holders: tuple[str, ...],
+        exclude: frozenset[str] = frozenset(),
+        only: Iterable[str] | None = None,
     ) -> list[Task]:
-        due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
+        allowed = None if only is None else frozenset(only)
+
+        def leasable() -> list[Task]:
+            due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
+            if exclude:
+                due = [task for task in due if task.type not in exclude]
+            if allowed is not None:
+                due = [task for task in due if task.type in allowed]
+            return due
+
+        due = leasable()
         leased: list[Task] = []
         limits = list(self._concurrency.get(queue, {}).values())
         freed = self._table.take_freed(queue)
@@ -288,7 +321,7 @@ class MemoryBroker(Broker):
             # lease makes them (from what its triggers noted).
             if freed:
                 self._promote_held(((queue, key) for key in freed), now)
-                due = [task for task in self._table.leasable(queue) if _is_due(task, now)]
+                due = leasable()
             # Every due task in lease order: those parked make way for the ones behind.
             candidates = sorted(due, key=lambda t: (t.available_at, t.id))
             keys = [t.concurrency_key for t in candidates]
@@ -453,6 +486,8 @@ class MemoryBroker(Broker):
             ]
             for holder in dead - {task.holder for task in orphans}:
                 del self._beats[holder]  # dead and holding nothing: forgotten
+            for key in [key for key, b in self._breakers.items() if b.holder in dead]:
+                del self._breakers[key]  # a dead process's gateways' breakers
             released: list[ReleasedTask] = []
             for task in heapq.nsmallest(params.limit, orphans, key=_lease_order):
                 self._table.put(
@@ -994,6 +1029,51 @@ class MemoryBroker(Broker):
                 del self._concurrency[queue]
             self._promote_held(((queue, key) for key in self._table.held_keys(queue)), now)
 
+    # --------------------------------------------------------- circuit breakers
+
+    async def _set_breaker_config(self, config: BreakerConfig) -> BreakerConfig:
+        async with self._locked():
+            self._breaker_configs[config.queue, config.pattern] = config
+            return config
+
+    async def _list_breaker_configs(self, queue: str | None) -> list[BreakerConfig]:
+        async with self._locked():
+            return [
+                self._breaker_configs[key]
+                for key in sorted(self._breaker_configs)
+                if queue is None or key[0] == queue
+            ]
+
+    async def _delete_breaker_config(self, queue: str, pattern: str) -> None:
+        async with self._locked():
+            if self._breaker_configs.pop((queue, pattern), None) is None:
+                raise BreakerConfigNotFound(queue, pattern)
+
+    async def _put_breaker(self, breaker: Breaker) -> None:
+        async with self._locked():
+            self._breakers[breaker.queue, breaker.type, breaker.gateway] = breaker
+
+    async def _drop_breaker(self, queue: str, task_type: str, gateway: str) -> bool:
+        async with self._locked():
+            return self._breakers.pop((queue, task_type, gateway), None) is not None
+
+    async def _list_breakers(self, queue: str | None) -> list[Breaker]:
+        async with self._locked():
+            return [
+                self._breakers[key]
+                for key in sorted(self._breakers)
+                if queue is None or key[0] == queue
+            ]
+
+    async def _take_probe(self, queue: str, task_type: str, until: datetime) -> bool:
+        async with self._locked() as now:
+            key = (queue, task_type, "")
+            breaker = self._breakers.get(key)
+            if breaker is None or breaker.until > now:
+                return False
+            self._breakers[key] = replace(breaker, status=BreakerStatus.HALF_OPEN, until=until)
+            return True
+
     # -------------------------------------------------------------- rate limits
 
     def _bucket(self, queue: str, now: datetime) -> tuple[RateLimit, float] | None:
@@ -1152,6 +1232,8 @@ class MemoryBroker(Broker):
             self._cron_entries = {}
             self._group_configs = {}
             self._rates = {}
+            self._breaker_configs = {}
+            self._breakers = {}
 
 
 def _promoted_state(task: Task, now: datetime) -> TaskState:

@@ -572,6 +572,67 @@ class ConcurrencyLimit:
     pattern: str = "*"
 
 
+class BreakerScope(StrEnum):
+    """Whom an open circuit breaker stops sending its task type to."""
+
+    #: The worker (stream session or webhook worker) whose attempts failed.
+    WORKER = "worker"
+    #: Every worker of the queue.
+    QUEUE = "queue"
+
+
+class BreakerStatus(StrEnum):
+    """A circuit breaker that is not closed."""
+
+    #: Its type is dispatched to nobody in its scope until ``until``.
+    OPEN = "open"
+    #: One probe may go (or went, and its chance lapses at ``until``).
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """A circuit breaker per task type of ``queue``, for the types that match ``pattern``
+    (a glob: ``*`` any text, ``?`` one character; a type takes its queue's longest
+    matching pattern, then the first in code point order): once ``failures`` attempts of
+    one type fail on a worker within ``window``, the type is dispatched to nobody in
+    ``scope`` for ``cooldown``, then one probe goes: its success closes the breaker, its
+    failure opens it again (see :mod:`conveyor_broker.breakers`)."""
+
+    queue: str
+    pattern: str = "*"
+    failures: int = 5
+    window: timedelta = timedelta(seconds=60)
+    cooldown: timedelta = timedelta(seconds=30)
+    scope: BreakerScope = BreakerScope.WORKER
+
+
+@dataclass(frozen=True, slots=True)
+class Breaker:
+    """A circuit breaker of ``queue`` and ``type`` that is not closed, as stored for the
+    operator to see (and, queue-wide, for the dispatchers to obey).
+
+    ``gateway`` is the gateway whose breaker it is (WORKER scope; ``worker_id`` its
+    worker's id, ``holder`` the process holding the gateway's leases, so the breakers of
+    a dead process can be dropped) or "" for a queue-wide one (QUEUE scope). ``until``:
+    when an OPEN breaker goes half-open, or when a HALF_OPEN one's probe chance lapses."""
+
+    queue: str
+    type: str
+    status: BreakerStatus
+    opened_at: datetime
+    until: datetime
+    failures: int
+    gateway: str = ""
+    worker_id: str = ""
+    holder: str = ""
+
+    @property
+    def scope(self) -> BreakerScope:
+        """QUEUE for a queue-wide breaker, else WORKER."""
+        return BreakerScope.WORKER if self.gateway else BreakerScope.QUEUE
+
+
 @dataclass(frozen=True, slots=True)
 class RateGrant:
     """What :meth:`~conveyor_broker.interface.Broker.take_rate_tokens` gave: ``granted``

@@ -16,6 +16,8 @@ from conveyor_broker import cron
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.ids import is_ulid
 from conveyor_broker.types import (
+    BreakerConfig,
+    BreakerScope,
     ConcurrencyLimit,
     CronEntrySpec,
     CronMisfire,
@@ -449,6 +451,41 @@ def check_concurrency_limit(limit: ConcurrencyLimit) -> None:
     n = limit.per_key
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PER_KEY:
         raise InvalidTask(f"per_key must be a whole number 1..{MAX_PER_KEY}, got {n!r}")
+
+
+#: Bounds of a breaker config.
+MAX_BREAKER_FAILURES = 10_000
+MIN_BREAKER_WINDOW = timedelta(seconds=1)
+MAX_BREAKER_WINDOW = timedelta(days=1)
+MIN_BREAKER_COOLDOWN = timedelta(milliseconds=100)
+MAX_BREAKER_COOLDOWN = timedelta(days=1)
+
+
+def check_type_pattern(pattern: str) -> None:
+    """Raise InvalidTask unless ``pattern`` is a task type glob (1-256 characters, no
+    control characters)."""
+    if not isinstance(pattern, str) or not _PATTERN_RE.fullmatch(pattern):
+        raise InvalidTask("a type pattern is 1-256 characters, '*' and '?' as wildcards")
+    check_text("type pattern", pattern)
+
+
+def check_breaker_config(config: BreakerConfig) -> None:
+    """Raise InvalidTask unless ``config`` is one a broker may store."""
+    check_queue(config.queue)
+    check_type_pattern(config.pattern)
+    n = config.failures
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_BREAKER_FAILURES:
+        raise InvalidTask(f"failures must be a whole number 1..{MAX_BREAKER_FAILURES}, got {n!r}")
+    bounds = {
+        "window": (MIN_BREAKER_WINDOW, MAX_BREAKER_WINDOW),
+        "cooldown": (MIN_BREAKER_COOLDOWN, MAX_BREAKER_COOLDOWN),
+    }
+    for name, (low, high) in bounds.items():
+        value = getattr(config, name)
+        if not isinstance(value, timedelta) or not low <= value <= high:
+            raise InvalidTask(f"{name} must be {low} .. {high}, got {value}")
+    if not isinstance(config.scope, BreakerScope):
+        raise InvalidTask(f"scope must be worker or queue, got {config.scope!r}")
 
 
 def check_group_config(config: GroupConfig) -> None:

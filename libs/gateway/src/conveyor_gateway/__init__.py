@@ -7,6 +7,7 @@ hints to dispatchers, the scheduler and the resolver (:class:`WakePublisher`,
 
 from __future__ import annotations
 
+from conveyor_gateway.breakers import BreakerConfigs
 from conveyor_gateway.capacity import split_capacity
 from conveyor_gateway.config import GatewayConfig, WorkerSpec
 from conveyor_gateway.gateway import Gateway
@@ -18,6 +19,7 @@ from conveyor_gateway.transport import Transport
 
 __all__ = [
     "AckBatcher",
+    "BreakerConfigs",
     "EnqueueCommitter",
     "Gateway",
     "GatewayConfig",

@@ -36,6 +36,7 @@ from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from nats.aio.subscription import Subscription
 
+from conveyor_gateway.breakers import Breakers
 from conveyor_gateway.capacity import capped_slots, split_capacity
 from conveyor_gateway.config import WorkerSpec
 from conveyor_gateway.hints import DonePublisher
@@ -113,6 +114,8 @@ class Credits:
             spec.queues, timeout=turn_timeout, on_lapse=self._pass_on, call_later=call_later
         )
         self._shared = self._sharing()
+        #: The gateway's circuit breakers per task type (None: none configured here).
+        self.breakers: Breakers | None = None
 
     # ------------------------------------------------------------- lifecycle
 
@@ -296,6 +299,17 @@ class Credits:
                     queue,
                 )
                 continue
+            probe = False
+            if self.breakers is not None:
+                admitted, probe = self.breakers.admit(queue, env.type, probe=env.probe)
+                if not admitted:
+                    logger.debug(
+                        "gateway.type_blocked gateway=%s task=%s type=%s",
+                        self._id,
+                        env.id,
+                        env.type,
+                    )
+                    continue
             stale = lease_of.get(env.id)
             if stale is not None:
                 # The broker leased the task again, so our old lease is gone: the worker
@@ -305,7 +319,7 @@ class Credits:
                     self._transport.cancel(old.task_id, old.lease_id, REDELIVERED_REASON)
                     room = self.free(queue)
             try:
-                hold(env, queue)
+                hold(env, queue, probe=probe)
             except (ValueError, OverflowError) as exc:
                 # A timeout or deadline that is no valid Duration or Timestamp (protobuf
                 # refuses to convert it): only a broken or forged offer carries one.
@@ -352,8 +366,15 @@ class Credits:
             len(accepted),
         )
         return cluster_pb2.DispatchReply(
-            accepted=accepted, credits=self.offered(queue), returned=self.done.returned(queue)
+            accepted=accepted,
+            credits=self.offered(queue),
+            returned=self.done.returned(queue),
+            blocked_types=self.blocked(queue),
         )
+
+    def blocked(self, queue: str) -> list[str]:
+        """The task types of ``queue`` the gateway takes none of now (its breakers)."""
+        return [] if self.breakers is None else self.breakers.blocked(queue)
 
     # -------------------------------------------------------------- register
 
@@ -368,6 +389,7 @@ class Credits:
             closing=closing,
             returned=self.done.returned(queue),
             holder=self._holder,
+            blocked_types=self.blocked(queue),
         )
 
     async def register(self, queue: str, *, closing: bool = False) -> None:

@@ -37,6 +37,7 @@ from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus
 
 from conveyor_gateway.attempt_bounds import AttemptBound
+from conveyor_gateway.breakers import BreakerConfigs, Breakers
 from conveyor_gateway.config import GatewayConfig, WorkerSpec
 from conveyor_gateway.credits import REDELIVERED_REASON, Credits
 from conveyor_gateway.group_commit import AckBatcher
@@ -74,6 +75,7 @@ class Gateway:
         connected_at: datetime,
         heartbeat_skips: Container[str] = frozenset(),
         on_extended: OnExtended | None = None,
+        breakers: BreakerConfigs | None = None,
     ) -> None:
         self.id = gateway_id
         self.spec = spec
@@ -98,6 +100,22 @@ class Gateway:
             holder=config.holder,
         )
         self._done = self._credits.done
+        #: The circuit breakers per task type (None: this gateway runs none).
+        self.breakers: Breakers | None = None
+        if breakers is not None:
+            credits = self._credits
+            self.breakers = credits.breakers = Breakers(
+                gateway_id,
+                configs=breakers,
+                broker=broker,
+                bus=bus,
+                clock=config.clock,
+                spawn=self._spawn,
+                announce=lambda queue: self._spawn(credits.register(queue)),
+                probe_lapse=config.lease_ttl,
+                worker_id=spec.worker_id,
+                holder=config.holder,
+            )
         #: The worker's own slots per queue.
         self.capacity = self._credits.capacity
         self._leases = LeaseExtension(
@@ -170,6 +188,8 @@ class Gateway:
                 self._wakes.wake(h.queue)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.breakers is not None:
+            await self.breakers.aclose()
         await self._done.aclose()
         logger.info("gateway.closed gateway=%s released=%d", self.id, len(held))
 
@@ -286,12 +306,22 @@ class Gateway:
             if held is None:
                 continue
             self._free(held.lease_id)
+            if self.breakers is not None:
+                self._record(held, result.outcome)
             if result.outcome == service_pb2.OUTCOME_SUCCESS and len(result.result) <= max_result:
                 acks.append((held, AckItem(held.task_id, held.lease_id, result.result or None)))
             else:
                 self._spawn(self._outcomes.complete(held, result))
         if acks:
             self._spawn(self._outcomes.ack_all(acks))
+
+    def _record(self, held: Held, outcome: int) -> None:
+        """Count an attempt's end for its type's breaker (a release counts for nothing)."""
+        assert self.breakers is not None
+        if outcome == service_pb2.OUTCOME_SUCCESS:
+            self.breakers.record(held, ok=True)
+        elif outcome in (service_pb2.OUTCOME_FAILURE, service_pb2.OUTCOME_SKIP_RETRY):
+            self.breakers.record(held, ok=False)
 
     def _held_for(self, result: service_pb2.Result) -> Held | None:
         """The delivery ``result`` answers, or None (logged) when it answers none of ours."""
@@ -341,6 +371,8 @@ class Gateway:
         held = self._free(lease_id)
         if held is None:
             return
+        if self.breakers is not None:
+            self.breakers.record(held, ok=False)
         logger.warning(
             "gateway.attempt_overran gateway=%s task=%s lease=%s queue=%s reason=%s",
             self.id,
@@ -466,6 +498,8 @@ class Gateway:
         held = self._held.get(result.lease_id)
         if held is not None and held.task_id == result.task_id:
             self._free(held.lease_id)
+            if self.breakers is not None:
+                self._record(held, result.outcome)
             try:
                 await self._outcomes.apply(held, result)
             except LeaseLost:

@@ -22,7 +22,8 @@ from conveyor_gateway.attempt_bounds import AttemptBound, AttemptTimers, envelop
 @dataclass(frozen=True, slots=True)
 class Held:
     """One delivery: its task, lease and queue, the retries before this attempt, the
-    task's deadline (None: none), and whether it has a concurrency key."""
+    task's deadline (None: none), whether it has a concurrency key, its type ("" when
+    unknown), and whether it is a half-open circuit breaker's probe."""
 
     task_id: str
     lease_id: str
@@ -30,6 +31,8 @@ class Held:
     retried: int
     deadline: datetime | None = None
     keyed: bool = False
+    type: str = ""
+    probe: bool = False
 
 
 class Holdings:
@@ -59,8 +62,9 @@ class Holdings:
     def __len__(self) -> int:
         return len(self.by_lease)
 
-    def hold(self, env: task_pb2.TaskEnvelope, queue: str) -> None:
-        """Hold the dispatched ``env`` of ``queue``, arming its attempt bound if it has one."""
+    def hold(self, env: task_pb2.TaskEnvelope, queue: str, *, probe: bool = False) -> None:
+        """Hold the dispatched ``env`` of ``queue``, arming its attempt bound if it has one;
+        ``probe``: it is a breaker's probe (as well as when the envelope says so)."""
         bounded = env.HasField("timeout") or env.HasField("deadline")
         timeout, deadline = envelope_bounds(env) if bounded else (None, None)
         held = Held(
@@ -70,6 +74,8 @@ class Holdings:
             max(0, env.attempt - 1),
             deadline,
             keyed=bool(env.concurrency_key),
+            type=env.type,
+            probe=probe or env.probe,
         )
         self.by_lease[held.lease_id] = held
         self.lease_of[held.task_id] = held.lease_id
@@ -88,6 +94,7 @@ class Holdings:
             task.retried,
             task.deadline,
             keyed=task.concurrency_key is not None,
+            type=task.type,
         )
         self.by_lease[lease_id] = held
         self.lease_of[task.id] = lease_id

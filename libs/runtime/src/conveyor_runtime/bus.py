@@ -60,7 +60,12 @@ from nats.aio.subscription import Subscription
 
 from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.subjects import Subjects
-from conveyor_runtime.wire.events import decode_events, encode_events, event_state_token
+from conveyor_runtime.wire.events import (
+    decode_events,
+    encode_event_protos,
+    encode_events,
+    event_state_token,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -514,6 +519,15 @@ class Bus:
         first = events[0]
         subject = self.subjects.events(first.queue, event_state_token(first.state))
         return self._send(subject, encode_events(events))
+
+    def publish_breaker_event(self, breaker: service_pb2.Breaker) -> Awaitable[None]:
+        """Publish that a circuit breaker opened, went half-open or closed (its
+        ``state``), as an event of its queue and type on
+        ``<prefix>.events.<queue>.breaker``: watchers of the queue's events get it."""
+        event = service_pb2.TaskEvent(queue=breaker.queue, type=breaker.type, breaker=breaker)
+        event.at.GetCurrentTime()
+        subject = self.subjects.events(breaker.queue, "breaker")
+        return self._send(subject, encode_event_protos([event]))
 
     async def subscribe_events(
         self,

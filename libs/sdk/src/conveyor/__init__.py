@@ -25,6 +25,10 @@ from conveyor._clients.admin import AsyncAdminClient
 from conveyor._clients.admin_sync import AdminClient
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    Breaker,
+    BreakerConfig,
+    BreakerScope,
+    BreakerState,
     ClusterInfo,
     ClusterNode,
     ConcurrencyLimit,
@@ -51,6 +55,7 @@ from conveyor._clients.producer import AsyncClient
 from conveyor._clients.producer_sync import Client
 from conveyor._errors import (
     AlreadyExists,
+    BreakerConfigNotFound,
     CodecError,
     ConcurrencyLimitNotFound,
     ConveyorError,
@@ -94,6 +99,11 @@ __all__ = [
     "AsyncClient",
     "AsyncEventStream",
     "BatchActionResult",
+    "Breaker",
+    "BreakerConfig",
+    "BreakerConfigNotFound",
+    "BreakerScope",
+    "BreakerState",
     "Client",
     "ClusterInfo",
     "ClusterNode",

@@ -87,6 +87,11 @@ class ConcurrencyLimitNotFound(_PatternNotFound):
     those asked for)."""
 
 
+class BreakerConfigNotFound(_PatternNotFound):
+    """The queue has no circuit breaker config for this type pattern (``queue``,
+    ``pattern``: those asked for)."""
+
+
 class CronEntryNotFound(ConveyorError, LookupError):
     """No cron entry has this name. ``name`` is the name asked for."""
 

@@ -17,7 +17,7 @@ class Wake(_message.Message):
     def __init__(self, queue: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("gateway", "queue", "capacity", "weight", "in_flight", "labels", "closing", "returned", "holder")
+    __slots__ = ("gateway", "queue", "capacity", "weight", "in_flight", "labels", "closing", "returned", "holder", "blocked_types")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class Register(_message.Message):
     CLOSING_FIELD_NUMBER: _ClassVar[int]
     RETURNED_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_TYPES_FIELD_NUMBER: _ClassVar[int]
     gateway: str
     queue: str
     capacity: int
@@ -43,7 +44,8 @@ class Register(_message.Message):
     closing: bool
     returned: int
     holder: str
-    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., capacity: _Optional[int] = ..., weight: _Optional[int] = ..., in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., closing: _Optional[bool] = ..., returned: _Optional[int] = ..., holder: _Optional[str] = ...) -> None: ...
+    blocked_types: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., capacity: _Optional[int] = ..., weight: _Optional[int] = ..., in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., closing: _Optional[bool] = ..., returned: _Optional[int] = ..., holder: _Optional[str] = ..., blocked_types: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("gateway", "queue", "n", "returned")
@@ -96,14 +98,16 @@ class DispatchRequest(_message.Message):
     def __init__(self, queue: _Optional[str] = ..., dispatcher: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[_task_pb2.TaskEnvelope, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class DispatchReply(_message.Message):
-    __slots__ = ("accepted", "credits", "returned")
+    __slots__ = ("accepted", "credits", "returned", "blocked_types")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     RETURNED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_TYPES_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[str]
     credits: int
     returned: int
-    def __init__(self, accepted: _Optional[_Iterable[str]] = ..., credits: _Optional[int] = ..., returned: _Optional[int] = ...) -> None: ...
+    blocked_types: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, accepted: _Optional[_Iterable[str]] = ..., credits: _Optional[int] = ..., returned: _Optional[int] = ..., blocked_types: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("task_id", "reason")

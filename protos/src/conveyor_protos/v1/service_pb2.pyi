@@ -38,6 +38,12 @@ class DependencyOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DEPENDENCY_OUTCOME_SATISFIED: _ClassVar[DependencyOutcome]
     DEPENDENCY_OUTCOME_FAILED: _ClassVar[DependencyOutcome]
 
+class BreakerScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BREAKER_SCOPE_UNSPECIFIED: _ClassVar[BreakerScope]
+    BREAKER_SCOPE_WORKER: _ClassVar[BreakerScope]
+    BREAKER_SCOPE_QUEUE: _ClassVar[BreakerScope]
+
 class CronMisfire(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CRON_MISFIRE_UNSPECIFIED: _ClassVar[CronMisfire]
@@ -59,6 +65,9 @@ DEPENDENCY_OUTCOME_UNSPECIFIED: DependencyOutcome
 DEPENDENCY_OUTCOME_OPEN: DependencyOutcome
 DEPENDENCY_OUTCOME_SATISFIED: DependencyOutcome
 DEPENDENCY_OUTCOME_FAILED: DependencyOutcome
+BREAKER_SCOPE_UNSPECIFIED: BreakerScope
+BREAKER_SCOPE_WORKER: BreakerScope
+BREAKER_SCOPE_QUEUE: BreakerScope
 CRON_MISFIRE_UNSPECIFIED: CronMisfire
 CRON_MISFIRE_RUN_ONCE: CronMisfire
 CRON_MISFIRE_SKIP: CronMisfire
@@ -378,7 +387,7 @@ class GetQueueStatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[QueueStats, _Mapping]] = ...) -> None: ...
 
 class QueueStats(_message.Message):
-    __slots__ = ("queue", "paused", "counts")
+    __slots__ = ("queue", "paused", "counts", "breakers")
     class CountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -389,10 +398,12 @@ class QueueStats(_message.Message):
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BREAKERS_FIELD_NUMBER: _ClassVar[int]
     queue: str
     paused: bool
     counts: _containers.ScalarMap[str, int]
-    def __init__(self, queue: _Optional[str] = ..., paused: _Optional[bool] = ..., counts: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    breakers: _containers.RepeatedCompositeFieldContainer[Breaker]
+    def __init__(self, queue: _Optional[str] = ..., paused: _Optional[bool] = ..., counts: _Optional[_Mapping[str, int]] = ..., breakers: _Optional[_Iterable[_Union[Breaker, _Mapping]]] = ...) -> None: ...
 
 class PauseQueueRequest(_message.Message):
     __slots__ = ("queue",)
@@ -590,6 +601,92 @@ class ListConcurrencyLimitsResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     limits: _containers.RepeatedCompositeFieldContainer[ConcurrencyLimit]
     def __init__(self, limits: _Optional[_Iterable[_Union[ConcurrencyLimit, _Mapping]]] = ...) -> None: ...
+
+class BreakerConfig(_message.Message):
+    __slots__ = ("queue", "pattern", "failures", "window", "cooldown", "scope")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    COOLDOWN_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    pattern: str
+    failures: int
+    window: _duration_pb2.Duration
+    cooldown: _duration_pb2.Duration
+    scope: BreakerScope
+    def __init__(self, queue: _Optional[str] = ..., pattern: _Optional[str] = ..., failures: _Optional[int] = ..., window: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., cooldown: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., scope: _Optional[_Union[BreakerScope, str]] = ...) -> None: ...
+
+class SetBreakerConfigRequest(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: BreakerConfig
+    def __init__(self, config: _Optional[_Union[BreakerConfig, _Mapping]] = ...) -> None: ...
+
+class SetBreakerConfigResponse(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: BreakerConfig
+    def __init__(self, config: _Optional[_Union[BreakerConfig, _Mapping]] = ...) -> None: ...
+
+class DeleteBreakerConfigRequest(_message.Message):
+    __slots__ = ("queue", "pattern")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    pattern: str
+    def __init__(self, queue: _Optional[str] = ..., pattern: _Optional[str] = ...) -> None: ...
+
+class DeleteBreakerConfigResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListBreakerConfigsRequest(_message.Message):
+    __slots__ = ("queue",)
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    def __init__(self, queue: _Optional[str] = ...) -> None: ...
+
+class ListBreakerConfigsResponse(_message.Message):
+    __slots__ = ("configs",)
+    CONFIGS_FIELD_NUMBER: _ClassVar[int]
+    configs: _containers.RepeatedCompositeFieldContainer[BreakerConfig]
+    def __init__(self, configs: _Optional[_Iterable[_Union[BreakerConfig, _Mapping]]] = ...) -> None: ...
+
+class Breaker(_message.Message):
+    __slots__ = ("queue", "type", "scope", "gateway", "worker_id", "state", "opened_at", "until", "failures")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OPENED_AT_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    type: str
+    scope: BreakerScope
+    gateway: str
+    worker_id: str
+    state: str
+    opened_at: _timestamp_pb2.Timestamp
+    until: _timestamp_pb2.Timestamp
+    failures: int
+    def __init__(self, queue: _Optional[str] = ..., type: _Optional[str] = ..., scope: _Optional[_Union[BreakerScope, str]] = ..., gateway: _Optional[str] = ..., worker_id: _Optional[str] = ..., state: _Optional[str] = ..., opened_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failures: _Optional[int] = ...) -> None: ...
+
+class ListBreakersRequest(_message.Message):
+    __slots__ = ("queue",)
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    def __init__(self, queue: _Optional[str] = ...) -> None: ...
+
+class ListBreakersResponse(_message.Message):
+    __slots__ = ("breakers",)
+    BREAKERS_FIELD_NUMBER: _ClassVar[int]
+    breakers: _containers.RepeatedCompositeFieldContainer[Breaker]
+    def __init__(self, breakers: _Optional[_Iterable[_Union[Breaker, _Mapping]]] = ...) -> None: ...
 
 class GroupConfig(_message.Message):
     __slots__ = ("queue", "max_size", "max_delay", "grace_period", "pattern")
@@ -978,7 +1075,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, queues: _Optional[_Iterable[str]] = ..., states: _Optional[_Iterable[_Union[_task_pb2.TaskState, str]]] = ...) -> None: ...
 
 class TaskEvent(_message.Message):
-    __slots__ = ("task_id", "queue", "type", "state", "previous_state", "at", "error")
+    __slots__ = ("task_id", "queue", "type", "state", "previous_state", "at", "error", "breaker")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -986,6 +1083,7 @@ class TaskEvent(_message.Message):
     PREVIOUS_STATE_FIELD_NUMBER: _ClassVar[int]
     AT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     queue: str
     type: str
@@ -993,7 +1091,8 @@ class TaskEvent(_message.Message):
     previous_state: _task_pb2.TaskState
     at: _timestamp_pb2.Timestamp
     error: str
-    def __init__(self, task_id: _Optional[str] = ..., queue: _Optional[str] = ..., type: _Optional[str] = ..., state: _Optional[_Union[_task_pb2.TaskState, str]] = ..., previous_state: _Optional[_Union[_task_pb2.TaskState, str]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    breaker: Breaker
+    def __init__(self, task_id: _Optional[str] = ..., queue: _Optional[str] = ..., type: _Optional[str] = ..., state: _Optional[_Union[_task_pb2.TaskState, str]] = ..., previous_state: _Optional[_Union[_task_pb2.TaskState, str]] = ..., at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., error: _Optional[str] = ..., breaker: _Optional[_Union[Breaker, _Mapping]] = ...) -> None: ...
 
 class WebhookHeartbeatRequest(_message.Message):
     __slots__ = ("lease_token", "progress")

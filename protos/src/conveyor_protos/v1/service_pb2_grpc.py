@@ -479,6 +479,26 @@ class AdminServiceStub:
                 request_serializer=conveyor_dot_v1_dot_service__pb2.ListConcurrencyLimitsRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_service__pb2.ListConcurrencyLimitsResponse.FromString,
                 _registered_method=True)
+        self.SetBreakerConfig = channel.unary_unary(
+                '/conveyor.v1.AdminService/SetBreakerConfig',
+                request_serializer=conveyor_dot_v1_dot_service__pb2.SetBreakerConfigRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_service__pb2.SetBreakerConfigResponse.FromString,
+                _registered_method=True)
+        self.DeleteBreakerConfig = channel.unary_unary(
+                '/conveyor.v1.AdminService/DeleteBreakerConfig',
+                request_serializer=conveyor_dot_v1_dot_service__pb2.DeleteBreakerConfigRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_service__pb2.DeleteBreakerConfigResponse.FromString,
+                _registered_method=True)
+        self.ListBreakerConfigs = channel.unary_unary(
+                '/conveyor.v1.AdminService/ListBreakerConfigs',
+                request_serializer=conveyor_dot_v1_dot_service__pb2.ListBreakerConfigsRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_service__pb2.ListBreakerConfigsResponse.FromString,
+                _registered_method=True)
+        self.ListBreakers = channel.unary_unary(
+                '/conveyor.v1.AdminService/ListBreakers',
+                request_serializer=conveyor_dot_v1_dot_service__pb2.ListBreakersRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_service__pb2.ListBreakersResponse.FromString,
+                _registered_method=True)
         self.SetGroupConfig = channel.unary_unary(
                 '/conveyor.v1.AdminService/SetGroupConfig',
                 request_serializer=conveyor_dot_v1_dot_service__pb2.SetGroupConfigRequest.SerializeToString,
@@ -693,6 +713,31 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetBreakerConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteBreakerConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBreakerConfigs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBreakers(self, request, context):
+        """The breakers that are not closed (open or half-open), of one queue or of all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetGroupConfig(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -899,6 +944,26 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ListConcurrencyLimits,
                     request_deserializer=conveyor_dot_v1_dot_service__pb2.ListConcurrencyLimitsRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_service__pb2.ListConcurrencyLimitsResponse.SerializeToString,
+            ),
+            'SetBreakerConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetBreakerConfig,
+                    request_deserializer=conveyor_dot_v1_dot_service__pb2.SetBreakerConfigRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_service__pb2.SetBreakerConfigResponse.SerializeToString,
+            ),
+            'DeleteBreakerConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteBreakerConfig,
+                    request_deserializer=conveyor_dot_v1_dot_service__pb2.DeleteBreakerConfigRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_service__pb2.DeleteBreakerConfigResponse.SerializeToString,
+            ),
+            'ListBreakerConfigs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBreakerConfigs,
+                    request_deserializer=conveyor_dot_v1_dot_service__pb2.ListBreakerConfigsRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_service__pb2.ListBreakerConfigsResponse.SerializeToString,
+            ),
+            'ListBreakers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBreakers,
+                    request_deserializer=conveyor_dot_v1_dot_service__pb2.ListBreakersRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_service__pb2.ListBreakersResponse.SerializeToString,
             ),
             'SetGroupConfig': grpc.unary_unary_rpc_method_handler(
                     servicer.SetGroupConfig,
@@ -1529,6 +1594,114 @@ class AdminService:
             '/conveyor.v1.AdminService/ListConcurrencyLimits',
             conveyor_dot_v1_dot_service__pb2.ListConcurrencyLimitsRequest.SerializeToString,
             conveyor_dot_v1_dot_service__pb2.ListConcurrencyLimitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetBreakerConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.AdminService/SetBreakerConfig',
+            conveyor_dot_v1_dot_service__pb2.SetBreakerConfigRequest.SerializeToString,
+            conveyor_dot_v1_dot_service__pb2.SetBreakerConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteBreakerConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.AdminService/DeleteBreakerConfig',
+            conveyor_dot_v1_dot_service__pb2.DeleteBreakerConfigRequest.SerializeToString,
+            conveyor_dot_v1_dot_service__pb2.DeleteBreakerConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBreakerConfigs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.AdminService/ListBreakerConfigs',
+            conveyor_dot_v1_dot_service__pb2.ListBreakerConfigsRequest.SerializeToString,
+            conveyor_dot_v1_dot_service__pb2.ListBreakerConfigsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBreakers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.AdminService/ListBreakers',
+            conveyor_dot_v1_dot_service__pb2.ListBreakersRequest.SerializeToString,
+            conveyor_dot_v1_dot_service__pb2.ListBreakersResponse.FromString,
             options,
             channel_credentials,
             insecure,

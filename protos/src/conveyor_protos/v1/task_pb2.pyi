@@ -149,7 +149,7 @@ class Task(_message.Message):
     def __init__(self, id: _Optional[str] = ..., queue: _Optional[str] = ..., type: _Optional[str] = ..., payload: _Optional[bytes] = ..., headers: _Optional[_Mapping[str, str]] = ..., options: _Optional[_Union[TaskOptions, _Mapping]] = ..., state: _Optional[_Union[TaskState, str]] = ..., max_retry: _Optional[int] = ..., retried: _Optional[int] = ..., progress: _Optional[bytes] = ..., result: _Optional[bytes] = ..., last_error: _Optional[str] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., completed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., next_process_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class TaskEnvelope(_message.Message):
-    __slots__ = ("id", "queue", "type", "payload", "headers", "lease_id", "attempt", "max_retry", "timeout", "deadline", "lease_expires_at", "group", "concurrency_key", "enqueued_at")
+    __slots__ = ("id", "queue", "type", "payload", "headers", "lease_id", "attempt", "max_retry", "timeout", "deadline", "lease_expires_at", "group", "concurrency_key", "enqueued_at", "probe")
     class HeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class TaskEnvelope(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CONCURRENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     ENQUEUED_AT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     id: str
     queue: str
     type: str
@@ -185,4 +186,5 @@ class TaskEnvelope(_message.Message):
     group: str
     concurrency_key: str
     enqueued_at: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., queue: _Optional[str] = ..., type: _Optional[str] = ..., payload: _Optional[bytes] = ..., headers: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[str] = ..., attempt: _Optional[int] = ..., max_retry: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., group: _Optional[str] = ..., concurrency_key: _Optional[str] = ..., enqueued_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    probe: bool
+    def __init__(self, id: _Optional[str] = ..., queue: _Optional[str] = ..., type: _Optional[str] = ..., payload: _Optional[bytes] = ..., headers: _Optional[_Mapping[str, str]] = ..., lease_id: _Optional[str] = ..., attempt: _Optional[int] = ..., max_retry: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., group: _Optional[str] = ..., concurrency_key: _Optional[str] = ..., enqueued_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., probe: _Optional[bool] = ...) -> None: ...

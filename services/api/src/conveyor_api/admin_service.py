@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -15,10 +16,12 @@ import grpc
 from conveyor_broker import (
     DEFAULT_MAX_RETRY,
     MAX_BATCH,
+    Breaker,
     Broker,
     BrokerError,
     DependencyListParams,
     InvalidTask,
+    NotSupported,
     Task,
     TaskListParams,
     TaskState,
@@ -169,28 +172,43 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
     async def ListQueues(
         self, request: service_pb2.ListQueuesRequest, context: _Context
     ) -> service_pb2.ListQueuesResponse:
-        """A page of the known queues, by name, with their per-state counts."""
+        """A page of the known queues, by name, with their per-state counts and their
+        breakers that are not closed."""
         try:
             page = await self._broker.list_queues(
                 after=request.cursor or None, limit=request.limit or DEFAULT_QUEUE_PAGE
             )
+            by_queue: defaultdict[str, list[Breaker]] = defaultdict(list)
+            if page.queues:
+                for breaker in await self._breakers(None):  # one query for the whole page
+                    by_queue[breaker.queue].append(breaker)
         except Exception as exc:
             await abort_for_error(context, exc)
         return service_pb2.ListQueuesResponse(
-            queues=[wire.stats_to_proto(s) for s in page.queues],
+            queues=[wire.stats_to_proto(s, by_queue.get(s.queue, ())) for s in page.queues],
             next_cursor=page.next_cursor or "",
         )
 
     async def GetQueueStats(
         self, request: service_pb2.GetQueueStatsRequest, context: _Context
     ) -> service_pb2.GetQueueStatsResponse:
-        """One queue's counts (all zero for a queue never seen)."""
+        """One queue's counts (all zero for a queue never seen) and its breakers that
+        are not closed."""
         try:
             check_queue(request.queue)
             stats = await self._broker.queue_stats(request.queue)
+            breakers = await self._breakers(request.queue)
         except Exception as exc:
             await abort_for_error(context, exc)
-        return service_pb2.GetQueueStatsResponse(stats=wire.stats_to_proto(stats[0]))
+        return service_pb2.GetQueueStatsResponse(stats=wire.stats_to_proto(stats[0], breakers))
+
+    async def _breakers(self, queue: str | None) -> Sequence[Breaker]:
+        """The breakers that are not closed (of ``queue``, or of every queue) for the
+        queue stats; none from a broker that keeps no breakers."""
+        try:
+            return await self._broker.list_breakers(queue)
+        except NotSupported:
+            return ()
 
     async def GetClusterInfo(
         self, request: service_pb2.GetClusterInfoRequest, context: _Context
@@ -797,6 +815,78 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
             await abort_for_error(context, exc)
         return service_pb2.ListConcurrencyLimitsResponse(
             limits=[wire.concurrency_limit_to_proto(limit) for limit in limits]
+        )
+
+    # ------------------------------------------------------- circuit breakers
+    # The gateways obey them (the dispatchers too, for queue-wide ones); a change is a
+    # Control to the queue's owner, which reloads its configs at once.
+
+    async def SetBreakerConfig(
+        self, request: service_pb2.SetBreakerConfigRequest, context: _Context
+    ) -> service_pb2.SetBreakerConfigResponse:
+        """Create or replace the breaker config of a queue and type pattern (empty:
+        ``*``; scope UNSPECIFIED: WORKER). Bad input is INVALID_ARGUMENT and stores
+        nothing."""
+        try:
+            if not request.HasField("config"):
+                raise InvalidTask("config is required")
+            config = await self._broker.set_breaker_config(
+                wire.breaker_config_from_proto(request.config)
+            )
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        await self._publish(cluster_pb2.Control(queue=config.queue, reason="breakers"))
+        logger.info(
+            "admin.breaker_config_set queue=%s pattern=%s failures=%d window=%s cooldown=%s "
+            "scope=%s",
+            config.queue,
+            config.pattern,
+            config.failures,
+            config.window,
+            config.cooldown,
+            config.scope.value,
+        )
+        return service_pb2.SetBreakerConfigResponse(config=wire.breaker_config_to_proto(config))
+
+    async def DeleteBreakerConfig(
+        self, request: service_pb2.DeleteBreakerConfigRequest, context: _Context
+    ) -> service_pb2.DeleteBreakerConfigResponse:
+        """Delete the breaker config of a queue and type pattern (empty: ``*``;
+        NOT_FOUND when there is none); the types it covered take another pattern's
+        config, or have no breaker."""
+        pattern = request.pattern or "*"
+        try:
+            await self._broker.delete_breaker_config(request.queue, pattern)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        await self._publish(cluster_pb2.Control(queue=request.queue, reason="breakers"))
+        logger.info("admin.breaker_config_deleted queue=%s pattern=%s", request.queue, pattern)
+        return service_pb2.DeleteBreakerConfigResponse()
+
+    async def ListBreakerConfigs(
+        self, request: service_pb2.ListBreakerConfigsRequest, context: _Context
+    ) -> service_pb2.ListBreakerConfigsResponse:
+        """The stored breaker configs (of ``queue``, or of every queue), by queue and
+        pattern."""
+        try:
+            configs = await self._broker.list_breaker_configs(request.queue or None)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.ListBreakerConfigsResponse(
+            configs=[wire.breaker_config_to_proto(c) for c in configs]
+        )
+
+    async def ListBreakers(
+        self, request: service_pb2.ListBreakersRequest, context: _Context
+    ) -> service_pb2.ListBreakersResponse:
+        """The breakers that are not closed (open or half-open), of ``queue`` or of
+        every queue."""
+        try:
+            breakers = await self._broker.list_breakers(request.queue or None)
+        except Exception as exc:
+            await abort_for_error(context, exc)
+        return service_pb2.ListBreakersResponse(
+            breakers=[wire.breaker_to_proto(b) for b in breakers]
         )
 
     async def _select(

@@ -36,6 +36,8 @@ ADMIN_READS = frozenset(
         "ListTaskDependencies",
         "ListRateLimits",
         "ListConcurrencyLimits",
+        "ListBreakerConfigs",
+        "ListBreakers",
         "ListGroupConfigs",
         "GetGroupStats",
         "ListCronEntries",

@@ -7,6 +7,7 @@ from typing import Any, NoReturn
 
 import grpc
 from conveyor_broker import (
+    BreakerConfigNotFound,
     BrokerClosed,
     BrokerError,
     ConcurrencyLimitNotFound,
@@ -56,6 +57,7 @@ _CODES: tuple[tuple[type[BrokerError], grpc.StatusCode], ...] = (
     (GroupConfigNotFound, grpc.StatusCode.NOT_FOUND),
     (RateLimitNotFound, grpc.StatusCode.NOT_FOUND),
     (ConcurrencyLimitNotFound, grpc.StatusCode.NOT_FOUND),
+    (BreakerConfigNotFound, grpc.StatusCode.NOT_FOUND),
     (NotSupported, grpc.StatusCode.UNIMPLEMENTED),
     # A stored value this server has no key for: its configuration must change.
     (DecryptionError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -12,6 +12,7 @@ from conveyor_broker import Broker
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_gateway import (
     AckBatcher,
+    BreakerConfigs,
     EnqueueCommitter,
     Gateway,
     GatewayConfig,
@@ -130,6 +131,8 @@ class ApiServer:
                 bus=self.bus,
                 tick=settings.holder_beat,
             )
+        #: The breaker configs per task type its gateways count failures under.
+        self.breaker_configs = BreakerConfigs(broker, bus=self.bus)
         self.gateway_config = GatewayConfig(
             lease_ttl=settings.lease_ttl_delta,
             register_tick=settings.register_tick,
@@ -176,6 +179,7 @@ class ApiServer:
             wakes=self.wakes,
             transport=writer,
             connected_at=self.clock.now(),
+            breakers=self.breaker_configs,
         )
 
     async def start(self) -> None:
@@ -269,6 +273,7 @@ class ApiServer:
         self._server = server
         if self.holder_beat is not None:
             self.holder_beat.start()
+        await self.breaker_configs.start()
         logger.info(
             "api.started host=%s port=%d version=%s tls=%s auth=%s read_only=%s",
             settings.host,
@@ -312,6 +317,7 @@ class ApiServer:
         # reaper will, once this holder is silent).
         if self.holder_beat is not None:
             await self.holder_beat.stop()
+        await self.breaker_configs.aclose()
         if self._cancel_sub is not None:
             try:
                 await self._cancel_sub.unsubscribe()

@@ -9,6 +9,7 @@ from typing import Any
 import click
 from conveyor_runtime.settings import CommonSettings
 
+from conveyor_cli.breakers import breakers_group
 from conveyor_cli.cron import cron_group
 from conveyor_cli.groups import group_group
 from conveyor_cli.keys import keys
@@ -206,5 +207,6 @@ cli.add_command(webhook)
 cli.add_command(cron_group)
 cli.add_command(group_group)
 cli.add_command(limits_group)
+cli.add_command(breakers_group)
 cli.add_command(token)
 cli.add_command(keys)

@@ -17,6 +17,7 @@ from conveyor_cli.output import (
     cluster_view,
     dependency_table,
     emit_json,
+    queue_detail,
     queue_table,
     task_detail,
     task_table,
@@ -344,10 +345,10 @@ def queue_list(target: str, token: str | None, as_json: bool) -> None:
 @click.argument("name")
 @connection_options
 def queue_stats(name: str, target: str, token: str | None, as_json: bool) -> None:
-    """Task counts of one queue."""
+    """Task counts of one queue, and its circuit breakers that are open or half-open."""
     with clear_errors(), admin_client(target, token) as admin:
         info = admin.queue_stats(name)
-    emit_json(info) if as_json else queue_table([info])
+    emit_json(info) if as_json else queue_detail(info)
 
 
 @queue.command("pause")

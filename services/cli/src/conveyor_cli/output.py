@@ -10,7 +10,7 @@ from enum import Enum
 from typing import Any
 
 import click
-from conveyor import ClusterInfo, QueueInfo, TaskDependency, TaskInfo, TaskState
+from conveyor import Breaker, ClusterInfo, QueueInfo, TaskDependency, TaskInfo, TaskState
 from rich.console import Console
 from rich.table import Table
 
@@ -108,6 +108,35 @@ def queue_table(queues: Sequence[QueueInfo]) -> None:
     for q in queues:
         table.add_row(q.name, "yes" if q.paused else "", *(str(q.counts.get(s, 0)) for s in shown))
     console.print(table)
+
+
+def breaker_table(breakers: Sequence[Breaker], *, title: str | None = None) -> None:
+    """A table of circuit breakers that are not closed, one (queue, type, worker) per
+    row: whose it is (a worker's, or queue-wide), its state, until when, and the
+    failures that opened it."""
+    table = Table(title=title, show_edge=False)
+    for column in ("queue", "type", "scope", "worker", "state", "until", "failures"):
+        table.add_column(column)
+    for b in breakers:
+        table.add_row(
+            b.queue,
+            b.type,
+            b.scope.value,
+            b.worker_id or b.gateway or "-",
+            b.state.value,
+            _when(b.until),
+            str(b.failures),
+        )
+    console.print(table)
+
+
+def queue_detail(info: QueueInfo) -> None:
+    """One queue's counts, then its breakers that are not closed (when it has any)."""
+    queue_table([info])
+    if info.breakers:
+        breaker_table(info.breakers, title="circuit breakers")
+    else:
+        click.echo("circuit breakers: none open")
 
 
 def cluster_view(info: ClusterInfo) -> None:

@@ -40,6 +40,9 @@ class GatewayCredits:
     #: The process that holds the gateway's leases ("": none), named on every lease made
     #: for it (see Register.holder).
     holder: str = ""
+    #: Task types the gateway takes none of for now (its circuit breakers), as of its
+    #: last Register or reply.
+    blocked: frozenset[str] = frozenset()
 
 
 class CreditBook:
@@ -48,6 +51,8 @@ class CreditBook:
     def __init__(self) -> None:
         self._gateways: dict[str, GatewayCredits] = {}
         self._rr = SmoothWeightedRoundRobin()
+        #: The gateways that block some task type now.
+        self._blocking: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._gateways)
@@ -74,6 +79,7 @@ class CreditBook:
         now: float,
         returned: int = 0,
         holder: str = "",
+        blocked: frozenset[str] = frozenset(),
     ) -> GatewayCredits:
         """Record (or refresh) a registration: credits = capacity - in_flight (at least 0),
         plus the slots of Dones already counted that this snapshot predates."""
@@ -88,13 +94,22 @@ class CreditBook:
             seen_at=now,
             returned=max(counted, returned),
             holder=holder,
+            blocked=blocked,
         )
         self._gateways[gateway] = entry
+        self._note_blocked(entry)
         return entry
+
+    def _note_blocked(self, entry: GatewayCredits) -> None:
+        if entry.blocked:
+            self._blocking.add(entry.gateway)
+        else:
+            self._blocking.discard(entry.gateway)
 
     def forget(self, gateway: str) -> bool:
         """Drop ``gateway`` (it closed or stopped answering); True when it was known."""
         self._rr.forget(gateway)
+        self._blocking.discard(gateway)
         return self._gateways.pop(gateway, None) is not None
 
     def refill(self, gateway: str, n: int, returned: int = 0) -> bool:
@@ -112,13 +127,24 @@ class CreditBook:
         entry.credits = _clamp(entry.credits + fresh, entry.capacity)
         return True
 
-    def set_credits(self, gateway: str, credits: int, *, returned: int) -> None:
+    def set_credits(
+        self,
+        gateway: str,
+        credits: int,
+        *,
+        returned: int,
+        blocked: frozenset[str] | None = None,
+    ) -> None:
         """The gateway said how many slots it had free when it had given ``returned`` back
         in all: the slots of Dones counted since then are added (clamped to 0..capacity).
         A gateway that does not count sends 0, and as the dispatcher then never counted
-        any of its Dones either, its credits are taken as they are."""
+        any of its Dones either, its credits are taken as they are. ``blocked``: the
+        types it takes none of now (None: unchanged)."""
         entry = self._gateways.get(gateway)
         if entry is not None:
+            if blocked is not None and blocked != entry.blocked:
+                entry.blocked = blocked
+                self._note_blocked(entry)
             missed = max(0, entry.returned - returned)
             entry.credits = _clamp(credits + missed, entry.capacity)
             entry.returned = max(entry.returned, returned)
@@ -136,6 +162,16 @@ class CreditBook:
         """The holder ``gateway`` announced ("": none, or not registered)."""
         entry = self._gateways.get(gateway)
         return entry.holder if entry is not None else ""
+
+    def any_blocked(self, gateways: Iterable[str]) -> bool:
+        """True when one of ``gateways`` blocks a task type."""
+        blocking = self._blocking
+        return bool(blocking) and any(g in blocking for g in gateways)
+
+    def blocked_of(self, gateway: str) -> frozenset[str]:
+        """The task types ``gateway`` takes none of now (empty when not registered)."""
+        entry = self._gateways.get(gateway)
+        return entry.blocked if entry is not None else frozenset()
 
     def credits_of(self, gateway: str) -> int:
         """The credits of ``gateway`` (0 when it is not registered)."""

@@ -339,7 +339,12 @@ class Dispatcher:
             self.claims_refused += 1
             return
         qd = QueueDispatcher(
-            queue, broker=self._broker, bus=self.bus, config=self._config, leaser=self.leaser
+            queue,
+            broker=self._broker,
+            bus=self.bus,
+            config=self._config,
+            leaser=self.leaser,
+            clock=self.clock,
         )
         try:
             await qd.open()

@@ -14,13 +14,14 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import nats.errors
+from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.errors import LeaseLost
 from conveyor_broker.interface import Broker
-from conveyor_broker.types import RateLimit, Task
+from conveyor_broker.types import Breaker, BreakerScope, BreakerStatus, RateLimit, Task
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.wire import task_to_envelope
@@ -63,6 +64,7 @@ class QueueDispatcher:
         bus: Bus,
         config: QueueConfig,
         leaser: LeaseBatcher | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.queue = queue
         self.book = CreditBook()
@@ -75,6 +77,12 @@ class QueueDispatcher:
         self._rate: RateLimit | None = None
         # Armed while a rate-limited queue waits for its bucket's next token.
         self._rate_timer: asyncio.TimerHandle | None = None
+        self._clock: Clock = clock or SystemClock()
+        #: The queue-wide circuit breakers that are not closed, by task type, as last
+        #: loaded from the broker: their types are leased to nobody (but the probe).
+        self._breakers: dict[str, Breaker] = {}
+        # Armed for the earliest breaker's until (its probe is due then).
+        self._breaker_timer: asyncio.TimerHandle | None = None
         self._closed = False
         self._dirty = False
         self._cycle: asyncio.Task[None] | None = None
@@ -85,6 +93,7 @@ class QueueDispatcher:
         self.wakes = 0
         self.dispatched = 0
         self.released = 0
+        self.probes = 0
 
     # ----------------------------------------------------------------- state
 
@@ -117,6 +126,7 @@ class QueueDispatcher:
         """Load the queue's settings from the broker (called once, on claim)."""
         self._paused = await self._broker.queue_paused(self.queue)
         self._rate = await self._broker.get_rate_limit(self.queue)
+        await self._load_breakers()
         self._last_active = self._now()
 
     def wake(self) -> None:
@@ -145,6 +155,7 @@ class QueueDispatcher:
             now=self._now(),
             returned=msg.returned,
             holder=msg.holder,
+            blocked=frozenset(msg.blocked_types),
         )
         self._last_active = self._now()
         if not known:
@@ -164,8 +175,8 @@ class QueueDispatcher:
             self._kick()
 
     async def reload(self) -> None:
-        """Control: reload the pause flag and the rate limit. Pause stops dispatch at once;
-        resume (or a changed limit) kicks."""
+        """Control: reload the pause flag, the rate limit and the queue-wide breakers.
+        Pause stops dispatch at once; resume (or a changed limit) kicks."""
         paused = await self._broker.queue_paused(self.queue)
         rate = await self._broker.get_rate_limit(self.queue)
         if paused != self._paused:
@@ -180,6 +191,7 @@ class QueueDispatcher:
             self._disarm()  # a wait for the old bucket's next token no longer holds
         self._paused = paused
         self._rate = rate
+        await self._load_breakers()
         if not paused:
             self._kick()
 
@@ -188,6 +200,7 @@ class QueueDispatcher:
         current request and releases whatever it leased but did not send."""
         self._closed = True
         self._disarm()
+        self._disarm_breakers()
 
     def stuck(self) -> float | None:
         """Seconds the running cycle has spent in its current round, when that is past
@@ -252,6 +265,8 @@ class QueueDispatcher:
             while not self._stopped():
                 self._round_since = self._now()
                 self._dirty = False
+                if self._breakers:
+                    await self._probe()
                 # The slots are picked before the lease, so that each task is leased in
                 # the name of the process that will hold it (its gateway's holder): if
                 # that process dies, the reaper releases the task within seconds.
@@ -272,9 +287,13 @@ class QueueDispatcher:
                 slots = self.book.take_slots(want)
                 holders = [self.book.holder_of(gw) for gw in slots]
                 try:
-                    tasks = await self._leaser.lease(
-                        self.queue, want, self._config.lease_ttl, holders
-                    )
+                    if self._breakers or self.book.any_blocked(slots):
+                        groups = await self._lease_filtered(slots, holders)
+                    else:
+                        tasks = await self._leaser.lease(
+                            self.queue, want, self._config.lease_ttl, holders
+                        )
+                        groups = [(tasks, slots, holders)]
                 except Exception as exc:
                     self.book.refund(slots)
                     await self._give_tokens_back(want)
@@ -283,8 +302,9 @@ class QueueDispatcher:
                     if self._dirty:
                         continue
                     break
-                await self._give_tokens_back(want - len(tasks))
-                if not tasks:
+                leased = sum(len(tasks) for tasks, _, _ in groups)
+                await self._give_tokens_back(want - leased)
+                if not leased:
                     self.book.refund(slots)
                     if self._dirty:
                         continue
@@ -293,19 +313,26 @@ class QueueDispatcher:
                 if self._stopped():
                     # Paused or lost the queue while leasing: give the tasks back now.
                     self.book.refund(slots)
-                    await self._release(tasks)
-                    await self._give_tokens_back(len(tasks))
+                    await self._release([task for tasks, _, _ in groups for task in tasks])
+                    await self._give_tokens_back(leased)
                     break
-                accepted, rejected = await self._dispatch(
-                    tasks, slots, holders, more=len(tasks) == want
-                )
+                accepted = rejected = 0
+                for tasks, group_slots, group_holders in groups:
+                    if not tasks:
+                        self.book.refund(group_slots)
+                        continue
+                    took, left = await self._dispatch(
+                        tasks, group_slots, group_holders, more=len(tasks) == len(group_slots)
+                    )
+                    accepted += took
+                    rejected += left
                 # A task no gateway took did not start: its token goes back too.
                 await self._give_tokens_back(rejected)
                 if wait is not None:
                     # The bucket ran dry: go on when it holds the next token.
                     self._arm(wait)
                     break
-                more = len(tasks) == want or (rejected > 0 and accepted > 0)
+                more = leased == want or (rejected > 0 and accepted > 0)
                 if not (more or self._dirty):
                     break
                 if accepted == 0 and not self._dirty:
@@ -315,6 +342,130 @@ class QueueDispatcher:
             logger.exception("dispatcher.cycle_failed queue=%s", self.queue)
         finally:
             self._round_since = None
+
+    # -------------------------------------------------------------- breakers
+
+    @property
+    def breakers(self) -> dict[str, Breaker]:
+        """The queue-wide breakers that are not closed, by type, as last loaded."""
+        return dict(self._breakers)
+
+    async def _load_breakers(self) -> None:
+        rows = await self._broker.list_breakers(self.queue)
+        breakers = {b.type: b for b in rows if b.scope is BreakerScope.QUEUE}
+        if breakers.keys() != self._breakers.keys():
+            logger.info(
+                "dispatcher.breakers_changed queue=%s types=%s", self.queue, sorted(breakers)
+            )
+        self._breakers = breakers
+        self._arm_breakers()
+
+    def _arm_breakers(self) -> None:
+        """Kick the cycle when the earliest breaker's until comes (its probe is due)."""
+        self._disarm_breakers()
+        if not self._breakers or self._closed:
+            return
+        earliest = min(b.until for b in self._breakers.values())
+        delay = max(0.0, (earliest - self._clock.now()).total_seconds())
+        loop = asyncio.get_running_loop()
+        self._breaker_timer = loop.call_later(delay + 0.001, self._breakers_due)
+
+    def _disarm_breakers(self) -> None:
+        if self._breaker_timer is not None:
+            self._breaker_timer.cancel()
+            self._breaker_timer = None
+
+    def _breakers_due(self) -> None:
+        self._breaker_timer = None
+        self._kick()
+
+    async def _probe(self) -> None:
+        """Send the probe of each queue-wide breaker whose until has come: one task of its
+        type, to one gateway, if this dispatcher wins the probe (``take_probe``: of the
+        owners of a moment, one does) and such a task is due. The breaker stays half-open
+        (its type leased to nobody else) until the probe's outcome closes it or opens it
+        again, or the probe's chance lapses a lease TTL later and another may go."""
+        now = self._clock.now()
+        due = sorted(b.type for b in self._breakers.values() if b.until <= now)
+        if not due:
+            return
+        ttl = self._config.lease_ttl
+        stale = False
+        for task_type in due:
+            slots = self.book.take_slots(1)
+            if not slots:
+                break
+            holders = [self.book.holder_of(slots[0])]
+            until = now + ttl
+            try:
+                won = await self._broker.take_probe(self.queue, task_type, until)
+                granted = (await self._take_tokens(1))[0] if won else 0
+                tasks = (
+                    await self._broker.lease(
+                        self.queue, 1, ttl, holders=holders, only_types=[task_type]
+                    )
+                    if granted
+                    else []
+                )
+            except Exception as exc:
+                self.book.refund(slots)
+                logger.warning("dispatcher.probe_failed queue=%s error=%r", self.queue, exc)
+                break
+            if not won:
+                stale = True  # another took it: learn its new until
+            else:
+                self._breakers[task_type] = replace(
+                    self._breakers[task_type], status=BreakerStatus.HALF_OPEN, until=until
+                )
+            if not tasks:
+                self.book.refund(slots)
+                if granted:
+                    await self._give_tokens_back(granted)
+                continue
+            self.probes += 1
+            logger.info(
+                "dispatcher.breaker_probe queue=%s type=%s task_id=%s",
+                self.queue,
+                task_type,
+                tasks[0].id,
+            )
+            accepted, _ = await self._dispatch(tasks, slots, holders, probe=True)
+            if not accepted:
+                await self._give_tokens_back(1)
+        if stale:
+            await self._load_breakers()
+        else:
+            self._arm_breakers()
+
+    async def _lease_filtered(
+        self, slots: Sequence[str], holders: Sequence[str]
+    ) -> list[tuple[list[Task], list[str], list[str]]]:
+        """The lease of a round when some types may not go everywhere: the queue-wide
+        breakers' types to nobody, a gateway's blocked types not to it. The slots are
+        grouped by what their gateways block, and each group leases for itself with those
+        types left out. Returns each group's tasks, slots and holders (its tasks go to
+        its slots only)."""
+        excluded = frozenset(self._breakers)
+        by_types: dict[frozenset[str], list[int]] = {}
+        for index, gateway in enumerate(slots):
+            by_types.setdefault(self.book.blocked_of(gateway) | excluded, []).append(index)
+        groups: list[tuple[list[Task], list[str], list[str]]] = []
+        for types, indexes in by_types.items():
+            group_holders = [holders[i] for i in indexes]
+            try:
+                tasks = await self._broker.lease(
+                    self.queue,
+                    len(indexes),
+                    self._config.lease_ttl,
+                    holders=group_holders,
+                    exclude_types=sorted(types),
+                )
+            except Exception:
+                # What the groups before leased goes back now, not at lease expiry.
+                await self._release([task for done, _, _ in groups for task in done])
+                raise
+            groups.append((tasks, [slots[i] for i in indexes], group_holders))
+        return groups
 
     # ------------------------------------------------------------ rate limit
 
@@ -361,20 +512,23 @@ class QueueDispatcher:
         holders: Sequence[str],
         *,
         more: bool = False,
+        probe: bool = False,
     ) -> tuple[int, int]:
         """Send ``tasks`` to the gateways whose ``slots`` (taken from the book for this
         lease, the gateway of each, named as ``holders`` in the lease) they were leased
         for; release what nobody accepted, and give back the slots no task used. ``more``:
         the lease got all it asked for (the queue probably holds more), which the offers
-        say.
+        say; ``probe``: the tasks are a half-open breaker's probe (their envelopes say so).
 
         A task too big for any NATS message is archived first (see :func:`split_offer`):
         its slot is given back and it counts as neither accepted nor released. Returns
         (accepted, released).
         """
-        offer, oversized = fit_offer(
-            [(task, task_to_envelope(task)) for task in tasks], self._bus.max_payload
-        )
+        envelopes = [(task, task_to_envelope(task)) for task in tasks]
+        if probe:
+            for _, envelope in envelopes:
+                envelope.probe = True
+        offer, oversized = fit_offer(envelopes, self._bus.max_payload)
         if oversized:
             await self._archive_oversized(oversized)
         plan, unused = assign(offer, slots, holders)
@@ -458,7 +612,12 @@ class QueueDispatcher:
             logger.exception("dispatcher.dispatch_error queue=%s gateway=%s", self.queue, gateway)
             self.book.block(gateway)
             return batch
-        self.book.set_credits(gateway, reply.credits, returned=reply.returned)
+        self.book.set_credits(
+            gateway,
+            reply.credits,
+            returned=reply.returned,
+            blocked=frozenset(reply.blocked_types),
+        )
         accepted = set(reply.accepted)
         return [task for task in batch if task.id not in accepted]
 

@@ -122,6 +122,14 @@ def task_state(name: str) -> int:
         raise InvalidInput(f"unknown task state {name!r}") from None
 
 
+def breaker_scope(value: Any) -> Any:
+    """A breaker config's ``scope`` in JSON: "worker" and "queue" (any case) stand for
+    their enum names; anything else is left for the JSON parser to judge."""
+    if isinstance(value, str) and value and not value.upper().startswith("BREAKER_SCOPE_"):
+        return "BREAKER_SCOPE_" + value.upper()
+    return value
+
+
 class InvalidInput(Exception):
     """Input the REST layer refuses before any gRPC call (400 INVALID_ARGUMENT)."""
 
@@ -302,12 +310,13 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
     # ---------------------------------------------------------------- queues
     @app.get("/v1/queues", tags=["queues"], responses=PROBLEM_RESPONSES)
     async def list_queues(request: Request) -> JsonObject:
-        """Every queue."""
+        """Every queue, with its counts and its breakers that are not closed."""
         return await call(admin().ListQueues, pb.ListQueuesRequest(), request)
 
     @app.get("/v1/queues/{queue}/stats", tags=["queues"], responses=PROBLEM_RESPONSES)
     async def queue_stats(queue: str, request: Request) -> JsonObject:
-        """A queue's task counts per state, and whether it is paused."""
+        """A queue's task counts per state, whether it is paused, and its circuit
+        breakers that are open or half-open."""
         return await call(admin().GetQueueStats, pb.GetQueueStatsRequest(queue=queue), request)
 
     @app.post("/v1/queues/{queue}/pause", tags=["queues"], responses=PROBLEM_RESPONSES)
@@ -437,6 +446,45 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
         """AdminService.DeleteConcurrencyLimit (``?pattern=``, default ``*``)."""
         message = pb.DeleteConcurrencyLimitRequest(queue=queue, pattern=pattern)
         return await call(admin().DeleteConcurrencyLimit, message, request)
+
+    breaker = "/v1/limits/breakers/{queue}"
+
+    @app.put(breaker, tags=["limits"], responses=PROBLEM_RESPONSES)
+    async def put_breaker_config(queue: str, body: JsonObject, request: Request) -> JsonObject:
+        """AdminService.SetBreakerConfig: the body is a BreakerConfig in JSON
+        (``failures``, ``window`` and ``cooldown`` as durations such as ``"60s"``,
+        ``pattern``: absent for ``*``, ``scope``: ``worker`` (the default) or
+        ``queue``), its queue from the path."""
+        message = pb.SetBreakerConfigRequest()
+        if isinstance(body, dict) and "scope" in body:
+            body = {**body, "scope": breaker_scope(body["scope"])}
+        parse({**body, "queue": queue}, message.config)
+        return await call(admin().SetBreakerConfig, message, request)
+
+    @app.delete(breaker, tags=["limits"], responses=PROBLEM_RESPONSES)
+    async def delete_breaker_config(
+        queue: str, request: Request, pattern: Annotated[str, Query(max_length=256)] = "*"
+    ) -> JsonObject:
+        """AdminService.DeleteBreakerConfig (``?pattern=``, default ``*``)."""
+        message = pb.DeleteBreakerConfigRequest(queue=queue, pattern=pattern)
+        return await call(admin().DeleteBreakerConfig, message, request)
+
+    @app.get("/v1/limits/breakers", tags=["limits"], responses=PROBLEM_RESPONSES)
+    async def list_breaker_configs(
+        request: Request, queue: Annotated[str, Query(max_length=200)] = ""
+    ) -> JsonObject:
+        """AdminService.ListBreakerConfigs (``?queue=``: one queue's; default: all)."""
+        message = pb.ListBreakerConfigsRequest(queue=queue)
+        return await call(admin().ListBreakerConfigs, message, request)
+
+    @app.get("/v1/breakers", tags=["breakers"], responses=PROBLEM_RESPONSES)
+    async def list_breakers(
+        request: Request, queue: Annotated[str, Query(max_length=200)] = ""
+    ) -> JsonObject:
+        """AdminService.ListBreakers: the circuit breakers that are open or half-open
+        (``?queue=``: one queue's; default: all)."""
+        message = pb.ListBreakersRequest(queue=queue)
+        return await call(admin().ListBreakers, message, request)
 
     # The lists of the limits and group configs: each one GET; an api without one answers
     # UNIMPLEMENTED, which is a 501 problem.

@@ -9,6 +9,7 @@ from conveyor_broker import Broker, WebhookWorker
 from conveyor_broker.ids import new_id
 from conveyor_gateway import (
     AckBatcher,
+    BreakerConfigs,
     Gateway,
     GatewayConfig,
     Outcomes,
@@ -52,6 +53,9 @@ class Wiring:
     config: WebhookConfig
     acks: AckBatcher
     wakes: WakePublisher
+    #: The breaker configs per task type every gateway counts failures under (None:
+    #: no breakers).
+    breakers: BreakerConfigs | None = None
 
     def gateway(
         self,
@@ -83,6 +87,7 @@ class Wiring:
             connected_at=now,
             heartbeat_skips=heartbeat_skips,
             on_extended=on_extended,
+            breakers=self.breakers,
         )
 
     def outcomes(self, name: str) -> Outcomes:

@@ -48,7 +48,13 @@ from typing import Any
 
 from conveyor_broker import Broker, WebhookWorker
 from conveyor_broker.clock import Clock, SystemClock
-from conveyor_gateway import AckBatcher, GatewayConfig, ResolvePublisher, WakePublisher
+from conveyor_gateway import (
+    AckBatcher,
+    BreakerConfigs,
+    GatewayConfig,
+    ResolvePublisher,
+    WakePublisher,
+)
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
@@ -214,7 +220,10 @@ class WebhookManager:
             config=self.config,
             acks=AckBatcher(self._broker),
             wakes=WakePublisher(self.bus),
+            breakers=BreakerConfigs(self._broker, bus=self.bus),
         )
+        assert self._wiring.breakers is not None
+        await self._wiring.breakers.start()
         # The ends of tasks others wait for (its gateways' acks and failures) go to the
         # resolver.
         self._resolves = ResolvePublisher(self.bus, self._wiring.wakes)
@@ -267,6 +276,8 @@ class WebhookManager:
             await self._keeper.stop(release=True)
             self._keeper = None
         if self._wiring is not None:
+            if self._wiring.breakers is not None:
+                await self._wiring.breakers.aclose()
             await self._wiring.acks.aclose()
             if self._resolves is not None:
                 self._resolves.detach(self._broker)

@@ -27,6 +27,7 @@ import asyncpg
 from conveyor_broker import cron, groups, rates
 from conveyor_broker.clock import Clock
 from conveyor_broker.errors import (
+    BreakerConfigNotFound,
     ConcurrencyLimitNotFound,
     CronEntryNotFound,
     DatabaseUnavailable,
@@ -60,6 +61,15 @@ from conveyor_broker.postgres.queries.admin import (
     REVIVE_TASK,
     RUN_TASK_NOW,
     SET_QUEUE_PAUSED,
+)
+from conveyor_broker.postgres.queries.breakers import (
+    DELETE_BREAKER_CONFIG,
+    DROP_BREAKER,
+    LIST_BREAKER_CONFIGS,
+    LIST_BREAKERS,
+    PUT_BREAKER,
+    SET_BREAKER_CONFIG,
+    TAKE_PROBE,
 )
 from conveyor_broker.postgres.queries.concurrency import LIMITED_QUEUES, LIST_CONCURRENCY_LIMITS
 from conveyor_broker.postgres.queries.cron import (
@@ -98,6 +108,7 @@ from conveyor_broker.postgres.queries.lease import (
     EXTEND_LEASE,
     EXTEND_LEASES,
     LEASE,
+    LEASE_FILTERED,
     LEASE_MANY,
     SET_PROGRESS,
 )
@@ -144,6 +155,10 @@ from conveyor_broker.types import (
     LEASE_EXPIRED_ERROR,
     TERMINAL_STATES,
     AckItem,
+    Breaker,
+    BreakerConfig,
+    BreakerScope,
+    BreakerStatus,
     BrokerInfo,
     ConcurrencyLimit,
     CronEntry,
@@ -191,6 +206,8 @@ _DEADLOCK_TRIES = 3
 #: The byte budget of a ListTasks page that has none (a bigint bound).
 _NO_BUDGET = 2**62
 _UNIQUE_INDEX = "conveyor_tasks_unique_idx"
+#: What a breaker config's window and cool-down are stored in.
+_MILLISECOND = timedelta(milliseconds=1)
 
 
 class PostgresBroker(Broker):
@@ -337,22 +354,49 @@ class PostgresBroker(Broker):
     # --------------------------------------------------------------------- lease
 
     async def _lease(
-        self, queue: str, limit: int, ttl: timedelta, holders: tuple[str, ...]
+        self,
+        queue: str,
+        limit: int,
+        ttl: timedelta,
+        holders: tuple[str, ...],
+        exclude_types: tuple[str, ...] = (),
+        only_types: tuple[str, ...] | None = None,
     ) -> list[Task]:
         now = self._clock.now()
         lease_ids = new_ids(now, limit)
-        rows = await self._fetch(LEASE, queue, now, limit, lease_ids, now + ttl, holders)
+        if not exclude_types and only_types is None:
+            rows = await self._fetch(LEASE, queue, now, limit, lease_ids, now + ttl, holders)
+        else:
+            # Its own statement: the unfiltered one above keeps its text and its plan.
+            rows = await self._fetch(
+                LEASE_FILTERED,
+                queue,
+                now,
+                limit,
+                lease_ids,
+                now + ttl,
+                holders,
+                list(exclude_types),
+                None if only_types is None else list(only_types),
+            )
         if rows:
             return self._leased(rows, now)
         # Nothing due, or the queue has concurrency limits (the statement skips it).
-        return (await self._lease_limited([(queue, limit, holders)], ttl)).get(queue, [])
+        return (
+            await self._lease_limited([(queue, limit, holders)], ttl, exclude_types, only_types)
+        ).get(queue, [])
 
     async def _lease_limited(
-        self, wants: Sequence[tuple[str, int, Sequence[str]]], ttl: timedelta
+        self,
+        wants: Sequence[tuple[str, int, Sequence[str]]],
+        ttl: timedelta,
+        exclude_types: Sequence[str] = (),
+        only_types: Sequence[str] | None = None,
     ) -> dict[str, list[Task]]:
         """The keyed leases (:mod:`.keyed`) of those of ``wants`` (queue, limit, holders)
         that have concurrency limits, which the plain lease statements skip: one query
-        finds them (a queue without limits costs only that), then each is leased."""
+        finds them (a queue without limits costs only that), then each is leased (with
+        the type filters given, if any)."""
         queues = [queue for queue, _, _ in wants]
         limited = {row["queue"] for row in await self._fetch(LIMITED_QUEUES, queues)}
         out: dict[str, list[Task]] = {}
@@ -361,7 +405,9 @@ class PostgresBroker(Broker):
                 continue
             now = self._clock.now()
             async with self._conn() as conn:
-                done = await keyed.lease(conn, queue, limit, ttl, holders, now)
+                done = await keyed.lease(
+                    conn, queue, limit, ttl, holders, now, exclude_types, only_types
+                )
             if done is not None:
                 self._emit(self._event(task, previous, now) for task, previous in done.changes)
                 out[queue] = done.leased
@@ -953,6 +999,51 @@ class PostgresBroker(Broker):
             raise ConcurrencyLimitNotFound(queue, pattern)
         self._emit(self._event(task, previous, now) for task, previous in changes)
 
+    # --------------------------------------------------------- circuit breakers
+
+    async def _set_breaker_config(self, config: BreakerConfig) -> BreakerConfig:
+        await self._execute(
+            SET_BREAKER_CONFIG,
+            config.queue,
+            config.pattern,
+            config.failures,
+            config.window // _MILLISECOND,
+            config.cooldown // _MILLISECOND,
+            config.scope.value,
+        )
+        return config
+
+    async def _list_breaker_configs(self, queue: str | None) -> list[BreakerConfig]:
+        return [_breaker_config(row) for row in await self._fetch(LIST_BREAKER_CONFIGS, queue)]
+
+    async def _delete_breaker_config(self, queue: str, pattern: str) -> None:
+        if await self._fetchval(DELETE_BREAKER_CONFIG, queue, pattern) is None:
+            raise BreakerConfigNotFound(queue, pattern)
+
+    async def _put_breaker(self, breaker: Breaker) -> None:
+        await self._execute(
+            PUT_BREAKER,
+            breaker.queue,
+            breaker.type,
+            breaker.gateway,
+            breaker.status.value,
+            breaker.opened_at,
+            breaker.until,
+            breaker.failures,
+            breaker.worker_id,
+            breaker.holder,
+        )
+
+    async def _drop_breaker(self, queue: str, task_type: str, gateway: str) -> bool:
+        return await self._fetchval(DROP_BREAKER, queue, task_type, gateway) is not None
+
+    async def _list_breakers(self, queue: str | None) -> list[Breaker]:
+        return [_breaker(row) for row in await self._fetch(LIST_BREAKERS, queue)]
+
+    async def _take_probe(self, queue: str, task_type: str, until: datetime) -> bool:
+        now = self._clock.now()
+        return await self._fetchval(TAKE_PROBE, queue, task_type, until, now) is not None
+
     # -------------------------------------------------------------- rate limits
 
     async def _bucket(
@@ -1219,3 +1310,28 @@ async def _keep_session(conn: asyncpg.Connection[asyncpg.Record]) -> None:
 
 def _rate_limit(row: asyncpg.Record) -> RateLimit:
     return RateLimit(row["queue"], row["per_second"], row["burst"])
+
+
+def _breaker_config(row: asyncpg.Record) -> BreakerConfig:
+    return BreakerConfig(
+        queue=row["queue"],
+        pattern=row["pattern"],
+        failures=row["failures"],
+        window=row["window_ms"] * _MILLISECOND,
+        cooldown=row["cooldown_ms"] * _MILLISECOND,
+        scope=BreakerScope(row["scope"]),
+    )
+
+
+def _breaker(row: asyncpg.Record) -> Breaker:
+    return Breaker(
+        queue=row["queue"],
+        type=row["type"],
+        status=BreakerStatus(row["status"]),
+        opened_at=row["opened_at"],
+        until=row["until"],
+        failures=row["failures"],
+        gateway=row["gateway"],
+        worker_id=row["worker_id"],
+        holder=row["holder"],
+    )

@@ -93,9 +93,18 @@ async def lease(
     ttl: timedelta,
     holders: Sequence[str],
     now: datetime,
+    exclude_types: Sequence[str] = (),
+    only_types: Sequence[str] | None = None,
 ) -> KeyedLease | None:
     """Lease up to ``want`` due tasks of ``queue`` under its concurrency limits (see the
-    module); None when the queue has no limit (any more): the plain lease applies."""
+    module); None when the queue has no limit (any more): the plain lease applies.
+
+    With type filters (``exclude_types``, ``only_types``: see
+    :meth:`conveyor_broker.interface.Broker.lease`) only the tasks they let through are
+    candidates: the others are neither leased nor parked."""
+    filtered = bool(exclude_types) or only_types is not None
+    exclude = list(exclude_types)
+    only = None if only_types is None else list(only_types)
     out = KeyedLease()
     async with conn.transaction():
         await conn.execute(queries.LOCK_KEYED_QUEUE, queue)
@@ -110,7 +119,12 @@ async def lease(
             if remaining <= 0:
                 break
             ask = remaining + PICK_SLACK
-            rows = await conn.fetch(queries.KEYED_CANDIDATES, queue, now, ask)
+            if filtered:
+                rows = await conn.fetch(
+                    queries.KEYED_CANDIDATES_FILTERED, queue, now, ask, exclude, only
+                )
+            else:
+                rows = await conn.fetch(queries.KEYED_CANDIDATES, queue, now, ask)
             if not rows:
                 break
             keys: list[str | None] = [row["concurrency_key"] for row in rows]

@@ -299,3 +299,37 @@ CREATE TRIGGER conveyor_tasks_deleted_active
     AFTER DELETE ON conveyor_tasks FOR EACH ROW
     WHEN (OLD.state = 'active' AND OLD.concurrency_key IS NOT NULL)
     EXECUTE FUNCTION conveyor_concurrency_freed();
+
+-- Circuit breakers per task type: the operators' configs (for the types of a queue that
+-- match a glob: failures within window_ms open a breaker for cooldown_ms, for scope), and
+-- the breakers that are not closed, as the gateways store them: a gateway's own (WORKER
+-- scope; holder its process, so a dead process's breakers go with its leases) or a
+-- queue-wide one (gateway '') that the dispatchers obey.
+CREATE TABLE conveyor_breaker_configs (
+    queue       text COLLATE "C" NOT NULL,
+    pattern     text COLLATE "C" NOT NULL,
+    failures    integer NOT NULL,
+    window_ms   integer NOT NULL,
+    cooldown_ms integer NOT NULL,
+    scope       text NOT NULL,
+    CONSTRAINT conveyor_breaker_configs_pkey PRIMARY KEY (queue, pattern),
+    CONSTRAINT conveyor_breaker_configs_failures_check CHECK (failures > 0),
+    CONSTRAINT conveyor_breaker_configs_times_check CHECK (window_ms > 0 AND cooldown_ms > 0),
+    CONSTRAINT conveyor_breaker_configs_scope_check CHECK (scope IN ('worker', 'queue'))
+);
+
+CREATE TABLE conveyor_breakers (
+    queue     text COLLATE "C" NOT NULL,
+    type      text COLLATE "C" NOT NULL,
+    gateway   text COLLATE "C" NOT NULL,
+    status    text NOT NULL,
+    opened_at timestamptz NOT NULL,
+    until     timestamptz NOT NULL,
+    failures  integer NOT NULL,
+    worker_id text NOT NULL DEFAULT '',
+    holder    text NOT NULL DEFAULT '',
+    CONSTRAINT conveyor_breakers_pkey PRIMARY KEY (queue, type, gateway),
+    CONSTRAINT conveyor_breakers_status_check CHECK (status IN ('open', 'half_open')),
+    CONSTRAINT conveyor_breakers_failures_check CHECK (failures >= 0)
+);
+CREATE INDEX conveyor_breakers_holder_idx ON conveyor_breakers (holder);

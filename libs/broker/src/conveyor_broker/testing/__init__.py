@@ -22,6 +22,7 @@ import pytest
 # Plain asserts in these modules should explain themselves in failures, as in test files.
 pytest.register_assert_rewrite(
     "conveyor_broker.testing.admin",
+    "conveyor_broker.testing.breakers",
     "conveyor_broker.testing.builders",
     "conveyor_broker.testing.concurrency",
     "conveyor_broker.testing.cron",
@@ -39,6 +40,7 @@ pytest.register_assert_rewrite(
 
 from conveyor_broker.clock import FakeClock  # noqa: E402
 from conveyor_broker.testing.admin import AdminTests  # noqa: E402
+from conveyor_broker.testing.breakers import BreakerTests  # noqa: E402
 from conveyor_broker.testing.concurrency import ConcurrencyLimitTests  # noqa: E402
 from conveyor_broker.testing.cron import CronTests  # noqa: E402
 from conveyor_broker.testing.dependencies import DependencyTests  # noqa: E402
@@ -67,6 +69,7 @@ class BrokerConformance(
     GroupTests,
     RateLimitTests,
     ConcurrencyLimitTests,
+    BreakerTests,
 ):
     """Every behaviour the Broker interface promises. Subclass it and provide the
     ``clock`` and ``broker`` fixtures (see the module docstring)."""

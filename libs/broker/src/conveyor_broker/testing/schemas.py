@@ -16,7 +16,8 @@ from conveyor_broker.postgres import PostgresBroker, migrate
 DATA_TABLES = (
     "conveyor_tasks, conveyor_queues, conveyor_task_dependencies, conveyor_webhook_workers, "
     "conveyor_cron_entries, conveyor_group_configs, conveyor_rate_limits, "
-    "conveyor_concurrency_limits, conveyor_concurrency_freed"
+    "conveyor_concurrency_limits, conveyor_concurrency_freed, conveyor_breaker_configs, "
+    "conveyor_breakers"
 )
 
 

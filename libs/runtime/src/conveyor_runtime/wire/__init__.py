@@ -11,6 +11,8 @@ group them by subject:
 - :mod:`~conveyor_runtime.wire.events`: lifecycle events and their NATS batches;
 - :mod:`~conveyor_runtime.wire.admin`: queue stats and webhook worker registrations;
 - :mod:`~conveyor_runtime.wire.cron`: cron entries;
+- :mod:`~conveyor_runtime.wire.limits`: rate and concurrency limits;
+- :mod:`~conveyor_runtime.wire.breakers`: circuit breaker configs and open breakers;
 - :mod:`~conveyor_runtime.wire.webhooks`: webhook endpoints' callbacks.
 
 The NATS side (which message goes on which subject) is :mod:`conveyor_runtime.bus`.
@@ -24,6 +26,13 @@ from conveyor_runtime.wire.admin import (
     stats_to_proto,
     webhook_spec_from_proto,
     webhook_worker_to_proto,
+)
+from conveyor_runtime.wire.breakers import (
+    breaker_config_from_proto,
+    breaker_config_to_proto,
+    breaker_scope_from_proto,
+    breaker_scope_to_proto,
+    breaker_to_proto,
 )
 from conveyor_runtime.wire.cron import cron_entry_to_proto, cron_spec_from_proto
 from conveyor_runtime.wire.events import (
@@ -75,6 +84,11 @@ __all__ = [
     "DEFAULT_WEBHOOK_SPEC",
     "DISPATCH_OVERHEAD",
     "TaskDefaults",
+    "breaker_config_from_proto",
+    "breaker_config_to_proto",
+    "breaker_scope_from_proto",
+    "breaker_scope_to_proto",
+    "breaker_to_proto",
     "check_time_bounds",
     "concurrency_limit_from_proto",
     "concurrency_limit_to_proto",

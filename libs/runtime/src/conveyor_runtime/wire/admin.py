@@ -7,8 +7,11 @@ only operators exchange with the api.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.types import (
+    Breaker,
     DependencyLink,
     DependencyOutcome,
     QueueStats,
@@ -23,6 +26,7 @@ from conveyor_broker.validation import (
 )
 from conveyor_protos.v1 import service_pb2
 
+from conveyor_runtime.wire.breakers import breaker_to_proto
 from conveyor_runtime.wire.tasks import state_to_proto
 from conveyor_runtime.wire.time import duration, from_duration, set_timestamp
 
@@ -30,12 +34,14 @@ from conveyor_runtime.wire.time import duration, from_duration, set_timestamp
 DEFAULT_WEBHOOK_SPEC = WebhookWorkerSpec(name="", url="", queues={})
 
 
-def stats_to_proto(stats: QueueStats) -> service_pb2.QueueStats:
-    """Broker queue stats as the wire message (counts keyed by state name)."""
+def stats_to_proto(stats: QueueStats, breakers: Iterable[Breaker] = ()) -> service_pb2.QueueStats:
+    """Broker queue stats as the wire message (counts keyed by state name), with the
+    queue's ``breakers`` that are not closed."""
     return service_pb2.QueueStats(
         queue=stats.queue,
         paused=stats.paused,
         counts={state.value: stats.count(state) for state in TaskState},
+        breakers=[breaker_to_proto(b) for b in breakers],
     )
 
 

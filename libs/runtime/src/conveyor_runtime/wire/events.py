@@ -53,9 +53,14 @@ def event_from_proto(pb: service_pb2.TaskEvent) -> TaskEvent:
 
 def encode_events(events: Sequence[TaskEvent]) -> bytes:
     """The payload carrying ``events``, in order (see :func:`decode_events`)."""
+    return encode_event_protos([event_to_proto(event) for event in events])
+
+
+def encode_event_protos(events: Sequence[service_pb2.TaskEvent]) -> bytes:
+    """:func:`encode_events` of events already on the wire (a breaker's, say)."""
     out = bytearray()
     for event in events:
-        data = event_to_proto(event).SerializeToString()
+        data = event.SerializeToString()
         size = len(data)
         while size >= 0x80:
             out.append((size & 0x7F) | 0x80)

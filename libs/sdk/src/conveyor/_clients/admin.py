@@ -13,6 +13,9 @@ from conveyor_protos.v1 import service_pb2 as svc
 from conveyor._channel import DEFAULT_TARGET, TlsFile
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    Breaker,
+    BreakerConfig,
+    BreakerScope,
     ClusterInfo,
     ConcurrencyLimit,
     CronEntry,
@@ -40,6 +43,9 @@ from conveyor._clients.admin_wire import (
     StateLike,
     batch_request,
     batch_result,
+    breaker_config_from_wire,
+    breaker_config_request,
+    breaker_from_wire,
     cluster_from_wire,
     concurrency_limit_from_wire,
     concurrency_limit_request,
@@ -61,6 +67,7 @@ from conveyor._clients.admin_wire import (
     watch_request,
     webhook_from_wire,
     webhook_request,
+    with_breaker_config,
     with_concurrency_limit,
     with_cron_name,
     with_group_config,
@@ -92,7 +99,9 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
     cron entries (tasks the server enqueues on a schedule) with ``upsert_cron_entry``,
     ``apply_cron_entries``, ``get_cron_entry``, ``list_cron_entries``,
     ``pause_cron_entry``, ``resume_cron_entry``, ``trigger_cron_entry`` and
-    ``delete_cron_entry``.
+    ``delete_cron_entry``; circuit breakers per task type with ``set_breaker_config``,
+    ``list_breaker_configs``, ``delete_breaker_config`` and ``list_breakers`` (those
+    open or half-open).
 
     Every task action also exists in a batch form (``cancel_tasks``...) that selects
     tasks by ``ids``, or by ``queue`` and optionally ``state`` (at most 1000 tasks, the
@@ -100,7 +109,8 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
     exceptions: :class:`TaskNotFound` for an unknown id, :class:`FailedPrecondition` for
     an action the task's state does not allow, :class:`InvalidArgument` for bad input,
     :class:`PermissionDenied` on a read-only server, :class:`WebhookWorkerNotFound` for
-    an unknown webhook worker, :class:`CronEntryNotFound` for an unknown cron entry.
+    an unknown webhook worker, :class:`CronEntryNotFound` for an unknown cron entry,
+    :class:`BreakerConfigNotFound` for a breaker config that is not stored.
     """
 
     def __init__(
@@ -340,7 +350,8 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
             cursor = page.next_cursor
 
     async def queue_stats(self, queue: str) -> QueueInfo:
-        """One queue's counts and pause flag (all zero for a queue never used)."""
+        """One queue's counts and pause flag (all zero for a queue never used), and its
+        circuit breakers that are not closed."""
         request = svc.GetQueueStatsRequest(queue=queue)
         response = await self._call("GetQueueStats", request, svc.GetQueueStatsResponse)
         return queue_info(response.stats)
@@ -586,6 +597,57 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
             "ListConcurrencyLimits", request, svc.ListConcurrencyLimitsResponse
         )
         return [concurrency_limit_from_wire(limit) for limit in response.limits]
+
+    # ------------------------------------------------------ circuit breakers
+
+    async def set_breaker_config(
+        self,
+        queue: str,
+        failures: int,
+        window: DurationLike,
+        cooldown: DurationLike,
+        *,
+        pattern: str = "*",
+        scope: BreakerScope | str = BreakerScope.WORKER,
+    ) -> BreakerConfig:
+        """Create or replace the circuit breaker of ``queue``'s task types matching
+        ``pattern`` (a glob: ``*`` any text, ``?`` one character; a type takes its
+        queue's longest matching pattern). Once ``failures`` attempts of one type fail on
+        a worker within ``window``, the type goes to nobody in ``scope`` (``"worker"``:
+        that worker; ``"queue"``: every worker of the queue) for ``cooldown``; then one
+        probe goes, and its outcome closes the breaker or opens it again. ``window`` and
+        ``cooldown`` are timedeltas or seconds. Returns the stored config;
+        :class:`InvalidArgument` for a bad queue or pattern, failures outside
+        1..10,000, a window outside 1 s .. 1 day or a cooldown outside 100 ms .. 1 day
+        (nothing stored changes)."""
+        request = breaker_config_request(queue, failures, window, cooldown, pattern, scope)
+        response = await self._call("SetBreakerConfig", request, svc.SetBreakerConfigResponse)
+        return breaker_config_from_wire(response.config)
+
+    async def delete_breaker_config(self, queue: str, *, pattern: str = "*") -> None:
+        """Remove ``queue``'s breaker config for ``pattern``: its types take another
+        pattern's config, or have no breaker. :class:`BreakerConfigNotFound` when there
+        is none."""
+        request = svc.DeleteBreakerConfigRequest(queue=queue, pattern=pattern)
+        try:
+            await self._call("DeleteBreakerConfig", request, svc.DeleteBreakerConfigResponse)
+        except ConveyorError as exc:
+            raise with_breaker_config(exc, queue, pattern) from None
+
+    async def list_breaker_configs(self, queue: str | None = None) -> list[BreakerConfig]:
+        """The breaker configs of ``queue`` (None: of every queue), by queue and
+        pattern."""
+        request = svc.ListBreakerConfigsRequest(queue=queue or "")
+        response = await self._call("ListBreakerConfigs", request, svc.ListBreakerConfigsResponse)
+        return [breaker_config_from_wire(c) for c in response.configs]
+
+    async def list_breakers(self, queue: str | None = None) -> list[Breaker]:
+        """The circuit breakers that are not closed (open or half-open) of ``queue``
+        (None: of every queue): which type, whose (a worker's, or queue-wide), until
+        when, and the failures that opened each."""
+        request = svc.ListBreakersRequest(queue=queue or "")
+        response = await self._call("ListBreakers", request, svc.ListBreakersResponse)
+        return [breaker_from_wire(b) for b in response.breakers]
 
     # ---------------------------------------------------- aggregation groups
 

@@ -1,5 +1,6 @@
 """What the admin clients return: pages of tasks, queue statistics, batch outcomes,
-lifecycle events, dependency edges, webhook worker registrations and cron entries."""
+lifecycle events, dependency edges, webhook worker registrations, cron entries, limits
+and circuit breakers."""
 
 from __future__ import annotations
 
@@ -24,13 +25,83 @@ class TaskPage:
     next_cursor: str | None
 
 
+class BreakerScope(StrEnum):
+    """Whom an open circuit breaker stops sending its task type to."""
+
+    #: The worker (stream session or webhook worker) whose attempts failed; the other
+    #: workers go on getting the type.
+    WORKER = "worker"
+    #: Every worker of the queue.
+    QUEUE = "queue"
+
+
+class BreakerState(StrEnum):
+    """Where a circuit breaker stands (a listed one is never closed)."""
+
+    #: Its type goes to nobody in its scope until ``until``.
+    OPEN = "open"
+    #: One probe may go (or went): its success closes the breaker, its failure opens it
+    #: again.
+    HALF_OPEN = "half_open"
+    #: It closed: only in a breaker event (:attr:`TaskEvent.breaker`), never in a listing.
+    CLOSED = "closed"
+    #: A state this SDK does not know (a newer server).
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """A circuit breaker per task type of ``queue``, for the types that match
+    ``pattern`` (a glob: ``*`` any text, ``?`` one character; a type takes its queue's
+    longest matching pattern, and a type no pattern matches has no breaker).
+
+    Once ``failures`` attempts of one type fail on a worker within ``window``, the type
+    is dispatched to nobody in ``scope`` (that worker, or every worker of the queue) for
+    ``cooldown``; then the breaker is half-open and lets one probe through: its success
+    closes the breaker, its failure opens it again for another ``cooldown``.
+    """
+
+    queue: str
+    pattern: str
+    failures: int
+    window: timedelta
+    cooldown: timedelta
+    scope: BreakerScope = BreakerScope.WORKER
+
+
+@dataclass(frozen=True, slots=True)
+class Breaker:
+    """A circuit breaker of ``queue`` and task ``type``: one that is not closed (open or
+    half-open) in a listing or queue stats; in a breaker event (:attr:`TaskEvent.breaker`)
+    it may be one that just closed.
+
+    ``scope`` WORKER: the breaker of one worker, ``worker_id`` (on gateway
+    ``gateway``); QUEUE: a queue-wide one, and both are None. ``until`` is when an OPEN
+    breaker goes half-open, or when a HALF_OPEN one's probe chance lapses (another probe
+    may go then); ``failures`` are the failed attempts that opened it. Timestamps are
+    timezone-aware (UTC).
+    """
+
+    queue: str
+    type: str
+    scope: BreakerScope
+    state: BreakerState
+    opened_at: datetime | None
+    until: datetime | None
+    failures: int
+    gateway: str | None = None
+    worker_id: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class QueueInfo:
-    """A queue's pause flag and how many of its tasks are in each state."""
+    """A queue's pause flag, how many of its tasks are in each state, and its circuit
+    breakers that are not closed (``breakers``: open or half-open, of every worker)."""
 
     name: str
     paused: bool
     counts: Mapping[TaskState, int]
+    breakers: Sequence[Breaker] = ()
 
     def count(self, state: TaskState) -> int:
         """Tasks in ``state`` (0 when none)."""
@@ -161,6 +232,10 @@ class TaskEvent:
     ``previous_state`` is None when the task was just created; ``state`` is None when it
     was deleted. ``error`` is the task's last error when it entered ``RETRY`` or
     ``ARCHIVED``.
+
+    A circuit breaker event is about no task: ``breaker`` is set (the breaker of
+    ``queue`` and ``type`` opened, went half-open or closed: its ``state``),
+    ``task_id`` is empty and ``state`` None.
     """
 
     task_id: str
@@ -170,11 +245,12 @@ class TaskEvent:
     previous_state: TaskState | None
     at: datetime
     error: str | None = None
+    breaker: Breaker | None = None
 
     @property
     def deleted(self) -> bool:
         """True when the event reports the task's deletion."""
-        return self.state is None
+        return self.state is None and self.breaker is None
 
 
 @dataclass(frozen=True, slots=True)

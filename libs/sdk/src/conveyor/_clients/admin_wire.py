@@ -9,9 +9,14 @@ from datetime import UTC, datetime, timedelta
 
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
+from google.protobuf.duration_pb2 import Duration
 
 from conveyor._clients.admin_types import (
     BatchActionResult,
+    Breaker,
+    BreakerConfig,
+    BreakerScope,
+    BreakerState,
     ClusterInfo,
     ClusterNode,
     ConcurrencyLimit,
@@ -39,6 +44,7 @@ from conveyor._clients.task_wire import (
     task_from_wire,
 )
 from conveyor._errors import (
+    BreakerConfigNotFound,
     CodecError,
     ConcurrencyLimitNotFound,
     ConveyorError,
@@ -178,18 +184,25 @@ def watch_request(queues: Iterable[str], states: Iterable[StateLike]) -> svc.Wat
 
 
 def queue_info(message: svc.QueueStats) -> QueueInfo:
-    """The SDK view of a queue's stats (states this SDK does not know count as UNKNOWN)."""
+    """The SDK view of a queue's stats (states this SDK does not know count as UNKNOWN)
+    with its breakers that are not closed."""
     counts: dict[TaskState, int] = {}
     for name, n in message.counts.items():
         try:
             counts[TaskState(name)] = n
         except ValueError:
             counts[TaskState.UNKNOWN] = counts.get(TaskState.UNKNOWN, 0) + n
-    return QueueInfo(name=message.queue, paused=message.paused, counts=counts)
+    return QueueInfo(
+        name=message.queue,
+        paused=message.paused,
+        counts=counts,
+        breakers=[breaker_from_wire(b) for b in message.breakers],
+    )
 
 
 def event_from_wire(message: svc.TaskEvent) -> TaskEvent:
-    """The SDK view of a lifecycle event (UNSPECIFIED states read as None)."""
+    """The SDK view of a lifecycle event (UNSPECIFIED states read as None), or of a
+    circuit breaker event (``breaker`` set)."""
     state = state_from_wire(message.state) if message.state else None
     previous = state_from_wire(message.previous_state) if message.previous_state else None
     return TaskEvent(
@@ -200,6 +213,7 @@ def event_from_wire(message: svc.TaskEvent) -> TaskEvent:
         previous_state=previous,
         at=message.at.ToDatetime(tzinfo=UTC),
         error=message.error or None,
+        breaker=breaker_from_wire(message.breaker) if message.HasField("breaker") else None,
     )
 
 
@@ -435,6 +449,99 @@ def concurrency_limit_request(
 def concurrency_limit_from_wire(limit: svc.ConcurrencyLimit) -> ConcurrencyLimit:
     """A stored concurrency limit."""
     return ConcurrencyLimit(queue=limit.queue, per_key=limit.per_key, pattern=limit.pattern)
+
+
+# ------------------------------------------------------------- circuit breakers
+
+_SCOPE_TO_WIRE = {
+    BreakerScope.WORKER: svc.BREAKER_SCOPE_WORKER,
+    BreakerScope.QUEUE: svc.BREAKER_SCOPE_QUEUE,
+}
+_SCOPE_FROM_WIRE = {value: key for key, value in _SCOPE_TO_WIRE.items()}
+
+
+def breaker_scope(value: BreakerScope | str) -> BreakerScope:
+    """``value`` as a BreakerScope; InvalidArgument for anything else."""
+    try:
+        return BreakerScope(value)
+    except ValueError:
+        raise InvalidArgument(f"scope must be 'worker' or 'queue', got {value!r}") from None
+
+
+def _breaker_duration(name: str, value: DurationLike) -> Duration:
+    try:
+        delta = to_timedelta(name, value)
+        if delta is None:
+            raise InvalidArgument(f"{name} is required: a timedelta or seconds")
+        return duration_to_wire(delta)
+    except InvalidArgument:
+        raise
+    except (OverflowError, ValueError):  # inf, nan, beyond what a Duration holds
+        raise InvalidArgument(f"{name} is out of range, got {value!r}") from None
+
+
+def breaker_config_request(
+    queue: str,
+    failures: int,
+    window: DurationLike,
+    cooldown: DurationLike,
+    pattern: str,
+    scope: BreakerScope | str,
+) -> svc.SetBreakerConfigRequest:
+    """A SetBreakerConfig request. The SDK checks types (InvalidArgument for failures
+    that are not an int, durations that are not a timedelta or seconds, an unknown
+    scope); the server checks the values and answers InvalidArgument naming the
+    problem."""
+    if isinstance(failures, bool) or not isinstance(failures, int) or not 0 < failures < 2**31:
+        raise InvalidArgument(f"failures must be a positive int, got {failures!r}")
+    config = svc.BreakerConfig(
+        queue=queue, pattern=pattern, failures=failures, scope=_SCOPE_TO_WIRE[breaker_scope(scope)]
+    )
+    config.window.CopyFrom(_breaker_duration("window", window))
+    config.cooldown.CopyFrom(_breaker_duration("cooldown", cooldown))
+    return svc.SetBreakerConfigRequest(config=config)
+
+
+def breaker_config_from_wire(config: svc.BreakerConfig) -> BreakerConfig:
+    """A stored breaker config."""
+    return BreakerConfig(
+        queue=config.queue,
+        pattern=config.pattern,
+        failures=config.failures,
+        window=config.window.ToTimedelta(),
+        cooldown=config.cooldown.ToTimedelta(),
+        scope=_SCOPE_FROM_WIRE.get(config.scope, BreakerScope.WORKER),
+    )
+
+
+def breaker_from_wire(breaker: svc.Breaker) -> Breaker:
+    """A breaker that is not closed (a state this SDK does not know reads UNKNOWN)."""
+    try:
+        state = BreakerState(breaker.state)
+    except ValueError:
+        state = BreakerState.UNKNOWN
+    scope = _SCOPE_FROM_WIRE.get(
+        breaker.scope, BreakerScope.WORKER if breaker.gateway else BreakerScope.QUEUE
+    )
+    return Breaker(
+        queue=breaker.queue,
+        type=breaker.type,
+        scope=scope,
+        state=state,
+        opened_at=timestamp_from_wire(breaker, "opened_at"),
+        until=timestamp_from_wire(breaker, "until"),
+        failures=breaker.failures,
+        gateway=breaker.gateway or None,
+        worker_id=breaker.worker_id or None,
+    )
+
+
+def with_breaker_config(exc: ConveyorError, queue: str, pattern: str) -> ConveyorError:
+    """``exc``, as a BreakerConfigNotFound naming ``queue`` and ``pattern`` when the
+    server said NOT_FOUND."""
+    if exc.code == "NOT_FOUND":
+        return BreakerConfigNotFound(exc.message, code=exc.code, queue=queue, pattern=pattern)
+    return exc
 
 
 def group_config_request(

@@ -44,12 +44,17 @@ SELECT holder FROM conveyor_holders WHERE seen_at <= $1 AND NOT (holder = ANY($2
 """
 
 #: The ACTIVE tasks of the dead holders $3 go back to PENDING at now $1 (at most $4, by
-#: lease expiry), as RELEASE gives a task back; and the holders of $3 that hold no ACTIVE
+#: lease expiry), as RELEASE gives a task back; the holders of $3 that hold no ACTIVE
 #: task (as the statement's snapshot sees it: before the release) and have not beaten
-#: since $2 are forgotten. The tasks are found through conveyor_tasks_lease_expiry_idx
-#: (every ACTIVE row): the statement runs only while a holder is dead.
+#: since $2 are forgotten; and the circuit breakers the holders of $3 stored (their
+#: gateways' own) are dropped. The tasks are found through
+#: conveyor_tasks_lease_expiry_idx (every ACTIVE row): the statement runs only while a
+#: holder is dead.
 RELEASE_DEAD_HOLDERS = """
-WITH forgotten AS (
+WITH dropped_breakers AS (
+    DELETE FROM conveyor_breakers b WHERE b.holder = ANY($3::text[])
+    RETURNING b.holder
+), forgotten AS (
     DELETE FROM conveyor_holders h
     WHERE h.holder = ANY($3::text[]) AND h.seen_at <= $2
       AND NOT EXISTS (
