@@ -333,6 +333,63 @@ async def test_extend_held_extends_one_lease_and_drops_a_lost_one(parts: Parts) 
     assert gateway.in_flight == 1
 
 
+async def test_a_lease_the_reaper_took_is_cancelled_and_one_merely_late_is_kept(
+    parts: Parts,
+) -> None:
+    gateway, transport = parts.gateway(concurrency=2)
+    first, second = await parts.leased(2)
+    gateway.accept(offer([first, second]))
+    parts.clock.advance(TTL + timedelta(seconds=5))
+    # Past their expiry, but the broker still has them as this worker's: kept.
+    assert await gateway.check_leases() == 0
+    assert transport.canceled == []
+    assert gateway.in_flight == 2
+    # The reaper releases them; one is leased again by someone else meanwhile.
+    assert len(await parts.broker.reap_expired_leases()) == 2
+    await parts.broker.lease("q", 1, TTL)
+    assert await gateway.check_leases() == 2
+    assert sorted(t for t, _, _ in transport.canceled) == sorted([first.id, second.id])
+    assert {reason for _, _, reason in transport.canceled} == {LEASE_LOST_REASON}
+    assert (gateway.in_flight, gateway.free("q")) == (0, 2)
+    # A late Result for a lost lease changes nothing.
+    gateway.on_results([result(first, service_pb2.OUTCOME_SUCCESS)])
+    assert await parts.state(first.id) is not TaskState.COMPLETED
+
+
+async def test_a_heartbeat_moves_the_known_expiry_so_nothing_is_looked_up(parts: Parts) -> None:
+    gateway, transport = parts.gateway(concurrency=1)
+    (task,) = await parts.leased(1)
+    gateway.accept(offer([task]))
+    parts.clock.advance(TTL - timedelta(seconds=1))
+    gateway.on_heartbeat()
+    await wait_until(lambda: not gateway._leases._extending)
+    parts.clock.advance(TTL - timedelta(seconds=1))
+    assert await gateway.check_leases() == 0
+    assert gateway.holds(task.id)
+    assert transport.canceled == []
+
+
+async def test_a_draining_gateway_takes_nothing_more_but_completes_what_it_holds(
+    parts: Parts,
+) -> None:
+    gateway, transport = parts.gateway(concurrency=3)
+    first, second = await parts.leased(2)
+    gateway.accept(offer([first]))
+    gateway.drain()
+    assert gateway.draining
+    assert gateway.free("q") == 0
+    assert gateway.accept(offer([second])) == []
+    gateway.on_credit("q", 4)
+    assert gateway.free("q") == 0
+    gateway.on_results([result(first, service_pb2.OUTCOME_SUCCESS)])
+
+    async def completed() -> bool:
+        return await parts.state(first.id) is TaskState.COMPLETED
+
+    await wait_until(completed)
+    assert transport.dispatched == [[first.id]]
+
+
 async def test_cancel_tells_the_worker_and_refunds_the_slot(parts: Parts) -> None:
     gateway, transport = parts.gateway(concurrency=1)
     (task,) = await parts.leased(1)

@@ -515,6 +515,45 @@ async def test_a_lost_lease_is_cancelled_on_the_worker(
     assert sum(broker.ack_batch_sizes) == 1
 
 
+async def test_a_lease_reaped_while_the_worker_is_silent_is_cancelled(
+    open_session: Any, broker: CountingBroker, bus: Bus, clock: FakeClock
+) -> None:
+    """No heartbeat comes at all (the worker hangs): once the reaper has released the
+    task, the gateway finds the lease gone on its own, sends Cancel and frees the slot."""
+    session: Session = await open_session({"q": 1}, 1)
+    [env] = await leased(broker, "q", 1)
+    await dispatch_all(bus, session, [env])
+    clock.advance(TTL + timedelta(seconds=5))
+    assert [r.task_id for r in await broker.reap_expired_leases()] == [env.id]
+
+    cancel = (await session.worker.read_kind("cancel", within=10)).cancel
+    assert (cancel.task_id, cancel.lease_id) == (env.id, env.lease_id)
+    await session.dones.wait_for(lambda m: m.gateway == session.gateway)
+    # A late Result for it is ignored: the task stays as the reaper left it.
+    await session.worker.result(env, service_pb2.OUTCOME_SUCCESS)
+    assert await state_of(broker, env.id) is TaskState.RETRY  # as the reaper left it
+
+
+async def test_a_draining_session_gets_no_new_tasks_but_its_results_count(
+    open_session: Any, broker: CountingBroker, bus: Bus
+) -> None:
+    session: Session = await open_session({"q": 1}, 2)
+    envs = await leased(broker, "q", 3)
+    await dispatch_all(bus, session, envs[:1])
+    await session.worker.send(service_pb2.WorkerFrame(drain=service_pb2.Drain()))
+    await session.registers.wait_for(lambda m: m.gateway == session.gateway and m.capacity == 0)
+    # A slot is free, but a draining worker takes nothing: refused, no credit.
+    reply = await dispatch(bus, session.gateway, "q", envs[1:2])
+    assert (list(reply.accepted), reply.credits) == ([], 0)
+    # A Credit opens nothing either.
+    await session.worker.send(service_pb2.WorkerFrame(credit=service_pb2.Credit(queue="q", n=5)))
+    reply = await dispatch(bus, session.gateway, "q", envs[1:2])
+    assert list(reply.accepted) == []
+    # What it holds still completes.
+    await session.worker.result(envs[0], service_pb2.OUTCOME_SUCCESS)
+    await wait_state(broker, envs[0].id, TaskState.COMPLETED)
+
+
 async def test_cancel_broadcast_reaches_the_worker(
     open_session: Any, broker: CountingBroker, bus: Bus
 ) -> None:

@@ -68,6 +68,31 @@ def test_check_hello_rejects(fields: dict[str, object], code: grpc.StatusCode, t
     assert text in info.value.message
 
 
+@pytest.mark.parametrize("version", ["", "0.0.1", "nightly-2026-12-07"])
+def test_a_third_party_sdks_version_is_never_refused(version: str) -> None:
+    spec = check_hello(
+        _hello(sdk_name="conveyor-typescript", sdk_version=version), "0.1.0", "0.5.0"
+    )
+    assert spec.sdk_version == version
+
+
+@pytest.mark.parametrize("name", ["", "conveyor-python"])
+def test_the_python_sdk_is_held_to_the_minimum(name: str) -> None:
+    with pytest.raises(HelloRejected) as info:
+        check_hello(_hello(sdk_name=name, sdk_version="0.0.1"), "0.1.0", "0.5.0")
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_third_party_sdk_still_gets_its_min_server_version_checked() -> None:
+    with pytest.raises(HelloRejected) as info:
+        check_hello(_hello(sdk_name="acme", min_server_version="9.0.0"), "0.1.0", "0.1.0")
+    assert "9.0.0" in info.value.message
+    with pytest.raises(HelloRejected) as info:
+        check_hello(_hello(sdk_name="x" * 65), "0.1.0", "0.1.0")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sdk_name" in info.value.message
+
+
 def test_version_rejection_names_both_versions() -> None:
     with pytest.raises(HelloRejected) as info:
         check_hello(_hello(sdk_version="0.0.1"), "0.1.0", "0.0.5")

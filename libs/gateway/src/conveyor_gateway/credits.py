@@ -109,6 +109,9 @@ class Credits:
         #: True while the gateway takes no new work (its backlog of outcomes to commit is
         #: full): every queue is announced with no slots and offers are refused.
         self.held_back = False
+        #: True once the worker said it drains (it is shutting down): it takes nothing
+        #: more for the rest of the session, while what it holds still completes.
+        self.draining = False
         #: Whose turn a freed slot is while the queues share the gateway's room.
         self.turns = Turns(
             spec.queues, timeout=turn_timeout, on_lapse=self._pass_on, call_later=call_later
@@ -157,7 +160,7 @@ class Credits:
     def free(self, queue: str) -> int:
         """Slots the gateway can still take on ``queue``: its own free slots, within the
         gateway's room less what is reserved for other queues' turns."""
-        if self.closed or self.held_back or queue not in self.capacity:
+        if self.closed or self.held_back or self.draining or queue not in self.capacity:
             return 0
         by_queue = self._slots[queue] - self._per_queue[queue]
         overall = self.limit - len(self._held)
@@ -184,7 +187,7 @@ class Credits:
             free == 0
             and self._shared
             and queue not in self.turns.waiting
-            and not (self.closed or self.held_back)
+            and not (self.closed or self.held_back or self.draining)
             and queue in self.capacity
             and self._room(queue) > 0
         ):
@@ -194,7 +197,7 @@ class Credits:
     def freed(self, queue: str) -> None:
         """A slot of ``queue`` was given back: tell the dispatcher whose turn it is (a
         waiting queue's, while the queues share the room), else ``queue``'s."""
-        if self._shared and not (self.closed or self.held_back):
+        if self._shared and not (self.closed or self.held_back or self.draining):
             turn = self.turns.give(self._room)
             if turn is not None:
                 self.done.done(turn)
@@ -205,7 +208,7 @@ class Credits:
         """A turn lapsed unused (``queue``'s dispatcher did not offer): the next waiting
         queue gets the slot, else it stays free for whoever offers first."""
         logger.debug("gateway.turn_lapsed gateway=%s queue=%s", self._id, queue)
-        if self._shared and not (self.closed or self.held_back):
+        if self._shared and not (self.closed or self.held_back or self.draining):
             turn = self.turns.give(self._room)
             if turn is not None:
                 self.done.done(turn)
@@ -254,6 +257,17 @@ class Credits:
         self.granted[queue] = wanted - base
         logger.info("gateway.credit gateway=%s queue=%s n=%d slots=%d", self._id, queue, n, wanted)
         self.cap(self._cap, kept=self._kept)
+
+    def drain(self) -> None:
+        """The worker takes nothing more (it is shutting down): every queue is announced
+        with no slots at once, offers are refused, and it stays so for the session."""
+        if self.draining or self.closed:
+            return
+        self.draining = True
+        self.turns.clear()
+        logger.info("gateway.draining gateway=%s held=%d", self._id, len(self._held))
+        if self._started:
+            self._spawn(self._register_all())
 
     def hold_back(self, on: bool) -> None:
         """Take no new work (``on``) or take it again; the slots are re-announced at once
@@ -382,7 +396,7 @@ class Credits:
         return cluster_pb2.Register(
             gateway=self._id,
             queue=queue,
-            capacity=0 if self.held_back else self._slots[queue],
+            capacity=0 if self.held_back or self.draining else self._slots[queue],
             weight=self._spec.queues[queue],
             in_flight=self._per_queue[queue],
             labels=dict(self._spec.labels),

@@ -28,10 +28,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Collection, Container, Coroutine, Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from conveyor_broker import AckItem, Broker, LeaseLost, Task, TaskState
+from conveyor_broker import AckItem, Broker, LeaseLost, Task, TaskNotFound, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus
@@ -140,12 +140,20 @@ class Gateway:
         #: The backlog of outcomes being retried past which no new work is taken.
         self.backlog_limit = config.outcome_backlog or spec.concurrency
         self._close_done = asyncio.Event()
+        self._watch: asyncio.Task[None] | None = None
+        ttl = config.lease_ttl.total_seconds()
+        #: How long past its known expiry a lease counts as lost (an extension may be on
+        #: its way), and how often the held leases are looked at.
+        self._lapse_grace = timedelta(seconds=min(1.0, ttl / 10))
+        self._watch_every = max(0.05, min(2.0, ttl / 4))
 
     # ------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Subscribe, then announce capacity on every queue and keep re-announcing it."""
+        """Subscribe, then announce capacity on every queue and keep re-announcing it, and
+        watch the held leases for any that runs out (see :meth:`check_leases`)."""
         await self._credits.start()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_leases())
         logger.info(
             "gateway.started gateway=%s worker=%s capacity=%s",
             self.id,
@@ -170,6 +178,8 @@ class Gateway:
             self._close_done.set()
 
     async def _close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await self._credits.stop()
         held = self._holdings.clear()
         outcomes = await asyncio.gather(
@@ -364,6 +374,65 @@ class Gateway:
         # then the dispatcher hears the queue's current state.
         self._credits.credit(queue, n)
         self._spawn(self._credits.register(queue))
+
+    async def check_leases(self) -> int:
+        """Drop every held delivery whose lease the broker no longer has (the worker
+        stopped heartbeating, the lease ran out and the reaper released the task, or
+        another worker leased it since): the worker is told to cancel that run
+        (LEASE_LOST_REASON) and its slot is freed; a late Progress or Result for it is
+        then ignored. Only leases past their known expiry are looked up, one read each
+        (a lease past its expiry that the reaper has not reclaimed is still the
+        worker's). Returns how many were dropped. The gateway calls it every few
+        seconds; tests may too."""
+        suspects = self._leases.expired(self._config.clock.now(), self._lapse_grace)
+        if not suspects:
+            return 0
+        dropped = 0
+        for lease_id in suspects:
+            held = self._held.get(lease_id)
+            if held is None:
+                continue
+            try:
+                task = await self._broker.get_task(held.task_id)
+            except TaskNotFound:
+                task = None
+            except Exception as exc:
+                logger.warning("gateway.lease_check_failed gateway=%s error=%r", self.id, exc)
+                return dropped
+            if self._held.get(lease_id) is not held:
+                continue  # its Result came meanwhile
+            if task is not None and task.state is TaskState.ACTIVE and task.lease_id == lease_id:
+                if task.lease_expires_at is not None:
+                    self._holdings.expires[lease_id] = task.lease_expires_at
+                continue
+            if self._lose(lease_id) is not None:
+                dropped += 1
+                logger.warning(
+                    "gateway.lease_lost gateway=%s task=%s lease=%s",
+                    self.id,
+                    held.task_id,
+                    lease_id,
+                )
+        return dropped
+
+    async def _watch_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self._watch_every)
+            try:
+                await self.check_leases()
+            except Exception:
+                logger.exception("gateway.lease_watch_failed gateway=%s", self.id)
+
+    def drain(self) -> None:
+        """The worker drains (a Drain frame): it gets no new task for the rest of the
+        session, and what it holds completes as usual (see
+        :meth:`~conveyor_gateway.credits.Credits.drain`)."""
+        self._credits.drain()
+
+    @property
+    def draining(self) -> bool:
+        """True once the worker said it drains."""
+        return self._credits.draining
 
     def _on_overrun(self, lease_id: str, bound: AttemptBound) -> None:
         # The worker kept the attempt past its bound without a Result: stop it there,

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from conveyor_broker import Task
 from conveyor_broker.clock import Clock
 from conveyor_protos.v1 import task_pb2
+from conveyor_runtime import wire
 
 from conveyor_gateway.attempt_bounds import AttemptBound, AttemptTimers, envelope_bounds
 
@@ -55,6 +56,9 @@ class Holdings:
         self.lease_of: dict[str, str] = {}
         #: Deliveries held per queue (no entry: none).
         self.per_queue: Counter[str] = Counter()
+        #: Lease id -> when the lease runs out as far as the gateway knows (from the
+        #: dispatch, then each extension it made); absent: unknown.
+        self.expires: dict[str, datetime] = {}
         #: The timers of the bounded attempts, by lease id.
         self.timers = AttemptTimers(grace=grace, clock=clock, on_overrun=on_overrun)
         self._clock = clock
@@ -80,6 +84,8 @@ class Holdings:
         self.by_lease[held.lease_id] = held
         self.lease_of[held.task_id] = held.lease_id
         self.per_queue[queue] += 1
+        if env.HasField("lease_expires_at"):
+            self.expires[held.lease_id] = wire.from_timestamp(env.lease_expires_at)
         if bounded:
             self.timers.arm(held.lease_id, timeout, deadline)
 
@@ -99,6 +105,8 @@ class Holdings:
         self.by_lease[lease_id] = held
         self.lease_of[task.id] = lease_id
         self.per_queue[task.queue] += 1
+        if task.lease_expires_at is not None:
+            self.expires[lease_id] = task.lease_expires_at
         timeout = task.timeout
         if timeout is not None and task.started_at is not None:
             elapsed = self._clock.now() - task.started_at
@@ -113,6 +121,7 @@ class Holdings:
         held = self.by_lease.pop(lease_id, None)
         if held is None:
             return None
+        self.expires.pop(lease_id, None)
         if self.timers:
             self.timers.disarm(lease_id)
         if self.lease_of.get(held.task_id) == lease_id:
@@ -127,6 +136,7 @@ class Holdings:
         """Stop holding anything (every timer disarmed); what was held."""
         held = list(self.by_lease.values())
         self.by_lease.clear()
+        self.expires.clear()
         self.timers.clear()
         self.lease_of.clear()
         self.per_queue.clear()

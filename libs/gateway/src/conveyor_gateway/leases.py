@@ -50,6 +50,7 @@ class LeaseExtension:
         self._id = gateway_id
         self._broker = broker
         self._held = holdings.by_lease
+        self._expires = holdings.expires
         self._ttl = lease_ttl
         self._clock = clock
         self._spawn = spawn
@@ -66,8 +67,8 @@ class LeaseExtension:
         self._spawn(self._extend())
 
     async def _extend(self) -> None:
-        # Only when someone listens: the broker's expiry is at least this plus the TTL.
-        started = self._clock.now() if self._on_extended is not None else None
+        # The broker's expiry is at least this plus the TTL.
+        started = self._clock.now()
         try:
             skips = self._skips
             refs = [
@@ -83,12 +84,16 @@ class LeaseExtension:
             return
         finally:
             self._extending = False
-        if started is not None and self._on_extended is not None:
-            gone = {ref.lease_id for ref in lost}
-            held = self._held
-            kept = [r.lease_id for r in refs if r.lease_id not in gone and r.lease_id in held]
-            if kept:
-                self._on_extended(kept, started + self._ttl)
+        gone = {ref.lease_id for ref in lost}
+        held = self._held
+        kept = [r.lease_id for r in refs if r.lease_id not in gone and r.lease_id in held]
+        until = started + self._ttl
+        expires = self._expires
+        for lease_id in kept:
+            if expires.get(lease_id, until) <= until:
+                expires[lease_id] = until
+        if kept and self._on_extended is not None:
+            self._on_extended(kept, until)
         for ref in lost:
             dropped = self._lose(ref.lease_id)
             if dropped is None:
@@ -111,9 +116,25 @@ class LeaseExtension:
         except LeaseLost:
             self._lose(lease_id)
             raise
+        if self._held.get(lease_id) is held:
+            self._expires[lease_id] = expires
         if self._on_extended is not None and self._held.get(lease_id) is held:
             self._on_extended((lease_id,), expires)
         return expires
+
+    def expired(self, now: datetime, grace: timedelta) -> list[str]:
+        """The held leases (but the skipped) that ran out more than ``grace`` ago as far
+        as this gateway knows: nothing extended them (the worker stopped heartbeating),
+        so the reaper may hand their tasks to another worker. None while an extension is
+        under way (it may be renewing them)."""
+        if self._extending:
+            return []
+        skips = self._skips
+        return [
+            lease_id
+            for lease_id, until in self._expires.items()
+            if now - until > grace and lease_id not in skips
+        ]
 
     def progress(self, task_id: str, lease_id: str, data: bytes) -> None:
         """Store ``data`` as the progress of the held delivery, in the background."""

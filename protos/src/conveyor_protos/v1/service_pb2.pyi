@@ -171,20 +171,22 @@ class GetDependencyResultsResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[DependencyResult, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
 
 class WorkerFrame(_message.Message):
-    __slots__ = ("hello", "result", "batch_result", "heartbeat", "credit", "progress")
+    __slots__ = ("hello", "result", "batch_result", "heartbeat", "credit", "progress", "drain")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     BATCH_RESULT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     result: Result
     batch_result: BatchResult
     heartbeat: Heartbeat
     credit: Credit
     progress: Progress
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., batch_result: _Optional[_Union[BatchResult, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    drain: Drain
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., result: _Optional[_Union[Result, _Mapping]] = ..., batch_result: _Optional[_Union[BatchResult, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ...) -> None: ...
 
 class ServerFrame(_message.Message):
     __slots__ = ("welcome", "dispatch", "batch_dispatch", "cancel", "ping", "dispatches")
@@ -203,7 +205,7 @@ class ServerFrame(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., dispatch: _Optional[_Union[Dispatch, _Mapping]] = ..., batch_dispatch: _Optional[_Union[BatchDispatch, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., dispatches: _Optional[_Union[Dispatches, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("queues", "concurrency", "labels", "sdk_version", "min_server_version", "batch_types", "worker_id", "accepts_dispatches")
+    __slots__ = ("queues", "concurrency", "labels", "sdk_version", "min_server_version", "batch_types", "worker_id", "accepts_dispatches", "sdk_name")
     class QueuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +228,7 @@ class Hello(_message.Message):
     BATCH_TYPES_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_DISPATCHES_FIELD_NUMBER: _ClassVar[int]
+    SDK_NAME_FIELD_NUMBER: _ClassVar[int]
     queues: _containers.ScalarMap[str, int]
     concurrency: int
     labels: _containers.ScalarMap[str, str]
@@ -234,7 +237,12 @@ class Hello(_message.Message):
     batch_types: _containers.RepeatedScalarFieldContainer[str]
     worker_id: str
     accepts_dispatches: bool
-    def __init__(self, queues: _Optional[_Mapping[str, int]] = ..., concurrency: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., sdk_version: _Optional[str] = ..., min_server_version: _Optional[str] = ..., batch_types: _Optional[_Iterable[str]] = ..., worker_id: _Optional[str] = ..., accepts_dispatches: _Optional[bool] = ...) -> None: ...
+    sdk_name: str
+    def __init__(self, queues: _Optional[_Mapping[str, int]] = ..., concurrency: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., sdk_version: _Optional[str] = ..., min_server_version: _Optional[str] = ..., batch_types: _Optional[_Iterable[str]] = ..., worker_id: _Optional[str] = ..., accepts_dispatches: _Optional[bool] = ..., sdk_name: _Optional[str] = ...) -> None: ...
+
+class Drain(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("session_id", "lease_ttl", "heartbeat_interval", "server_version", "min_sdk_version", "max_result")

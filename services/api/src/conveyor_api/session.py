@@ -66,8 +66,11 @@ MAX_LABELS = 16
 MAX_LABEL_KEY_LEN = 64
 MAX_LABEL_VALUE_LEN = 256
 MAX_WORKER_ID_LEN = 256
-#: sdk_version and min_server_version.
+#: sdk_name, sdk_version and min_server_version.
 MAX_VERSION_LEN = 64
+#: The official Python SDK's sdk_name (an empty one is it too: its older releases send
+#: none). Only its sdk_version is held to the server's min_sdk_version.
+PYTHON_SDK = "conveyor-python"
 #: Task types a worker takes as aggregation batches.
 MAX_BATCH_TYPES = 100
 FIRST_FRAME_MUST_BE_HELLO = "first frame must be Hello"
@@ -98,13 +101,16 @@ def check_hello(hello: service_pb2.Hello, server_version: str, min_sdk_version: 
     problem = hello_problem(hello)
     if problem is not None:
         raise HelloRejected(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    official = hello.sdk_name in ("", PYTHON_SDK)
     versions = (
-        f"server version {server_version} (worker needs >= {hello.min_server_version or 'any'}), "
-        f"sdk version {hello.sdk_version!r} (server needs >= {min_sdk_version})"
+        f"server version {server_version} (worker needs >= {hello.min_server_version or 'any'})"
     )
+    if official:
+        versions += f", sdk version {hello.sdk_version!r} (server needs >= {min_sdk_version})"
     try:
-        compatible = at_least(server_version, hello.min_server_version) and at_least(
-            hello.sdk_version, min_sdk_version
+        compatible = at_least(server_version, hello.min_server_version) and (
+            # A third-party SDK's version is its own business: never compared, never refused.
+            not official or at_least(hello.sdk_version, min_sdk_version)
         )
     except ValueError as exc:
         raise HelloRejected(
@@ -149,6 +155,7 @@ def hello_problem(hello: service_pb2.Hello) -> str | None:
             )
     fields = [("worker_id", hello.worker_id, MAX_WORKER_ID_LEN)]
     fields += [
+        ("sdk_name", hello.sdk_name, MAX_VERSION_LEN),
         ("sdk_version", hello.sdk_version, MAX_VERSION_LEN),
         ("min_server_version", hello.min_server_version, MAX_VERSION_LEN),
     ]
@@ -574,6 +581,8 @@ def _hand_over(gateway: Gateway, frame: service_pb2.WorkerFrame) -> None:
         gateway.on_progress(progress.task_id, progress.lease_id, bytes(progress.progress))
     elif kind == "credit":
         gateway.on_credit(frame.credit.queue, frame.credit.n)
+    elif kind == "drain":
+        gateway.drain()
     elif kind == "hello":
         logger.warning("session.second_hello_ignored session=%s", gateway.id)
     else:

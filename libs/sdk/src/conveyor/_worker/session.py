@@ -30,6 +30,9 @@ from conveyor._worker.execution import DEFAULT_MAX_RESULT, Registration, make_re
 from conveyor._worker.outbox import Outbox
 from conveyor._worker.slots import Slots
 
+#: This SDK's name in its Hello (the server holds its version to its min_sdk_version).
+SDK_NAME = "conveyor-python"
+
 logger = logging.getLogger("conveyor.worker")
 
 SESSION_METHOD = "/conveyor.v1.WorkerService/Session"
@@ -144,6 +147,7 @@ class SessionRunner:
             queues=settings.queues,
             concurrency=settings.concurrency,
             labels=settings.labels,
+            sdk_name=SDK_NAME,
             sdk_version=__version__,
             min_server_version=settings.min_server_version,
             batch_types=[],
@@ -288,7 +292,9 @@ class SessionRunner:
     async def _close_gracefully(
         self, reader: asyncio.Future[Any], writer: asyncio.Future[Any]
     ) -> None:
-        """Shutdown, steps 2 to 4: grace period, RELEASE the rest, half-close."""
+        """Shutdown, steps 2 to 4: say Drain (the server sends nothing new from then on),
+        grace period, RELEASE the rest, half-close."""
+        self.outbox.put_frame(svc.WorkerFrame(drain=svc.Drain()))
         self.release_waiting()
         await self.slots.drained()
         for execution in self.slots.executions():
