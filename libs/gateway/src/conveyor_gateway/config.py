@@ -20,6 +20,8 @@ class WorkerSpec:
     worker_id: str = ""
     sdk_version: str = ""
     batch_types: tuple[str, ...] = ()
+    #: Which SDK it is (Hello.sdk_name; "" for the Python SDK's older releases).
+    sdk_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

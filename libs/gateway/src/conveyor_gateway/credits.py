@@ -360,7 +360,7 @@ class Credits:
         has more (a turn goes only to a waiting queue with a slot of its own free)."""
         turns = self.turns
         turns.take(queue, taken)
-        if self.closed or self.held_back or queue not in self.capacity:
+        if self.closed or self.held_back or self.draining or queue not in self.capacity:
             return
         if taken < len(request.tasks) or request.more:
             turns.wait(queue)

@@ -28,7 +28,8 @@ class Codec(Protocol):
 class JsonCodec:
     """Compact UTF-8 JSON: the default codec.
 
-    ``encode`` raises ``TypeError`` (from :mod:`json`) for values JSON cannot hold;
+    ``encode`` raises ``TypeError`` (from :mod:`json`) for values JSON cannot hold and
+    ``ValueError`` for NaN and infinities (standard JSON has none);
     ``decode`` raises ``ValueError`` for bytes that are not valid UTF-8 JSON.
     """
 
@@ -36,7 +37,11 @@ class JsonCodec:
 
     def encode(self, value: Any) -> bytes:
         """``value`` as compact JSON (no spaces after separators, non-ASCII kept as UTF-8)."""
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        # Standard JSON only: NaN and Infinity are refused (every other language's JSON
+        # parser refuses them too), so the attempt fails with a clear error instead.
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
+            "utf-8"
+        )
 
     def decode(self, data: bytes) -> Any:
         """The JSON value held in ``data``."""

@@ -125,6 +125,7 @@ def check_hello(hello: service_pb2.Hello, server_version: str, min_sdk_version: 
         worker_id=hello.worker_id,
         sdk_version=hello.sdk_version,
         batch_types=tuple(hello.batch_types),
+        sdk_name=hello.sdk_name,
     )
 
 
@@ -498,9 +499,10 @@ class WorkerService(service_pb2_grpc.WorkerServiceServicer):
         gateway = self._make_gateway(session_id, spec, writer)
         stop = self._registry.add(gateway)
         logger.info(
-            "session.opened session=%s worker=%s sdk=%s queues=%s concurrency=%d",
+            "session.opened session=%s worker=%s sdk=%s/%s queues=%s concurrency=%d",
             session_id,
             spec.worker_id,
+            spec.sdk_name or "conveyor-python",
             spec.sdk_version,
             dict(spec.queues),
             spec.concurrency,
