@@ -830,3 +830,18 @@ async def test_the_nats_cluster_forms_and_holds_replicated_buckets(
     finally:
         for server in servers:
             server.stop()
+
+
+def test_prometheus_scrapes_every_services_metrics_port() -> None:
+    prometheus = SERVICES["prometheus"]
+    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    targets = {
+        (name, sd["port"])
+        for job in config["scrape_configs"]
+        for sd in job.get("dns_sd_configs", [])
+        for name in sd["names"]
+    }
+    for name in ("api", "dispatcher", "maintenance", "webhook"):
+        port = int(SERVICES[name]["environment"]["CONVEYOR_METRICS_PORT"])
+        assert (name, port) in targets, f"prometheus does not scrape {name} on {port}"

@@ -599,3 +599,64 @@ async def test_registrations_name_the_holder_of_the_gateways_leases(parts: Parts
     assert {(r.queue, r.holder) for r in heard} == {("q", "api~7"), ("r", "api~7")}
     # Without one configured, none is named.
     assert GatewayConfig(lease_ttl=TTL, register_tick=1.0, max_result=1).holder == ""
+
+
+# -------------------------------------------------------------- metrics
+
+
+def _sample(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_outcomes_move_the_task_counters_and_the_run_time_histogram(parts: Parts) -> None:
+    gateway, _ = parts.gateway(queues={"metrics-q": 1}, concurrency=3)
+    done, failed, skipped = await parts.leased(3, queue="metrics-q")
+    labels = {"queue": "metrics-q", "type": "t"}
+    before = {
+        name: _sample(name, **labels)
+        for name in (
+            "conveyor_tasks_completed_total",
+            "conveyor_tasks_failed_total",
+            "conveyor_tasks_retried_total",
+            "conveyor_tasks_archived_total",
+        )
+    }
+    runs = _sample("conveyor_task_run_seconds_count", queue="metrics-q")
+    held = _sample("conveyor_leases_held")
+    gateway.accept(offer([done, failed, skipped], queue="metrics-q"))
+    assert _sample("conveyor_leases_held") == held + 3
+
+    gateway.on_results(
+        [
+            result(done, service_pb2.OUTCOME_SUCCESS, result=b"ok"),
+            result(failed, service_pb2.OUTCOME_FAILURE, error="boom"),
+            result(skipped, service_pb2.OUTCOME_SKIP_RETRY, error="no"),
+        ]
+    )
+    assert _sample("conveyor_leases_held") == held
+    assert _sample("conveyor_task_run_seconds_count", queue="metrics-q") == runs + 3
+
+    async def counted() -> bool:
+        return {name: _sample(name, **labels) - n for name, n in before.items()} == {
+            "conveyor_tasks_completed_total": 1,
+            "conveyor_tasks_failed_total": 2,
+            "conveyor_tasks_retried_total": 1,
+            "conveyor_tasks_archived_total": 1,
+        }
+
+    await wait_until(counted)
+
+
+async def test_group_commit_counts_the_tasks_it_created(parts: Parts) -> None:
+    from conveyor_gateway import EnqueueCommitter
+
+    committer = EnqueueCommitter(parts.broker, window=0.001, max_items=100)
+    before = _sample("conveyor_tasks_enqueued_total", queue="metrics-enq", type="t")
+    await committer.enqueue_many([NewTask(queue="metrics-enq", type="t") for _ in range(3)])
+    dup = "01J0000000000000000000METR"
+    await committer.enqueue(NewTask(id=dup, queue="metrics-enq", type="t"))
+    await committer.enqueue(NewTask(id=dup, queue="metrics-enq", type="t"))
+    await committer.aclose()
+    assert _sample("conveyor_tasks_enqueued_total", queue="metrics-enq", type="t") == before + 4

@@ -15,6 +15,7 @@ import pytest
 from conveyor_api import ApiServer
 from conveyor_broker import Breaker, BreakerStatus, FakeClock
 from conveyor_rest.app import create_app
+from conveyor_rest.dashboard import Throughput, sparkline
 from conveyor_runtime.nats_connect import NatsClient, connect_nats
 from conveyor_runtime.settings import ApiSettings
 from conveyor_testkit.brokers import CountingBroker
@@ -354,3 +355,76 @@ async def test_dashboard_pages(rest: httpx.AsyncClient) -> None:
     assert opened.status_code == 200
     assert task_id in opened.text
     assert (await rest.get("/ui/task", params={"id": "bad"})).status_code == 400
+
+
+async def test_whoami_names_what_a_token_may_do(
+    rest: httpx.AsyncClient, rest_auth: httpx.AsyncClient
+) -> None:
+    assert (await rest.get("/v1/whoami")).json() == {
+        "role": "admin",
+        "can_read": True,
+        "can_mutate": True,
+    }
+    anonymous = await rest_auth.get("/v1/whoami")
+    assert anonymous.status_code == 401
+    assert anonymous.json()["code"] == "UNAUTHENTICATED"
+    reader = await rest_auth.get("/v1/whoami", headers={"authorization": f"Bearer {READER}"})
+    assert reader.json() == {"role": "read-only", "can_read": True, "can_mutate": False}
+    admin = await rest_auth.get("/v1/whoami", headers={"authorization": f"Bearer {ADMIN}"})
+    assert admin.json()["role"] == "admin"
+
+
+async def test_dashboard_search_webhooks_events_and_static(rest: httpx.AsyncClient) -> None:
+    for n in range(3):
+        body = {"type": "kind.a" if n else "kind.b", "queue": "ui-s", "payload": {"n": n}}
+        assert (await rest.post("/v1/tasks", json=body)).status_code == 200
+    listed = await rest.get("/ui/tasks", params={"queue": "ui-s", "state": "pending"})
+    assert listed.status_code == 200
+    assert listed.text.count("<tr data-id=") == 3
+    assert "every task in queue ui-s in state pending" in listed.text
+    typed = await rest.get("/ui/tasks", params={"queue": "ui-s", "type": "kind.a"})
+    assert typed.text.count("<tr data-id=") == 2
+    assert "the 2 tasks on this page" in typed.text
+    paged = await rest.get("/ui/tasks", params={"queue": "ui-s", "limit": 1})
+    assert 'id="next"' in paged.text
+    assert (await rest.get("/ui/tasks", params={"state": "nope"})).status_code == 400
+    jump = await rest.get("/ui/tasks", params={"id": "abc"})
+    assert jump.status_code == 303
+    assert jump.headers["location"] == "/ui/task?id=abc"
+    assert (await rest.get("/ui/webhooks")).status_code == 200
+    assert 'id="events"' in (await rest.get("/ui/events")).text
+    fragment = await rest.get("/ui", params={"fragment": "true"})
+    assert fragment.text.startswith('<table id="queues">')
+    script = await rest.get("/ui/static/app.js")
+    assert script.headers["content-type"].startswith("text/javascript")
+    assert (await rest.get("/ui/static/app.css")).status_code == 200
+    assert (await rest.get("/ui/static/nope.js")).status_code == 404
+
+
+async def test_dashboard_escapes_and_asks_for_a_token(
+    rest: httpx.AsyncClient, rest_auth: httpx.AsyncClient
+) -> None:
+    body = {"type": "t", "queue": "ui-esc", "payload": {"x": "<script>alert(1)</script>"}}
+    task_id = (await rest.post("/v1/tasks", json=body)).json()["task"]["id"]
+    opened = await rest.get("/ui/task", params={"id": task_id})
+    assert "<script>alert" not in opened.text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in opened.text
+
+    asked = await rest_auth.get("/ui")
+    assert asked.status_code == 401
+    assert 'id="login"' in asked.text
+    rest_auth.cookies.set("conveyor_token", READER)
+    assert (await rest_auth.get("/ui")).status_code == 200
+
+
+def test_throughput_ring_and_sparkline() -> None:
+    now = [0.0]
+    ring = Throughput(every=10, keep=3, clock=lambda: now[0])
+    for t, done in ((0, 0), (5, 99), (10, 4), (20, 10), (30, 7)):
+        now[0] = t
+        ring.record({"q": done})
+    # The sample at 5 s came too early; the oldest fell out of the ring; 10 -> 7 is none.
+    assert ring.series("q") == [6, 0]
+    assert ring.series("other") == [0, 0]
+    assert "<polyline" in sparkline([1, 3, 2])
+    assert "<svg" not in sparkline([])

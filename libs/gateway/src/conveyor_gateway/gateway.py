@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Collection, Container, Coroutine, Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
 from conveyor_broker import AckItem, Broker, LeaseLost, Task, TaskNotFound, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2
-from conveyor_runtime import wire
+from conveyor_runtime import metrics, wire
 from conveyor_runtime.bus import Bus
 
 from conveyor_gateway.attempt_bounds import AttemptBound
@@ -311,14 +312,19 @@ class Gateway:
         # of results costs one ack round trip, not a task and a future apiece.
         acks: list[tuple[Held, AckItem]] = []
         max_result = self._config.max_result
+        now = time.monotonic()
         for result in results:
             held = self._held_for(result)
             if held is None:
                 continue
             self._free(held.lease_id)
+            metrics.RUN_TIME.labels(metrics.QUEUE(held.queue)).observe(now - held.started)
+            fits = len(result.result) <= max_result
             if self.breakers is not None:
-                self._record(held, result.outcome)
-            if result.outcome == service_pb2.OUTCOME_SUCCESS and len(result.result) <= max_result:
+                # A success whose result is too big fails the attempt: so it counts.
+                ok = result.outcome != service_pb2.OUTCOME_SUCCESS or fits
+                self._record(held, result.outcome if ok else service_pb2.OUTCOME_FAILURE)
+            if result.outcome == service_pb2.OUTCOME_SUCCESS and fits:
                 acks.append((held, AckItem(held.task_id, held.lease_id, result.result or None)))
             else:
                 self._spawn(self._outcomes.complete(held, result))

@@ -28,6 +28,7 @@ from conveyor_broker import (
     InvalidTask,
     NewTask,
 )
+from conveyor_runtime import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class EnqueueCommitter:
             return [*await self._commit(items[:middle]), *await self._commit(items[middle:])]
         except Exception as exc:
             return [exc] * len(items)
+        metrics.record_enqueued(results)
         self._committed(results)
         return list(results)
 

@@ -7,15 +7,16 @@ updated; broker calls happen after it changed and never hold it.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from conveyor_broker import Task
 from conveyor_broker.clock import Clock
 from conveyor_protos.v1 import task_pb2
-from conveyor_runtime import wire
+from conveyor_runtime import metrics, wire
 
 from conveyor_gateway.attempt_bounds import AttemptBound, AttemptTimers, envelope_bounds
 
@@ -34,6 +35,8 @@ class Held:
     keyed: bool = False
     type: str = ""
     probe: bool = False
+    #: When this gateway took the delivery (``time.monotonic``), for the run-time metric.
+    started: float = field(default_factory=time.monotonic, compare=False)
 
 
 class Holdings:
@@ -81,6 +84,8 @@ class Holdings:
             type=env.type,
             probe=probe or env.probe,
         )
+        if held.lease_id not in self.by_lease:
+            metrics.LEASES_HELD.inc()
         self.by_lease[held.lease_id] = held
         self.lease_of[held.task_id] = held.lease_id
         self.per_queue[queue] += 1
@@ -102,6 +107,8 @@ class Holdings:
             keyed=task.concurrency_key is not None,
             type=task.type,
         )
+        if lease_id not in self.by_lease:
+            metrics.LEASES_HELD.inc()
         self.by_lease[lease_id] = held
         self.lease_of[task.id] = lease_id
         self.per_queue[task.queue] += 1
@@ -121,6 +128,7 @@ class Holdings:
         held = self.by_lease.pop(lease_id, None)
         if held is None:
             return None
+        metrics.LEASES_HELD.dec()
         self.expires.pop(lease_id, None)
         if self.timers:
             self.timers.disarm(lease_id)
@@ -135,6 +143,7 @@ class Holdings:
     def clear(self) -> list[Held]:
         """Stop holding anything (every timer disarmed); what was held."""
         held = list(self.by_lease.values())
+        metrics.LEASES_HELD.dec(len(held))
         self.by_lease.clear()
         self.expires.clear()
         self.timers.clear()

@@ -40,7 +40,8 @@ from conveyor_broker import (
     TaskState,
 )
 from conveyor_protos.v1 import service_pb2
-from conveyor_runtime import wire
+from conveyor_runtime import metrics, wire
+from prometheus_client import Counter
 
 from conveyor_gateway.attempt_bounds import (
     DEADLINE_EXCEEDED_ERROR,
@@ -81,6 +82,16 @@ BROKER_UNAVAILABLE = "broker unavailable: retry"
 #: Commits what it can of a batch of outcomes; returns the deliveries whose lease is lost.
 #: Raises when the broker failed (nothing of the batch is known to be committed).
 Attempt = Callable[[list[Held]], Awaitable[list[Held]]]
+
+
+def _count(counter: Counter, batch: Sequence[Held]) -> None:
+    """Add ``batch`` to ``counter`` by queue and type (one increment per label pair)."""
+    counts: dict[tuple[str, str], int] = {}
+    for held in batch:
+        key = (held.queue, held.type)
+        counts[key] = counts.get(key, 0) + 1
+    for (queue, type_), n in counts.items():
+        counter.labels(metrics.QUEUE(queue), metrics.TYPE(type_)).inc(n)
 
 
 def is_well_formed(result: service_pb2.Result) -> bool:
@@ -139,11 +150,14 @@ class Outcomes:
             acked = await self._acks.ack(AckItem(task_id, lease_id, result.result or None))
             if not acked:
                 raise LeaseLost(task_id, lease_id)
+            _count(metrics.COMPLETED, [held])
         elif outcome == service_pb2.OUTCOME_FAILURE:
             delay = self._retry_delay(held, result)
             await self.fail(held, result.error or "handler failed", delay)
         elif outcome == service_pb2.OUTCOME_SKIP_RETRY:
             await broker.archive(task_id, lease_id, result.error or "handler asked to skip retries")
+            _count(metrics.FAILED, [held])
+            _count(metrics.ARCHIVED, [held])
         else:
             await broker.release(task_id, lease_id)
             self._wakes.wake(held.queue)
@@ -161,6 +175,7 @@ class Outcomes:
 
         async def ack(batch: list[Held]) -> list[Held]:
             acked = await self._acks.ack_many([items[h.lease_id] for h in batch])
+            _count(metrics.COMPLETED, [h for h, ok in zip(batch, acked, strict=True) if ok])
             return [h for h, ok in zip(batch, acked, strict=True) if not ok]
 
         await self._settle([held for held, _ in acks], ack, "ack")
@@ -331,8 +346,12 @@ class Outcomes:
         now = self._config.clock.now()
         if retry_misses_deadline(held.deadline, now, delay):
             await self._broker.archive(held.task_id, held.lease_id, deadline_error(error))
+            _count(metrics.FAILED, [held])
+            _count(metrics.ARCHIVED, [held])
             return
         task = await self._broker.fail(held.task_id, held.lease_id, error, delay)
+        _count(metrics.FAILED, [held])
+        _count(metrics.ARCHIVED if task.state == TaskState.ARCHIVED else metrics.RETRIED, [held])
         # A retry wakes its queue when due rather than at the reaper's next sweep.
         self._wakes.when_due(task, self._config.clock.now())
 

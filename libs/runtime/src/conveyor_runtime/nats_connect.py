@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from nats import errors as nats_errors
 from nats.aio.client import Client as NatsClient
 
+from conveyor_runtime import metrics
 from conveyor_runtime.tls import nats_tls_context
 
 if TYPE_CHECKING:
@@ -184,6 +185,7 @@ async def connect_nats(
         logger.warning("nats.disconnected name=%s", name)
 
     async def on_reconnected() -> None:
+        metrics.NATS_RECONNECTS.inc()
         logger.info("nats.reconnected name=%s server=%s", name, _server(nc))
 
     async def on_closed() -> None:

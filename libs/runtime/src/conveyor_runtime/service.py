@@ -35,7 +35,7 @@ from conveyor_broker.interface import Broker
 from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
-from conveyor_runtime import health
+from conveyor_runtime import health, metrics
 from conveyor_runtime.broker_factory import PostgresConnectError, open_broker
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth, ClusterKeyError
@@ -152,6 +152,8 @@ async def open_runtime(
                 else:
                     gate = EventGate(broker, events, bus)
                     await gate.start()
+            server = metrics.start_metrics_server(settings.metrics_host, settings.metrics_port)
+            unwatch = metrics.watch_runtime(name, broker, nc)
             beat = (
                 asyncio.create_task(health.beat(settings.health_file, nc, broker, health=signals))
                 if settings.health_file
@@ -160,6 +162,9 @@ async def open_runtime(
             try:
                 yield Runtime(settings, broker, nc, clock, subjects, bus, events, gate, signals)
             finally:
+                if server is not None:
+                    await asyncio.to_thread(server.stop)
+                unwatch()
                 if beat is not None:
                     await cancel_and_wait([beat])
         finally:

@@ -117,6 +117,14 @@ class CommonSettings(BaseSettings):
         "connected to NATS, its broker answering, and its ownership or leaders bucket not "
         "failing for 3 TTLs (for `conveyor health`)",
     )
+    metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics at http://<metrics_host>:<port>/metrics "
+        "(0: no metrics server)",
+    )
+    metrics_host: str = Field("0.0.0.0", description="Listen address of the metrics server")
     events: Literal["on_demand", "always"] = Field(
         "on_demand",
         description="Publish lifecycle events to NATS only while someone watches them "
@@ -342,7 +350,11 @@ class ApiSettings(WebhookAccessSettings):
         description="Seconds past an attempt's timeout or deadline before the server cancels "
         "it and fails the attempt itself",
     )
-    min_sdk_version: str = Field("0.1.0", description="Oldest worker SDK version accepted")
+    min_sdk_version: str = Field(
+        "0.1.0",
+        description="Oldest Python SDK (sdk_name conveyor-python) version accepted; other SDKs' "
+        "versions are not compared",
+    )
     cluster_info_window: float = Field(
         0.25,
         gt=0,

@@ -23,6 +23,7 @@ from conveyor_broker.clock import Clock
 from conveyor_broker.validation import check_task_id
 from conveyor_gateway import EnqueueCommitter, WakePublisher
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc
+from conveyor_runtime import metrics
 from conveyor_runtime.wire import TaskDefaults, new_task_from_request, task_to_proto
 
 from conveyor_api.broker_status import abort_for_error, status_code_of, status_message
@@ -138,6 +139,7 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
             results = await self._broker.enqueue_batch(tasks) if tasks else []
         except Exception as exc:
             await abort_for_error(context, exc)
+        metrics.record_enqueued(results)
         wake_for(results, self._wakes, self._clock)
         return service_pb2.EnqueueTxResponse(tasks=[task_to_proto(r.task) for r in results])
 

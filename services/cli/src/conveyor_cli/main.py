@@ -71,6 +71,13 @@ def serve_webhook(args: tuple[str, ...]) -> None:
     _serve("conveyor_webhook", args)
 
 
+@serve.command("rest", context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_rest(args: tuple[str, ...]) -> None:
+    """The REST admin API and the /ui dashboard, in front of an api (--target)."""
+    _serve("conveyor_rest", args)
+
+
 @cli.command()
 @click.option(
     "--dsn",

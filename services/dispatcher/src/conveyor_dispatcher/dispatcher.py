@@ -39,6 +39,7 @@ from conveyor_broker.errors import InvalidTask
 from conveyor_broker.interface import Broker
 from conveyor_broker.validation import check_queue
 from conveyor_protos.v1 import cluster_pb2
+from conveyor_runtime import metrics
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.cluster_view import NodeCard
@@ -362,6 +363,7 @@ class Dispatcher:
             qd.register(reg)
         if revision is not None:
             self.taken_over += 1
+        metrics.OWNERSHIP.labels("claimed").inc()
         logger.info(
             "dispatcher.queue_claimed queue=%s instance=%s paused=%s taken_over=%s",
             queue,
@@ -412,6 +414,7 @@ class Dispatcher:
         qd = self._queues.pop(queue, None)
         if qd is not None:
             qd.close()
+            metrics.OWNERSHIP.labels("lost").inc()
             logger.warning("dispatcher.queue_lost queue=%s instance=%s", queue, self.instance_id)
 
     async def _give_up(self, queue: str) -> None:
@@ -421,6 +424,7 @@ class Dispatcher:
         qd.close()
         if self._keeper is not None:
             await self._keeper.release(queue)
+        metrics.OWNERSHIP.labels("released").inc()
         logger.info("dispatcher.queue_released queue=%s reason=idle", queue)
 
     async def _abandon(self, queue: str, spent: float) -> None:

@@ -23,6 +23,7 @@ from conveyor_broker.errors import LeaseLost
 from conveyor_broker.interface import Broker
 from conveyor_broker.types import Breaker, BreakerScope, BreakerStatus, RateLimit, Task
 from conveyor_protos.v1 import cluster_pb2, task_pb2
+from conveyor_runtime import metrics
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.wire import task_to_envelope
 from google.protobuf.message import DecodeError
@@ -201,6 +202,7 @@ class QueueDispatcher:
         self._closed = True
         self._disarm()
         self._disarm_breakers()
+        self._credits_changed()
 
     def stuck(self) -> float | None:
         """Seconds the running cycle has spent in its current round, when that is past
@@ -245,7 +247,13 @@ class QueueDispatcher:
 
     # ------------------------------------------------------------------ cycle
 
+    def _credits_changed(self) -> None:
+        metrics.CREDITS.labels(metrics.QUEUE(self.queue)).set(
+            0 if self._closed else self.book.total
+        )
+
     def _kick(self) -> None:
+        self._credits_changed()
         if self._closed or self._rate_timer is not None:
             # Rate-limited and out of tokens: the timer kicks when the next one is due.
             return
@@ -543,7 +551,29 @@ class QueueDispatcher:
         await self._release(rejected)
         accepted = len(offer) - len(rejected)
         self.dispatched += accepted
+        self._count_dispatch(offer, rejected, accepted)
         return accepted, len(rejected)
+
+    def _count_dispatch(self, offer: _Offer, rejected: Sequence[Task], accepted: int) -> None:
+        """The metrics of one dispatch: counters per batch, and the enqueue-to-start
+        latency of each accepted first attempt (its lease time, ``started_at``, less when
+        it was created or, when later, due: ``process_at``)."""
+        queue = metrics.QUEUE(self.queue)
+        metrics.OFFERED.labels(queue).inc(len(offer))
+        metrics.ACCEPTED.labels(queue).inc(accepted)
+        metrics.STARTED.labels(queue).inc(accepted)
+        self._credits_changed()
+        if not accepted:
+            return
+        refused = {task.id for task in rejected}
+        latency = metrics.ENQUEUE_TO_START.labels(queue)
+        for task, _ in offer:
+            if task.id in refused or task.retried or task.started_at is None:
+                continue
+            since = task.created_at
+            if task.process_at is not None and task.process_at > since:
+                since = task.process_at
+            latency.observe(max(0.0, (task.started_at - since).total_seconds()))
 
     async def _send(
         self, gateway: str, batch: Sequence[tuple[Task, task_pb2.TaskEnvelope]], more: bool
@@ -573,6 +603,7 @@ class QueueDispatcher:
     ) -> list[Task]:
         """One DispatchRequest to ``gateway``; returns the tasks it did not accept."""
         batch = [task for task, _ in piece]
+        metrics.OFFERS.labels(metrics.QUEUE(self.queue)).inc()
         request = cluster_pb2.DispatchRequest(
             queue=self.queue,
             dispatcher=self._config.instance_id,
@@ -664,6 +695,7 @@ class QueueDispatcher:
                     result,
                 )
         self.released += len(tasks)
+        metrics.RELEASED.labels(metrics.QUEUE(self.queue)).inc(len(tasks))
 
 
 #: Bytes of a DispatchRequest besides its envelopes (queue, dispatcher id) and of each

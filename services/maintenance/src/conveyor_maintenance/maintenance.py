@@ -57,6 +57,7 @@ from conveyor_broker.types import (
 )
 from conveyor_broker.validation import QUEUE_RE
 from conveyor_protos.v1 import cluster_pb2, service_pb2
+from conveyor_runtime import metrics
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.cluster_view import NodeCard
@@ -77,6 +78,8 @@ _tracer = tracer(__name__)
 
 SCHEDULER = "scheduler"
 REAPER = "reaper"
+#: Seconds between refreshes of the queue depth gauges (by the reaper leader).
+DEPTH_TICK = 10.0
 STORAGE = "storage"
 #: Most promote rounds in one scheduler pass (each takes up to sweep_limit tasks).
 MAX_PROMOTE_ROUNDS = 10
@@ -155,6 +158,8 @@ class Maintenance:
         self._heard: dict[str, float] = {}
         self._listening_since: float | None = None
         self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0}
+        #: When the reaper leader last refreshed the queue depth gauges (loop time).
+        self._depth_at = float("-inf")
         self.resolver = DependencyResolver(
             broker,
             self.bus,
@@ -280,6 +285,7 @@ class Maintenance:
             task.add_done_callback(self._background.discard)
 
     def _on_lost(self, role: str) -> None:
+        metrics.LEADERSHIP.labels(role, "lost").inc()
         logger.warning("maintenance.leadership_lost role=%s instance=%s", role, self.instance_id)
 
     async def _lead(
@@ -308,6 +314,7 @@ class Maintenance:
                         hint.clear()  # the leader acts on it, not us
                     await asyncio.sleep(retry)
                     continue
+                metrics.LEADERSHIP.labels(role, "won").inc()
                 logger.info(
                     "maintenance.leader_elected role=%s instance=%s", role, self.instance_id
                 )
@@ -485,6 +492,7 @@ class Maintenance:
             nonlocal reaped
             tasks = await self._broker.reap_expired_leases(LeaseReapParams(limit=limit))
             reaped = len(tasks)
+            metrics.LEASES_EXPIRED.inc(reaped)
             to_wake.update(t.queue for t in tasks if t.state == TaskState.RETRY)
 
         async def archive_expired() -> None:
@@ -531,6 +539,9 @@ class Maintenance:
         await step("purge", purge)
         await step("pending_sweep", sweep_pending)
         await step("wake", lambda: self.wake(sorted(to_wake)))
+        if now - self._depth_at >= DEPTH_TICK:
+            self._depth_at = now
+            await step("depth", lambda: self.depth_pass(served))
         report = ReaperReport(
             reaped=reaped,
             released=released,
@@ -553,6 +564,17 @@ class Maintenance:
                 len(to_wake),
             )
         return report
+
+    async def depth_pass(self, served: Iterable[str]) -> None:
+        """Set the queue depth gauges of the served queues (at most the label cap's
+        worth): one ``queue_stats(queue)`` each, a count by state over that queue's
+        index entries (its retained ended rows included). Run by the reaper leader every
+        DEPTH_TICK seconds, so the cluster pays it once, never per scrape."""
+        for queue in sorted(served)[: metrics.LABEL_LIMIT]:
+            for stats in await self._broker.queue_stats(queue):
+                label = metrics.QUEUE(stats.queue)
+                for state, n in stats.counts.items():
+                    metrics.QUEUE_DEPTH.labels(label, state.value).set(n)
 
 
 async def _rest(tick: float, hint: asyncio.Event | None) -> None:

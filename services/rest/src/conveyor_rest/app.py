@@ -84,6 +84,14 @@ class BatchBody(BaseModel):
     process_at: str | None = None
 
 
+class WhoAmI(BaseModel):
+    """What the caller's token may do, as the api answers two probes (see ``whoami``)."""
+
+    role: str = Field(description="admin, read-only, or none (no AdminService access)")
+    can_read: bool
+    can_mutate: bool
+
+
 class BatchResult(BaseModel):
     """How many tasks a batch action changed, and the ids it could not act on."""
 
@@ -499,6 +507,30 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
     async def cluster(request: Request) -> JsonObject:
         """The cluster's services and dispatch owners."""
         return await call(admin().GetClusterInfo, pb.GetClusterInfoRequest(), request)
+
+    # ---------------------------------------------------------------- who am I
+    @app.get("/v1/whoami", tags=["auth"], responses=PROBLEM_RESPONSES)
+    async def whoami(request: Request) -> WhoAmI:
+        """What the caller's token may do on the AdminService: ``admin`` (reads and
+        mutations), ``read-only`` (reads: a read-only token, or an api under
+        ``CONVEYOR_READ_ONLY``) or ``none`` (a producer or worker token). The tokens are
+        the api's, so this asks the api: a ListQueues of one queue, then a DeleteTask of
+        the empty id, which no task has (the api refuses a role before it looks at the
+        request, and an allowed call fails on the empty id: nothing is changed). A missing
+        or unknown token is a 401 problem, like any route."""
+        md = metadata(request)
+        try:
+            await admin().ListQueues(pb.ListQueuesRequest(limit=1), metadata=md, timeout=30.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
+                raise
+            return WhoAmI(role="none", can_read=False, can_mutate=False)
+        try:
+            await admin().DeleteTask(pb.TaskActionRequest(id=""), metadata=md, timeout=30.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+                return WhoAmI(role="read-only", can_read=True, can_mutate=False)
+        return WhoAmI(role="admin", can_read=True, can_mutate=True)
 
     # ---------------------------------------------------------------- events
     @app.get(

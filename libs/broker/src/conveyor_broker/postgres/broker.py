@@ -234,6 +234,10 @@ class PostgresBroker(Broker):
         self._owns_pool = False
         self._upkeep = upkeep.TableUpkeep()
 
+    def pool_stats(self) -> tuple[int, int]:
+        """The connection pool's (size, idle connections), from asyncpg's bookkeeping."""
+        return self._pool.get_size(), self._pool.get_idle_size()
+
     @classmethod
     async def connect(
         cls,
