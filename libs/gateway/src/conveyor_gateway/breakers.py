@@ -108,9 +108,12 @@ class BreakerConfigs:
 
     async def _loop(self) -> None:
         while True:
-            # Changes that come while a reload runs coalesce into the next one.
+            # Changes that come while a reload runs coalesce into the next one. (Not
+            # asyncio.wait_for: on 3.11 it can swallow a cancellation that comes as the
+            # event is set, and this loop would never end.)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self._refresh)
+                async with asyncio.timeout(self._refresh):
+                    await self._changed.wait()
             self._changed.clear()
             try:
                 await self.reload()
@@ -125,7 +128,7 @@ class BreakerConfigs:
             self._sub = None
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait([self._task], timeout=5)
             self._task = None
 
 

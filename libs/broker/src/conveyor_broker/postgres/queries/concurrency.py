@@ -9,6 +9,7 @@ statements skip such a queue (they test :data:`QUEUE_LIMITS`' table first).
 from __future__ import annotations
 
 from conveyor_broker.postgres.queries import TASK_COLUMNS
+from conveyor_broker.postgres.queries.lease import with_type_filter
 
 _LIMIT = "queue, pattern, per_key"
 
@@ -96,16 +97,7 @@ FOR UPDATE SKIP LOCKED
 #: KEYED_CANDIDATES with type filters (circuit breakers): only the tasks whose type is
 #: not one of $4 and, unless $5 is NULL, is one of $5 (the others are neither leased nor
 #: parked).
-KEYED_CANDIDATES_FILTERED = """
-SELECT id, state, concurrency_key FROM conveyor_tasks
-WHERE queue = $1 AND state IN ('pending', 'retry') AND available_at <= $2
-  AND (expires_at IS NULL OR expires_at > $2)
-  AND NOT (type = ANY($4::text[]))
-  AND ($5::text[] IS NULL OR type = ANY($5::text[]))
-ORDER BY available_at, id
-LIMIT $3
-FOR UPDATE SKIP LOCKED
-"""
+KEYED_CANDIDATES_FILTERED = with_type_filter(KEYED_CANDIDATES, 4, 5)
 
 #: Lease the tasks $1 (locked by KEYED_CANDIDATES) with lease ids $2 and holders $3
 #: ("" for none), expiring at $4, at now $5.

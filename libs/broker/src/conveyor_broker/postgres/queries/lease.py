@@ -36,31 +36,28 @@ WHERE t.id = numbered.id
 RETURNING {TASK_COLUMNS}, numbered.state AS previous_state
 """
 
-#: LEASE with type filters (circuit breakers): only the tasks whose type is not one of $7
-#: and, unless $8 is NULL, is one of $8. Its own statement, so that the unfiltered lease
-#: (the hot path) keeps its text and its plan.
-LEASE_FILTERED = f"""
-WITH due AS (
-    SELECT id, state FROM conveyor_tasks
-    WHERE queue = $1 AND state IN ('pending', 'retry') AND available_at <= $2
-      AND (expires_at IS NULL OR expires_at > $2)
-      AND NOT (type = ANY($7::text[]))
-      AND ($8::text[] IS NULL OR type = ANY($8::text[]))
-      AND NOT EXISTS (SELECT 1 FROM conveyor_concurrency_limits l WHERE l.queue = $1)
-    ORDER BY available_at, id
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
-), numbered AS (
-    SELECT id, state, row_number() OVER () AS n FROM due
-)
-UPDATE conveyor_tasks t
-SET state = 'active', lease_id = ($4::text[])[numbered.n],
-    lease_expires_at = $5, started_at = $2, updated_at = $2, progress = NULL,
-    holder = NULLIF(($6::text[])[numbered.n], '')
-FROM numbered
-WHERE t.id = numbered.id
-RETURNING {TASK_COLUMNS}, numbered.state AS previous_state
-"""
+#: What a type filter (circuit breakers) adds to a plain lease's WHERE, after its expiry
+#: test: only the tasks whose type is not one of $a and, unless $b is NULL, is one of $b.
+_EXPIRY_TEST = "AND (expires_at IS NULL OR expires_at > $2)"
+
+
+def with_type_filter(statement: str, exclude: int, only: int) -> str:
+    """``statement`` (a plain lease's) with the type filter on parameters ``exclude`` and
+    ``only`` in lines of their own after its expiry test, indented as it is; the rest of
+    its text, and so its plan, unchanged."""
+    lines = statement.split("\n")
+    (at,) = [n for n, line in enumerate(lines) if line.strip() == _EXPIRY_TEST]
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    lines[at + 1 : at + 1] = [
+        f"{indent}AND NOT (type = ANY(${exclude}::text[]))",
+        f"{indent}AND (${only}::text[] IS NULL OR type = ANY(${only}::text[]))",
+    ]
+    return "\n".join(lines)
+
+
+#: LEASE with type filters: $7 the types left out, $8 (unless NULL) the only ones taken.
+#: Its own statement, so that the unfiltered lease (the hot path) keeps its text and plan.
+LEASE_FILTERED = with_type_filter(LEASE, 7, 8)
 
 #: LEASE for several queues: $1 queues and $2 their limits (one lateral probe of the due
 #: index per queue), $3 now, $4 lease ids, $5 expiry; $7 the holders of every queue, each
