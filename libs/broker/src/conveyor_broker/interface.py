@@ -475,7 +475,9 @@ class Broker(abc.ABC):
 
         When ``skip_retry`` or ``retried`` (before the increment) ``>= max_retry``: ARCHIVED
         with ``completed_at = now``. Otherwise RETRY with ``available_at = now +
-        retry_delay``. The lease is cleared; ``progress`` is kept. Raises LeaseLost;
+        retry_delay`` (a member of an aggregation group: back to AGGREGATING, so its group
+        delivers it again, once it is due). The lease is cleared; ``progress`` is kept.
+        Raises LeaseLost;
         InvalidTask for a negative ``retry_delay``.
         """
         self._check_open()
@@ -484,8 +486,9 @@ class Broker(abc.ABC):
         return await self._fail(task_id, lease_id, clean_error(error), retry_delay, skip_retry)
 
     async def release(self, task_id: str, lease_id: str) -> Task:
-        """Give a task back untouched: ACTIVE -> PENDING, due now (``available_at = now``),
-        ``retried`` and ``last_error`` unchanged. Raises LeaseLost."""
+        """Give a task back untouched: ACTIVE -> PENDING (a group's member: AGGREGATING),
+        due now (``available_at = now``), ``retried`` and ``last_error`` unchanged. Raises
+        LeaseLost."""
         self._check_open()
         check_task_id(task_id)
         return await self._release(task_id, lease_id)
@@ -503,8 +506,8 @@ class Broker(abc.ABC):
         self, params: LeaseReapParams = _DEFAULT_REAP
     ) -> list[ReapedTask]:
         """ACTIVE tasks with ``lease_expires_at <= now`` fail with LEASE_EXPIRED_ERROR:
-        RETRY (due after ``params.retry_delay``) or ARCHIVED when exhausted, exactly like
-        ``fail`` (``retried`` goes up by one). At most ``params.limit``; returns them,
+        RETRY (due after ``params.retry_delay``; a group's member AGGREGATING) or ARCHIVED
+        when exhausted, exactly like ``fail`` (``retried`` goes up by one). At most ``params.limit``; returns them,
         oldest ``lease_expires_at`` first."""
         self._check_open()
         check_limit(params.limit, upper=MAX_BATCH)
@@ -532,7 +535,8 @@ class Broker(abc.ABC):
         dead: its tasks wait for their leases to expire. The ACTIVE tasks held by dead
         holders go back as :meth:`release` gives a task back: PENDING, due now, ``retried``
         and ``last_error`` unchanged, lease cleared: the worker did not fail, its holder
-        went away, so no attempt is spent (a worker's late outcome finds its lease lost).
+        went away, so no attempt is spent (a worker's late outcome finds its lease lost);
+        a group's member goes back to AGGREGATING.
         At most ``params.limit``, oldest ``lease_expires_at`` first, then id; returns them
         in that order.
 
@@ -924,7 +928,8 @@ class Broker(abc.ABC):
         return await self._group_stats(queue, limit)
 
     async def due_groups(self, limit: int = 100) -> list[DueGroup]:
-        """The groups past a threshold of the config that applies to them
+        """The groups past a threshold (counting the members due now: one back from a
+        failed attempt waits out its retry delay) of the config that applies to them
         (:func:`conveyor_broker.groups.config_for`, :func:`~conveyor_broker.groups.trigger`)
         at now, the oldest first member first (then queue, group), at most ``limit``
         (1..MAX_BATCH). ``max_size`` is the applying config's: how many members one
@@ -934,8 +939,8 @@ class Broker(abc.ABC):
         return await self._due_groups(limit)
 
     async def lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
-        """Lease up to ``limit`` AGGREGATING members of ``group`` in ``queue`` (those not
-        past their ``expires_at``), the earliest ``created_at`` first (then id), as one
+        """Lease up to ``limit`` AGGREGATING members of ``group`` in ``queue`` (those due,
+        ``available_at <= now``, and not past their ``expires_at``), the earliest ``created_at`` first (then id), as one
         delivery: each becomes ACTIVE under the same new ``lease_id``, with
         ``lease_expires_at = now + ttl``, ``started_at = now`` and ``progress`` None.
         Concurrent callers never receive the same member. Outcomes stay per task."""

@@ -193,7 +193,7 @@ class MemoryBroker(Broker):
         return self._table.put(
             replace(
                 task,
-                state=TaskState.ARCHIVED if exhausted else TaskState.RETRY,
+                state=TaskState.ARCHIVED if exhausted else _waiting(task, TaskState.RETRY),
                 retried=task.retried + 1,
                 last_error=error,
                 available_at=task.available_at if exhausted else now + retry_delay,
@@ -423,7 +423,7 @@ class MemoryBroker(Broker):
             return self._table.put(
                 replace(
                     task,
-                    state=TaskState.PENDING,
+                    state=_waiting(task, TaskState.PENDING),
                     available_at=now,
                     lease_id=None,
                     lease_expires_at=None,
@@ -493,7 +493,7 @@ class MemoryBroker(Broker):
                 self._table.put(
                     replace(
                         task,
-                        state=TaskState.PENDING,
+                        state=_waiting(task, TaskState.PENDING),
                         available_at=now,
                         lease_id=None,
                         lease_expires_at=None,
@@ -942,10 +942,14 @@ class MemoryBroker(Broker):
             keys = sorted(k for k in self._group_configs if queue is None or k[0] == queue)
             return [self._group_configs[k] for k in keys]
 
-    def _groups(self, queue: str | None) -> list[GroupStats]:
+    def _groups(self, queue: str | None, due_at: datetime | None = None) -> list[GroupStats]:
+        """The groups with AGGREGATING members (of ``queue``); with ``due_at``, counting
+        only the members due by then."""
         members: dict[tuple[str, str], list[Task]] = defaultdict(list)
         for task_id in self._table.ids(TaskState.AGGREGATING):
             task = self._table[task_id]
+            if due_at is not None and task.available_at > due_at:
+                continue
             if task.group is not None and (queue is None or task.queue == queue):
                 members[(task.queue, task.group)].append(task)
         return [
@@ -966,7 +970,7 @@ class MemoryBroker(Broker):
     async def _due_groups(self, limit: int) -> list[DueGroup]:
         async with self._locked() as now:
             due: list[tuple[datetime, DueGroup]] = []
-            for stats in self._groups(None):
+            for stats in self._groups(None, due_at=now):
                 configs = [c for (q, _), c in self._group_configs.items() if q == stats.queue]
                 config = groups.config_for(stats.group, configs)
                 why = groups.trigger(stats, config, now)
@@ -983,7 +987,11 @@ class MemoryBroker(Broker):
                 for task_id in self._table.ids(TaskState.AGGREGATING)
                 if self._table[task_id].queue == queue and self._table[task_id].group == group
             ]
-            live = [t for t in members if t.expires_at is None or t.expires_at > now]
+            live = [
+                t
+                for t in members
+                if t.available_at <= now and (t.expires_at is None or t.expires_at > now)
+            ]
             lease_id = new_id(now)
             return [
                 self._table.put(
@@ -1234,6 +1242,12 @@ class MemoryBroker(Broker):
             self._rates = {}
             self._breaker_configs = {}
             self._breakers = {}
+
+
+def _waiting(task: Task, state: TaskState) -> TaskState:
+    """Where an attempt that did not end ``task`` leaves it: ``state`` (RETRY or PENDING),
+    or AGGREGATING for a group's member (its group is delivered whole again)."""
+    return TaskState.AGGREGATING if task.group is not None else state
 
 
 def _promoted_state(task: Task, now: datetime) -> TaskState:

@@ -16,6 +16,7 @@ from conveyor_broker.types import (
     DEFAULT_GROUP_MAX_SIZE,
     GroupConfig,
     GroupTrigger,
+    LeaseReapParams,
     TaskEvent,
     TaskState,
 )
@@ -215,7 +216,58 @@ class GroupTests:
         await broker.fail(ids[1], lease_id, "boom", timedelta(0))
         with pytest.raises(LeaseLost):
             await broker.ack(ids[2], lease_id)
-        assert [s.group for s in await broker.group_stats(QUEUE)] == ["h"]
+        # The failed member waits in its group again.
+        assert [(s.group, s.size) for s in await broker.group_stats(QUEUE)] == [("g", 1), ("h", 1)]
+
+    async def test_a_failed_member_waits_out_its_retry_in_its_group(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        await broker.set_group_config(GroupConfig(QUEUE, max_size=1))  # due at once
+        ids = [await join(broker, "g") for _ in range(2)]
+        leased = await broker.lease_group(QUEUE, "g", 2, TTL)
+        lease_id = leased[0].lease_id
+        assert lease_id is not None
+        failed = await broker.fail(ids[0], lease_id, "boom", timedelta(seconds=10))
+        assert failed.state is TaskState.AGGREGATING
+        assert (failed.retried, failed.last_error, failed.lease_id) == (1, "boom", None)
+        assert failed.available_at == clock.now() + timedelta(seconds=10)
+        released = await broker.release(ids[1], lease_id)
+        assert released.state is TaskState.AGGREGATING
+        assert released.retried == 0
+        # Never leased on its own, and its group holds it back until its retry is due.
+        assert await broker.lease(QUEUE, 10, TTL) == []
+        assert [(s.group, s.size) for s in await broker.group_stats(QUEUE)] == [("g", 2)]
+        (due,) = await broker.due_groups()
+        assert due.size == 1  # only the released member is due yet
+        assert due.trigger is GroupTrigger.SIZE
+        clock.advance(timedelta(seconds=10) - TICK)
+        assert [t.id for t in await broker.lease_group(QUEUE, "g", 2, TTL)] == [ids[1]]
+        assert await broker.due_groups() == []
+        clock.advance(TICK)
+        (due,) = await broker.due_groups()
+        assert (due.group, due.size) == ("g", 1)
+        again = await broker.lease_group(QUEUE, "g", 2, TTL)
+        assert [(t.id, t.state, t.retried) for t in again] == [(ids[0], TaskState.ACTIVE, 1)]
+
+    async def test_a_reaped_member_goes_back_to_its_group_or_is_archived(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        kept = await join(broker, "g", max_retry=1)
+        last = await join(broker, "g", max_retry=0)
+        await broker.lease_group(QUEUE, "g", 2, TTL)
+        clock.advance(TTL)
+        reaped = await broker.reap_expired_leases(LeaseReapParams(retry_delay=timedelta(seconds=5)))
+        assert {(r.task_id, r.state) for r in reaped} == {
+            (kept, TaskState.AGGREGATING),
+            (last, TaskState.ARCHIVED),
+        }
+        back = await broker.get_task(kept)
+        assert (back.state, back.retried) == (TaskState.AGGREGATING, 1)
+        assert back.available_at == clock.now() + timedelta(seconds=5)
+        assert (await broker.get_task(last)).state is TaskState.ARCHIVED
+        assert await broker.lease(QUEUE, 10, TTL) == []
+        clock.advance(timedelta(seconds=5))
+        assert [t.id for t in await broker.lease_group(QUEUE, "g", 2, TTL)] == [kept]
 
     async def test_lease_group_skips_expired_members(
         self, broker: Broker, clock: FakeClock

@@ -43,7 +43,8 @@ ORDER BY queue, group_key
 LIMIT $2
 """
 
-#: The groups past a threshold at now $1 of the config that applies to them (the longest
+#: The groups past a threshold at now $1 (counting the members due by then: a member back
+#: from a failed attempt waits out its retry delay) of the config that applies to them (the longest
 #: matching pattern, then the first; else the defaults $2 max size, $3 max delay, $4
 #: grace period), the oldest first member first, at most $5; with the config's values.
 DUE_GROUPS = """
@@ -51,7 +52,7 @@ WITH g AS (
     SELECT queue, group_key, count(*)::int AS size, min(created_at) AS oldest_at,
            max(created_at) AS newest_at
     FROM conveyor_tasks
-    WHERE state = 'aggregating' AND group_key IS NOT NULL
+    WHERE state = 'aggregating' AND group_key IS NOT NULL AND available_at <= $1
     GROUP BY queue, group_key
 ), e AS (
     SELECT g.queue, g.group_key, g.size, g.oldest_at, g.newest_at,
@@ -74,12 +75,13 @@ ORDER BY oldest_at, queue, group_key
 LIMIT $5
 """
 
-#: Lease up to $3 members of group $2 of queue $1 at now $4 under lease id $5 until $6.
+#: Lease up to $3 members of group $2 of queue $1 due at now $4 under lease id $5 until
+#: $6.
 LEASE_GROUP = f"""
 WITH members AS (
     SELECT id FROM conveyor_tasks
     WHERE queue = $1 AND group_key = $2 AND state = 'aggregating'
-      AND (expires_at IS NULL OR expires_at > $4)
+      AND available_at <= $4 AND (expires_at IS NULL OR expires_at > $4)
     ORDER BY created_at, id
     LIMIT $3
     FOR UPDATE SKIP LOCKED

@@ -40,10 +40,12 @@ RETURNING t.id, t.queue, t.type, t.dependents_pending
 
 #: A failed attempt of task $1 under lease $2: error $3, now $4, skip_retry $5, and $6
 #: when a retry becomes due. ``($5 OR retried >= max_retry)`` is "the attempt ends the
-#: task": ARCHIVED then, else RETRY.
+#: task": ARCHIVED then, else RETRY (a group's member: back to AGGREGATING, due with its
+#: group once the retry is).
 FAIL = f"""
 UPDATE conveyor_tasks t
 SET state = CASE WHEN ($5::boolean OR t.retried >= t.max_retry) THEN 'archived'
+                 WHEN t.group_key IS NOT NULL THEN 'aggregating'
                  ELSE 'retry' END,
     available_at = CASE WHEN ($5::boolean OR t.retried >= t.max_retry) THEN t.available_at
                         ELSE $6::timestamptz END,
@@ -55,10 +57,12 @@ WHERE t.id = $1 AND t.state = 'active' AND t.lease_id = $2
 RETURNING {TASK_COLUMNS}, t.dependents_pending
 """
 
-#: Give task $1 under lease $2 back at now $3: PENDING, due now.
+#: Give task $1 under lease $2 back at now $3: PENDING (a group's member: AGGREGATING),
+#: due now.
 RELEASE = f"""
 UPDATE conveyor_tasks t
-SET state = 'pending', available_at = $3, updated_at = $3,
+SET state = CASE WHEN t.group_key IS NOT NULL THEN 'aggregating' ELSE 'pending' END,
+    available_at = $3, updated_at = $3,
     lease_id = NULL, lease_expires_at = NULL, holder = NULL
 WHERE t.id = $1 AND t.state = 'active' AND t.lease_id = $2
 RETURNING {TASK_COLUMNS}, t.dependents_pending

@@ -10,7 +10,8 @@ from __future__ import annotations
 from conveyor_broker.postgres.queries import TASK_COLUMNS
 from conveyor_broker.types import LEASE_EXPIRED_ERROR
 
-#: Leases expired at now $1 fail, at most $2 of them; $3 is when a retry becomes due.
+#: Leases expired at now $1 fail, at most $2 of them; $3 is when a retry becomes due (a
+#: group's member goes back to AGGREGATING, due with its group then).
 REAP_EXPIRED_LEASES = f"""
 WITH expired AS (
     SELECT id, lease_expires_at FROM conveyor_tasks
@@ -20,7 +21,9 @@ WITH expired AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE conveyor_tasks t
-SET state = CASE WHEN t.retried >= t.max_retry THEN 'archived' ELSE 'retry' END,
+SET state = CASE WHEN t.retried >= t.max_retry THEN 'archived'
+                 WHEN t.group_key IS NOT NULL THEN 'aggregating'
+                 ELSE 'retry' END,
     available_at = CASE WHEN t.retried >= t.max_retry THEN t.available_at
                         ELSE $3::timestamptz END,
     completed_at = CASE WHEN t.retried >= t.max_retry THEN $1::timestamptz END,
@@ -43,7 +46,8 @@ DEAD_HOLDERS = """
 SELECT holder FROM conveyor_holders WHERE seen_at <= $1 AND NOT (holder = ANY($2::text[]))
 """
 
-#: The ACTIVE tasks of the dead holders $3 go back to PENDING at now $1 (at most $4, by
+#: The ACTIVE tasks of the dead holders $3 go back to PENDING (a group's member to
+#: AGGREGATING) at now $1 (at most $4, by
 #: lease expiry), as RELEASE gives a task back; the holders of $3 that hold no ACTIVE
 #: task (as the statement's snapshot sees it: before the release) and have not beaten
 #: since $2 are forgotten; and the circuit breakers the holders of $3 stored (their
@@ -69,7 +73,8 @@ WITH dropped_breakers AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE conveyor_tasks t
-SET state = 'pending', available_at = $1, updated_at = $1,
+SET state = CASE WHEN t.group_key IS NOT NULL THEN 'aggregating' ELSE 'pending' END,
+    available_at = $1, updated_at = $1,
     lease_id = NULL, lease_expires_at = NULL, holder = NULL
 FROM orphaned
 WHERE t.id = orphaned.id
