@@ -2,6 +2,7 @@
 
     uv run python -m bench.e2e_bench [--tasks 20000] [--workers 2] [--concurrency 64]
     uv run python -m bench.e2e_bench --encryption both --rounds 3   # its cost, on vs off
+    uv run python -m bench.e2e_bench --metrics both --rounds 5      # metrics: on vs off
     uv run python -m bench.e2e_bench --recovery [--rounds 3]
 
 Starts a private nats-server, a throwaway database (dropped afterwards), one api, one
@@ -22,8 +23,16 @@ run without and one with, alternating which goes first (so a machine that other 
 slows down weighs on both), each on its own fresh database and processes, then the
 medians of each and their difference. ``--payload-bytes`` pads each task's payload.
 
+``--metrics on`` has every service serve ``/metrics`` on a port of its own and scrapes
+them all every ``--scrape-interval`` seconds (1 s: more often than Prometheus would) for the
+whole run; ``--metrics off`` turns the instrumentation itself off in every process
+(bench/metrics_off: prometheus_client's recording calls become no-ops) and serves
+nothing; without the flag the services count but serve nothing, as in tests. ``--metrics
+both`` measures the cost like ``--encryption both``: ``--rounds`` pairs of runs off and on.
+
 Prints a summary and writes bench/results/e2e.json (``--encryption both``:
-bench/results/e2e-encryption.json, every run and the medians).
+bench/results/e2e-encryption.json, ``--metrics both``: bench/results/e2e-metrics.json,
+every run and the medians).
 
 ``--many-queues N`` runs another mode instead (bench/many_queues.py): one task in each of
 N queues that no worker serves, a busy queue beside them, and what they cost in NATS
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -58,18 +68,21 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import uvloop
 from conveyor import AsyncClient, spec
 from conveyor_broker.keyring import generate_key
 from conveyor_broker.postgres import migrate
-from conveyor_runtime.embedded_nats import EmbeddedNats
+from conveyor_runtime.embedded_nats import EmbeddedNats, free_port
 from conveyor_testkit.polling import wait_until
 
 from bench.recovery_bench import report as recovery_report
 from bench.recovery_bench import run_recovery
-from tests.e2e.harness import POLL_INTERVAL, Cluster
+from tests.e2e.harness import POLL_INTERVAL, Cluster, port_open
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: On the PYTHONPATH of every process of a ``--metrics off`` run: no instrumentation.
+METRICS_OFF = Path(__file__).resolve().parent / "metrics_off"
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -95,6 +108,14 @@ def postgres_backends(dbname: str) -> list[int]:
         if cmdline.startswith("postgres:") and f" {dbname} " in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every process of the machine has spent so far (/proc/stat: all but
+    idle and iowait), to tell how much ran beside the benchmark."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / _TICK
 
 
 def cpu_snapshot(cluster: Cluster, dbname: str) -> dict[str, float]:
@@ -182,7 +203,61 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-async def run(args: argparse.Namespace, *, encrypted: bool = False) -> dict[str, Any]:
+class Scraper:
+    """Scrapes every ``/metrics`` port every ``interval`` seconds, as Prometheus would
+    (more often), until stopped; counts the scrapes and the bytes they read."""
+
+    def __init__(self, ports: list[int], interval: float) -> None:
+        self._ports = ports
+        self._interval = interval
+        self._task: asyncio.Task[None] | None = None
+        self.scrapes = 0
+        self.bytes = 0
+
+    def start(self) -> None:
+        """Start scraping in the background."""
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        async with httpx.AsyncClient() as http:
+            while True:
+                for port in self._ports:
+                    reply = await http.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+                    reply.raise_for_status()
+                    self.scrapes += 1
+                    self.bytes += len(reply.content)
+                await asyncio.sleep(self._interval)  # the scrape interval
+
+    async def stop(self) -> None:
+        """Stop scraping (raising what made a scrape fail, if one did)."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        if task.done():
+            task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def start_services(cluster: Cluster, metrics: str | None) -> tuple[str, list[int]]:
+    """One api, one dispatcher and one maintenance process; the api's address and the
+    metrics ports (one per service with ``metrics`` on, else none)."""
+    if metrics != "on":
+        return await cluster.start_services(), []
+    ports = [free_port() for _ in range(3)]
+    env = [{"CONVEYOR_METRICS_PORT": str(port)} for port in ports]
+    api = await cluster.start_api(env[0])
+    cluster.start_dispatcher(env[1])
+    cluster.start_maintenance(env[2])
+    return f"127.0.0.1:{api.port}", ports
+
+
+async def run(
+    args: argparse.Namespace, *, encrypted: bool = False, metrics: str | None = None
+) -> dict[str, Any]:
+    """One run: ``metrics`` on (served and scraped), off (not even counted) or None (as
+    the services run by default: counted, not served)."""
     admin = args.admin_dsn
     name = f"conveyor_bench_{uuid.uuid4().hex[:8]}"
     conn = await asyncpg.connect(admin)
@@ -196,13 +271,30 @@ async def run(args: argparse.Namespace, *, encrypted: bool = False) -> dict[str,
     cluster.settings_env["CONVEYOR_LOG_LEVEL"] = "warning"
     if encrypted:
         cluster.settings_env["CONVEYOR_ENCRYPTION_KEYS"] = generate_key("bench")
+    if metrics == "off":
+        path = os.environ.get("PYTHONPATH")
+        cluster.settings_env["PYTHONPATH"] = os.pathsep.join(
+            [str(METRICS_OFF), *([path] if path else [])]
+        )
+    else:
+        cluster.settings_env["CONVEYOR_METRICS_HOST"] = "127.0.0.1"
+    scraper: Scraper | None = None
     payload: dict[str, Any] = {"pad": "x" * args.payload_bytes} if args.payload_bytes else {}
     try:
         await migrate(dsn)
         if args.retained:
             await retain(dsn, args.retained)
         await checkpoint(admin)
-        target = await cluster.start_services()
+        target, ports = await start_services(cluster, metrics)
+        if ports:
+            await wait_until(
+                lambda: all(port_open(port) for port in ports),
+                within=60,
+                interval=POLL_INTERVAL,
+                message="metrics ports",
+            )
+            scraper = Scraper(ports, args.scrape_interval)
+            scraper.start()
         record = workdir / "record.txt"
         # The burst goes round-robin over the queues; every worker serves them all.
         queues = ["bench"] + [f"bench{n}" for n in range(1, args.queues)]
@@ -225,6 +317,7 @@ async def run(args: argparse.Namespace, *, encrypted: bool = False) -> dict[str,
 
             # 1. Throughput: a burst into the (nearly) empty table, drained at once.
             cpu0 = cpu_snapshot(cluster, name)
+            busy0 = machine_busy_seconds()
             t0 = time.perf_counter()
             batch = 1000
             pending = [
@@ -245,6 +338,7 @@ async def run(args: argparse.Namespace, *, encrypted: bool = False) -> dict[str,
             )
             t_drained = time.perf_counter()
             cpu1 = cpu_snapshot(cluster, name)
+            busy1 = machine_busy_seconds()
 
             # 2. Latency at light load.
             tail.reset()
@@ -260,10 +354,15 @@ async def run(args: argparse.Namespace, *, encrypted: bool = False) -> dict[str,
                 interval=POLL_INTERVAL,
                 message="latency tasks",
             )
+        if scraper is not None:
+            await scraper.stop()
         starts = {f[1]: int(f[5]) for f in tail.lines["start"]}
         latencies = [(starts[i] - t) / 1e6 for i, t in sent.items() if i in starts]
         result = {
             "encryption": encrypted,
+            "metrics": metrics or "unserved",
+            "scrapes": scraper.scrapes if scraper is not None else 0,
+            "scraped_bytes": scraper.bytes if scraper is not None else 0,
             "payload_bytes": args.payload_bytes,
             "tasks": args.tasks,
             "retained": args.retained,
@@ -280,6 +379,10 @@ async def run(args: argparse.Namespace, *, encrypted: bool = False) -> dict[str,
             "cpu_us_per_task": {
                 role: round((cpu1[role] - cpu0.get(role, 0.0)) / args.tasks * 1e6) for role in cpu1
             },
+            # CPU the rest of the machine spent meanwhile (other work slows a run down).
+            "others_cpu_s": round(
+                max(0.0, (busy1 - busy0) - sum(cpu1[r] - cpu0.get(r, 0.0) for r in cpu1)), 2
+            ),
             "latency_ms": {
                 "samples": len(latencies),
                 "p50": round(percentile(latencies, 50), 2),
@@ -290,6 +393,9 @@ async def run(args: argparse.Namespace, *, encrypted: bool = False) -> dict[str,
         }
         return result
     finally:
+        if scraper is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await scraper.stop()
         cluster.stop_all()
         nats.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -304,7 +410,9 @@ def summary(result: dict[str, Any]) -> str:
     return (
         f"e2e: {result['tasks']} no-op tasks, {result['workers']} workers x {result['concurrency']}"
         f", {result['queues']} queue(s), {result['retained']} completed tasks retained before, "
-        f"encryption {'on' if result['encryption'] else 'off'}\n"
+        f"encryption {'on' if result['encryption'] else 'off'}, metrics {result['metrics']}"
+        + (f" ({result['scrapes']} scrapes)" if result["scrapes"] else "")
+        + "\n"
         f"  enqueue  {result['enqueue_per_s']:>8} tasks/s\n"
         f"  drained  {result['drained_per_s']:>8} tasks/s end to end ({result['drain_seconds']} s); "
         f"{result['done_while_enqueuing']} done while enqueuing, then "
@@ -313,14 +421,18 @@ def summary(result: dict[str, Any]) -> str:
         "  CPU per task during the burst (us): "
         + ", ".join(f"{role} {us}" for role, us in result["cpu_us_per_task"].items())
         + f", total {sum(result['cpu_us_per_task'].values())}"
+        + f"\n  others on the machine meanwhile: {result['others_cpu_s']} CPU s"
     )
 
 
-def compare(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The medians of the runs without and with encryption, and their difference."""
+def compare(
+    runs: list[dict[str, Any]], field: str = "encryption", off: Any = False, on: Any = True
+) -> dict[str, Any]:
+    """The medians of the runs whose ``field`` is ``off`` and of those where it is ``on``
+    (encryption by default), and their difference."""
     medians: dict[str, dict[str, float]] = {}
-    for mode, encrypted in (("off", False), ("on", True)):
-        mine = [r for r in runs if r["encryption"] is encrypted]
+    for mode, setting in (("off", off), ("on", on)):
+        mine = [r for r in runs if r[field] == setting]
         medians[mode] = {
             "runs": len(mine),
             "enqueue_per_s": statistics.median(r["enqueue_per_s"] for r in mine),
@@ -379,11 +491,24 @@ def main() -> None:
         help="store task values encrypted (on), or compare (both: see --rounds)",
     )
     parser.add_argument(
+        "--metrics",
+        choices=["off", "on", "both"],
+        default=None,
+        help="serve every service's metrics and scrape them (on), turn the instrumentation "
+        "off (off), or compare (both: see --rounds); unset: counted, not served",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="with --metrics on or both: seconds between scrapes of every service",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
-        help="with --encryption both: pairs of runs; with --recovery, --rate-limit, --keyed, "
-        "--fair-slots: rounds",
+        help="with --encryption or --metrics both: pairs of runs; with --recovery, "
+        "--rate-limit, --keyed, --fair-slots: rounds",
     )
     parser.add_argument(
         "--payload-bytes", type=int, default=0, help="pad each task's payload to about this"
@@ -452,8 +577,11 @@ def main() -> None:
     # asyncio loop, grpc's asyncio client costs about 1 ms more per call here (measured:
     # light-load p50 5.2-5.7 ms instead of 4.1-4.6 ms).
     RESULTS.mkdir(exist_ok=True)
+    if args.metrics == "both":
+        compare_metrics(args)
+        return
     if args.encryption != "both":
-        result = uvloop.run(run(args, encrypted=args.encryption == "on"))
+        result = uvloop.run(run(args, encrypted=args.encryption == "on", metrics=args.metrics))
         (RESULTS / "e2e.json").write_text(json.dumps(result, indent=2) + "\n")
         print(summary(result))
         return
@@ -461,15 +589,35 @@ def main() -> None:
     for round_ in range(args.rounds):
         # Alternate which goes first, so that a slow spell of the machine is shared.
         for encrypted in (False, True) if round_ % 2 == 0 else (True, False):
-            runs.append(uvloop.run(run(args, encrypted=encrypted)))
+            runs.append(uvloop.run(run(args, encrypted=encrypted, metrics=args.metrics)))
             print(summary(runs[-1]), flush=True)
     compared = compare(runs)
     (RESULTS / "e2e-encryption.json").write_text(
         json.dumps({"runs": runs, "compared": compared}, indent=2) + "\n"
     )
+    print(medians_report("encryption", compared))
+
+
+def compare_metrics(args: argparse.Namespace) -> None:
+    """``--metrics both``: ``--rounds`` pairs of runs with the metrics off and on, which
+    goes first alternating; prints and writes bench/results/e2e-metrics.json."""
+    runs: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        for metrics in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
+            runs.append(uvloop.run(run(args, encrypted=args.encryption == "on", metrics=metrics)))
+            print(summary(runs[-1]), flush=True)
+    compared = compare(runs, "metrics", "off", "on")
+    (RESULTS / "e2e-metrics.json").write_text(
+        json.dumps({"runs": runs, "compared": compared}, indent=2) + "\n"
+    )
+    print(medians_report("metrics", compared))
+
+
+def medians_report(what: str, compared: dict[str, Any]) -> str:
+    """The medians of a comparison (:func:`compare`), as printed."""
     off, on = compared["off"], compared["on"]
-    print(
-        f"encryption, medians of {off['runs']} runs each (off -> on):\n"
+    return (
+        f"{what}, medians of {off['runs']} runs each (off -> on):\n"
         f"  drained  {off['drained_per_s']:.0f} -> {on['drained_per_s']:.0f} tasks/s "
         f"({compared['drained_change_pct']:+}%)\n"
         f"  enqueue  {off['enqueue_per_s']:.0f} -> {on['enqueue_per_s']:.0f} tasks/s "

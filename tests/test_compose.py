@@ -8,6 +8,7 @@ with those files is a real TLS server that admits each service's key and no one 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.embedded_nats import EmbeddedNats, find_nats_server, free_port
 from conveyor_runtime.nats_connect import NatsConnectError, NatsSecurity, close_nats, connect_nats
 from conveyor_runtime.ownership import TRANSPORT_ERRORS
-from conveyor_runtime.settings import SERVICE_SETTINGS, ApiSettings, CommonSettings
+from conveyor_runtime.settings import SERVICE_SETTINGS, ApiSettings, CommonSettings, RestSettings
 from conveyor_runtime.tls import client_context
 from conveyor_runtime.wire import DISPATCH_OVERHEAD
 from conveyor_testkit.certs import NATS_CLUSTER_NODES, NATS_USERS
@@ -39,6 +40,11 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, Any] = COMPOSE["services"]
 CONVEYOR = {name: svc for name, svc in SERVICES.items() if svc.get("image") == "conveyor:dev"}
+#: The Conveyor services that are only gRPC clients of the api (on neither NATS nor
+#: Postgres): the REST admin API.
+API_CLIENTS = {"rest"}
+#: The Conveyor services on NATS and Postgres (migrate: Postgres only).
+CLUSTER = {name: svc for name, svc in CONVEYOR.items() if name not in API_CLIENTS}
 
 
 #: What the top of compose.yaml says to set for the nats-cluster profile.
@@ -69,7 +75,7 @@ def interpolate(value: object, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", one, str(value))
 
 
-def settings_for(command: list[str]) -> type[CommonSettings]:
+def settings_for(command: list[str]) -> type[CommonSettings] | type[RestSettings]:
     if command[0] == "serve":
         return SERVICE_SETTINGS[command[1]]
     return CommonSettings
@@ -84,7 +90,10 @@ def test_the_stack_has_every_part() -> None:
         "dispatcher",
         "maintenance",
         "webhook",
+        "rest",
         "jaeger",
+        "prometheus",
+        "grafana",
     } <= set(SERVICES)
     assert "-js" in SERVICES["nats"]["command"]
     assert (ROOT / "Dockerfile").exists()
@@ -119,7 +128,11 @@ def test_long_running_services_restart_and_have_health_checks(name: str) -> None
     assert CliRunner().invoke(cli, [*check[2:], "--help"]).exit_code == 0
     health_file = check[check.index("--file") + 1]
     assert service["environment"]["CONVEYOR_HEALTH_FILE"] == health_file
-    assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    if name in API_CLIENTS:
+        # It needs the api only, and the api a migrated database.
+        assert service["depends_on"]["api"]["condition"] == "service_healthy"
+    else:
+        assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
 
 
 def test_api_port_is_published_and_checked() -> None:
@@ -150,12 +163,32 @@ def test_services_export_traces_to_the_viewer() -> None:
 
 
 def test_services_reach_postgres_and_nats_by_their_compose_names() -> None:
-    for name, service in CONVEYOR.items():
+    for name, service in CLUSTER.items():
         env = service["environment"]
         assert "@postgres:5432/" in env["CONVEYOR_DSN"], name
         if name != "migrate":
             assert interpolate(env["CONVEYOR_NATS_URL"], {}) == "tls://nats:4222", name
             assert interpolate(env["CONVEYOR_NATS_REPLICAS"], {}) == "1", name
+
+
+def test_the_rest_service_reaches_the_api_over_tls_and_serves_its_port() -> None:
+    """The REST admin API: a client of the api's published gRPC port over TLS with the
+    stack's CA, its dashboard port published and health-checked, its sampler's token
+    the operator's from the environment (never one written in the file)."""
+    rest = SERVICES["rest"]
+    env = rest["environment"]
+    target = urlsplit(env["CONVEYOR_TARGET"])
+    assert (target.scheme, target.hostname) == ("https", "api")
+    assert str(target.port) == SERVICES["api"]["environment"]["CONVEYOR_PORT"]
+    assert env["CONVEYOR_TLS_CA"] == SERVICES["api"]["environment"]["CONVEYOR_NATS_TLS_CA"]
+    port = env["CONVEYOR_REST_PORT"]
+    assert f"{port}:{port}" in rest["ports"]
+    check = rest["healthcheck"]["test"]
+    assert check[check.index("--port") + 1] == port
+    assert env["CONVEYOR_REST_HOST"] == "0.0.0.0"
+    assert env["CONVEYOR_TOKEN"] == "${CONVEYOR_TOKEN:-}"
+    assert float(env["CONVEYOR_SAMPLE_INTERVAL"]) > 0
+    assert "CONVEYOR_ALLOW_PLAINTEXT" not in env
 
 
 def test_webhook_endpoints_call_back_the_api() -> None:
@@ -248,7 +281,7 @@ def test_every_tls_file_compose_names_is_one_dev_certs_writes(dev_certs: Path) -
 
 
 def test_tls_settings_agree_across_services() -> None:
-    services = {name: CONVEYOR[name]["environment"] for name in CONVEYOR if name != "migrate"}
+    services = {name: CLUSTER[name]["environment"] for name in CLUSTER if name != "migrate"}
     for variable in (
         "CONVEYOR_NATS_URL",
         "CONVEYOR_NATS_TLS_CA",
@@ -309,6 +342,9 @@ def test_certificates_name_the_hosts_services_connect_to(dev_certs: Path) -> Non
     assert nats_host in _sans(dev_certs / "nats.pem")
     assert pg_host in _sans(dev_certs / "postgres.pem")
     assert {callback.hostname, "localhost"} <= _sans(dev_certs / "api.pem")
+    rest = urlsplit(SERVICES["rest"]["environment"]["CONVEYOR_TARGET"])
+    assert rest.hostname in _sans(dev_certs / "api.pem")
+    assert {"rest", "localhost"} <= _sans(dev_certs / "rest.pem")
 
 
 #: What an operator puts in CONVEYOR_AUTH_TOKENS for `docker compose up` (compose requires it).
@@ -339,6 +375,12 @@ def test_each_service_accepts_its_tls_settings(
         monkeypatch.setenv(var, value)
     settings = settings_for(CONVEYOR[name]["command"])()
     assert not settings.allow_plaintext
+    if isinstance(settings, RestSettings):
+        # The api over TLS, verified against the CA; HTTPS for the browsers.
+        assert settings.target.startswith("https://")
+        assert settings.tls_ca is not None
+        assert settings.rest_tls_cert is not None
+        return
     assert not settings.allow_unsigned
     if name != "migrate":
         assert ClusterAuth.from_settings(settings).signs
@@ -403,6 +445,7 @@ async def test_compose_nats_admits_each_service_over_tls_and_no_one_else(
                 monkeypatch.setenv(var, value)
             monkeypatch.setenv("CONVEYOR_NATS_URL", url)
             settings = settings_for(SERVICES[name]["command"])()
+            assert isinstance(settings, CommonSettings)
             nc = await connect_nats(url, name=name, security=NatsSecurity.from_settings(settings))
             try:
                 await nc.publish("conveyor.test", b"hello")
@@ -729,7 +772,7 @@ def test_the_services_point_at_every_node_with_three_replicas() -> None:
     text = (ROOT / "compose.yaml").read_text()
     for var, value in CLUSTER_ENV.items():
         assert f"{var}={value}" in text, var
-    for name, service in CONVEYOR.items():
+    for name, service in CLUSTER.items():
         if name == "migrate":
             continue
         operator = {**CLUSTER_ENV, "CONVEYOR_AUTH_TOKENS": OPERATOR_TOKENS}
@@ -749,7 +792,7 @@ def test_certificates_name_the_cluster_nodes(dev_certs: Path) -> None:
     assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usage)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in CONVEYOR if n != "migrate"))
+@pytest.mark.parametrize("name", sorted(n for n in CLUSTER if n != "migrate"))
 def test_each_service_accepts_the_cluster_settings(
     name: str, dev_certs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -757,6 +800,7 @@ def test_each_service_accepts_the_cluster_settings(
     for var, value in _container_env(CONVEYOR[name], dev_certs, CLUSTER_ENV).items():
         monkeypatch.setenv(var, value)
     settings = settings_for(CONVEYOR[name]["command"])()
+    assert isinstance(settings, CommonSettings)
     assert settings.nats_replicas == 3
     assert settings.nats_url == CLUSTER_ENV["CONVEYOR_NATS_URL"]
 
@@ -845,3 +889,84 @@ def test_prometheus_scrapes_every_services_metrics_port() -> None:
     for name in ("api", "dispatcher", "maintenance", "webhook"):
         port = int(SERVICES[name]["environment"]["CONVEYOR_METRICS_PORT"])
         assert (name, port) in targets, f"prometheus does not scrape {name} on {port}"
+
+
+# -------------------------------------------------------------------------- Grafana
+
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARD: dict[str, Any] = json.loads((GRAFANA / "dashboards" / "conveyor.json").read_text())
+
+
+def _queries(dashboard: dict[str, Any]) -> list[str]:
+    """Every PromQL expression of the dashboard: its panels' and its variables'."""
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    exprs += [var["definition"] for var in dashboard["templating"]["list"]]
+    return exprs
+
+
+def test_grafana_reads_prometheus_and_provisions_the_dashboard() -> None:
+    grafana = SERVICES["grafana"]
+    assert "prometheus" in grafana["depends_on"]
+    mounts = _mounts(grafana)
+    assert mounts["/etc/grafana/provisioning"] == "deploy/grafana/provisioning"
+    assert (ROOT / mounts["/var/lib/grafana/dashboards"] / "conveyor.json").exists()
+    (datasource,) = yaml.safe_load(
+        (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"]
+    url = urlsplit(datasource["url"])
+    prometheus_port = SERVICES["prometheus"]["ports"][0].split(":")[-1]
+    assert (url.hostname, str(url.port)) == ("prometheus", prometheus_port)
+    # Every panel and variable uses the provisioned datasource.
+    uses = {
+        target["datasource"]["uid"]
+        for panel in DASHBOARD["panels"]
+        for target in panel.get("targets", [])
+    } | {var["datasource"]["uid"] for var in DASHBOARD["templating"]["list"]}
+    assert uses == {datasource["uid"]}
+    (provider,) = yaml.safe_load(
+        (GRAFANA / "provisioning" / "dashboards" / "conveyor.yml").read_text()
+    )["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == "/var/lib/grafana/dashboards/conveyor.json"
+
+
+def _known_series() -> set[str]:
+    """The series names the services' metrics registry can expose."""
+    from conveyor_runtime import metrics  # noqa: F401  (registers every metric)
+    from prometheus_client import REGISTRY
+
+    suffixes = {
+        "counter": ("_total",),
+        "histogram": ("_bucket", "_count", "_sum"),
+        "gauge": ("",),
+        "unknown": ("",),
+    }
+    return {
+        family.name + suffix
+        for family in REGISTRY.collect()
+        for suffix in suffixes.get(family.type, ("",))
+    }
+
+
+def test_every_dashboard_query_names_a_real_metric() -> None:
+    known = _known_series()
+    used = {name for expr in _queries(DASHBOARD) for name in re.findall(r"conveyor_\w+", expr)}
+    assert used, "the dashboard queries nothing"
+    assert used <= known, f"not metrics of the services: {sorted(used - known)}"
+    # The panels the operator needs are there.
+    for series in (
+        "conveyor_tasks_enqueued_total",
+        "conveyor_tasks_completed_total",
+        "conveyor_queue_depth",
+        "conveyor_queue_oldest_due_seconds",
+        "conveyor_enqueue_to_start_seconds_bucket",
+        "conveyor_task_run_seconds_bucket",
+        "conveyor_tasks_failed_total",
+        "conveyor_type_breaker_state",
+        "conveyor_webhook_deliveries_total",
+        "conveyor_webhook_breaker_state",
+    ):
+        assert series in used, f"no panel shows {series}"
+    ids = [panel["id"] for panel in DASHBOARD["panels"]]
+    assert len(ids) == len(set(ids))

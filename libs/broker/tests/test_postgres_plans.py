@@ -21,7 +21,12 @@ from conveyor_broker.postgres.queries.dependencies import (
 )
 from conveyor_broker.postgres.queries.lease import EXTEND_LEASES, LEASE, LEASE_MANY
 from conveyor_broker.postgres.queries.outcomes import ACK_BATCH
-from conveyor_broker.postgres.queries.sweeps import DUE_AMONG, DUE_QUEUES, PURGE_TERMINAL
+from conveyor_broker.postgres.queries.sweeps import (
+    DUE_AMONG,
+    DUE_QUEUES,
+    OLDEST_DUE,
+    PURGE_TERMINAL,
+)
 from conveyor_broker.testing.schemas import brokers, scratch_schema
 
 pytestmark = pytest.mark.postgres
@@ -286,6 +291,11 @@ async def test_purge_and_due_queues_walk_their_indexes_on_a_never_analyzed_table
             among = await _explain_analyze(
                 conn, f"EXECUTE among_plan('{now.isoformat()}', ARRAY[{names}])"
             )
+            assert set(await broker.oldest_due(asked)) == set(work_queues[:2])
+            await conn.execute("PREPARE oldest_plan(timestamptz, text[]) AS " + OLDEST_DUE)
+            oldest = await _explain_analyze(
+                conn, f"EXECUTE oldest_plan('{now.isoformat()}', ARRAY[{names}])"
+            )
         finally:
             await conn.close()
     streams = {f"conveyor_tasks_{name}_idx" for name in ("purge_at", "completed", "ended")}
@@ -294,7 +304,7 @@ async def test_purge_and_due_queues_walk_their_indexes_on_a_never_analyzed_table
         read = {n["Index Name"]: n["Actual Rows"] for n in nodes if n.get("Index Name") in streams}
         assert read == dict.fromkeys(streams, 10), mode
         _assert_reads_little(mode, nodes, most=10)
-    for mode, nodes in [*due.items(), *among.items()]:
+    for mode, nodes in [*due.items(), *among.items(), *oldest.items()]:
         assert {n.get("Index Name") for n in nodes if "Index Name" in n} == {
             "conveyor_tasks_due_idx"
         }, mode

@@ -23,6 +23,7 @@ from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.wire import task_to_envelope
 from conveyor_testkit.polling import wait_until
+from prometheus_client import REGISTRY
 
 TTL = timedelta(seconds=30)
 COOLDOWN = timedelta(seconds=10)
@@ -209,3 +210,54 @@ async def test_a_queue_wide_breaker_is_stored_for_the_dispatchers_and_its_probe_
 
     await wait_until(dropped)
     assert breakers.closed == 1
+
+
+def _sample(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+async def test_openings_and_closings_are_counted_and_the_states_read_at_scrape_time(
+    rig: Rig,
+) -> None:
+    labels = {"queue": "q", "type": "flaky"}
+    transitions = "conveyor_type_breaker_transitions_total"
+    opened = _sample(transitions, event="opened", **labels) or 0.0
+    closed = _sample(transitions, event="closed", **labels) or 0.0
+    rig.configure()
+    await rig.fail_through(2)
+    # Counting failures: a breaker, closed.
+    assert _sample("conveyor_type_breaker_state", **labels) == 0
+    assert _sample("conveyor_type_breakers_open", **labels) == 0
+    await rig.fail_through(1)
+    assert _sample("conveyor_type_breaker_state", **labels) == 2
+    assert _sample("conveyor_type_breakers_open", **labels) == 1
+    assert _sample(transitions, event="opened", **labels) == opened + 1
+    # Its cool-down over, it reads half-open before any timer has run.
+    rig.clock.advance(COOLDOWN)
+    assert _sample("conveyor_type_breaker_state", **labels) == 1
+    rig.gateway.breakers.tick("q", "flaky")  # type: ignore[union-attr]
+    (probe,) = await rig.leased("flaky")
+    assert list(rig.offer([probe]).accepted) == [probe.id]
+    assert _sample("conveyor_type_breaker_state", **labels) == 1
+    rig.finish(probe, ok=True)
+    assert _sample("conveyor_type_breaker_state", **labels) == 0
+    assert _sample("conveyor_type_breakers_open", **labels) == 0
+    assert _sample(transitions, event="closed", **labels) == closed + 1
+    # A gateway closed reports nothing more.
+    breakers = rig.gateway.breakers
+    assert breakers is not None
+    await breakers.aclose()
+    assert _sample("conveyor_type_breaker_state", **labels) is None
+
+
+async def test_a_queue_wide_breaker_reads_open_for_its_cool_down_where_it_opened(
+    rig: Rig,
+) -> None:
+    labels = {"queue": "q", "type": "flaky"}
+    rig.configure(BreakerScope.QUEUE)
+    await rig.fail_through(3)
+    assert _sample("conveyor_type_breaker_state", **labels) == 2
+    assert _sample("conveyor_type_breakers_open", **labels) == 1
+    rig.clock.advance(COOLDOWN)
+    # From here on the dispatchers and the probe decide: closed as far as it knows.
+    assert _sample("conveyor_type_breaker_state", **labels) == 0

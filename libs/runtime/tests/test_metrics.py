@@ -80,3 +80,61 @@ def test_the_pool_and_nats_state_are_read_at_scrape_time() -> None:
     finally:
         unwatch()
     assert REGISTRY.get_sample_value("conveyor_nats_connected", {"service": "metrics-svc"}) is None
+
+
+def test_bound_children_are_capped_once_and_kept() -> None:
+    from prometheus_client import CollectorRegistry, Counter
+
+    registry = CollectorRegistry()
+    counter = Counter("bound_test", "test", ["queue", "kind"], registry=registry)
+    cap = metrics.LabelCap(limit=2)
+    bound = metrics.Bound(counter, cap, None, limit=3)
+    bound("a", "x").inc()
+    bound("a", "x").inc(2)
+    assert bound("a", "x") is bound("a", "x")  # kept: no labels() call again
+    bound("b", "y").inc()
+    bound("c", "x").inc()  # past the cap: "other"
+    bound("d", "x").inc()  # past the cache's limit too: looked up each time, still "other"
+    value = registry.get_sample_value
+    assert value("bound_test_total", {"queue": "a", "kind": "x"}) == 3
+    assert value("bound_test_total", {"queue": "b", "kind": "y"}) == 1
+    assert value("bound_test_total", {"queue": metrics.OTHER, "kind": "x"}) == 2
+    assert len(bound._children) == 3
+
+
+def test_the_leases_held_gauge_reads_its_tally_at_scrape_time() -> None:
+    from prometheus_client import REGISTRY
+
+    before = REGISTRY.get_sample_value("conveyor_leases_held")
+    metrics.HELD.add(3)
+    try:
+        assert REGISTRY.get_sample_value("conveyor_leases_held") == (before or 0) + 3
+    finally:
+        metrics.HELD.add(-3)
+    assert REGISTRY.get_sample_value("conveyor_leases_held") == before
+
+
+def test_type_breaker_states_are_read_at_scrape_time_worst_first() -> None:
+    from prometheus_client import REGISTRY
+
+    rows = [
+        ("brk-q", "t", metrics.BREAKER_HALF_OPEN),
+        ("brk-q", "t", metrics.BREAKER_CLOSED),
+        ("brk-q", "u", metrics.BREAKER_CLOSED),
+    ]
+    other = [("brk-q", "t", metrics.BREAKER_OPEN)]
+    unwatch = [
+        metrics.watch_type_breakers(lambda: rows),
+        metrics.watch_type_breakers(lambda: other),
+    ]
+    value = REGISTRY.get_sample_value
+    t, u = {"queue": "brk-q", "type": "t"}, {"queue": "brk-q", "type": "u"}
+    try:
+        assert value("conveyor_type_breaker_state", t) == metrics.BREAKER_OPEN
+        assert value("conveyor_type_breakers_open", t) == 2
+        assert value("conveyor_type_breaker_state", u) == metrics.BREAKER_CLOSED
+        assert value("conveyor_type_breakers_open", u) == 0
+    finally:
+        for stop in unwatch:
+            stop()
+    assert value("conveyor_type_breaker_state", t) is None

@@ -28,6 +28,8 @@ from conveyor import (
     TaskEvent,
     TaskNotFound,
     TaskState,
+    Unauthenticated,
+    WhoAmI,
 )
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
@@ -56,6 +58,7 @@ _UNARY: dict[str, type[Message]] = {
     "DeleteBreakerConfig": svc.DeleteBreakerConfigRequest,
     "ListBreakerConfigs": svc.ListBreakerConfigsRequest,
     "ListBreakers": svc.ListBreakersRequest,
+    "WhoAmI": svc.WhoAmIRequest,
 }
 
 
@@ -362,6 +365,39 @@ async def test_the_blocking_client(double: tuple[AdminDouble, str]) -> None:
         TaskState.ACTIVE,
         TaskState.PENDING,
     )
+
+
+async def test_whoami_reads_the_callers_role_both_ways(double: tuple[AdminDouble, str]) -> None:
+    service, target = double
+    service.replies["WhoAmI"] = lambda _: svc.WhoAmIResponse(
+        role="read-only", token_name="dash", auth_enabled=True, can_read=True
+    )
+    expected = WhoAmI(
+        role="read-only",
+        token_name="dash",
+        auth_enabled=True,
+        read_only=False,
+        can_read=True,
+        can_mutate=False,
+    )
+    async with AsyncAdminClient(target, token="dash-secret-0123456789") as admin:
+        assert await admin.whoami() == expected
+
+    def blocking() -> WhoAmI:
+        with AdminClient(target) as admin:
+            return admin.whoami()
+
+    assert await asyncio.to_thread(blocking) == expected
+    service.replies["WhoAmI"] = lambda _: svc.WhoAmIResponse(
+        role="admin", auth_enabled=False, can_read=True, can_mutate=True
+    )
+    async with AsyncAdminClient(target) as admin:
+        assert (await admin.whoami()).token_name is None
+    service.replies["WhoAmI"] = grpc.StatusCode.UNAUTHENTICATED
+    async with AsyncAdminClient(target) as admin:
+        with pytest.raises(Unauthenticated):
+            await admin.whoami()
+    assert [name for name, _ in service.requests] == ["WhoAmI"] * 4
 
 
 # ------------------------------------------------------------- circuit breakers

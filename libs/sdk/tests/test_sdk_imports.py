@@ -11,7 +11,15 @@ import conveyor
 
 PACKAGE = Path(conveyor.__file__).parent
 #: What the SDK may import besides itself and the standard library.
-THIRD_PARTY = {"conveyor_protos", "google", "grpc", "uvloop"}
+THIRD_PARTY = {"conveyor_protos", "google", "grpc", "opentelemetry", "uvloop"}
+#: The OpenTelemetry modules of opentelemetry-api: the SDK must work without the
+#: OpenTelemetry SDK (the application's choice) installed.
+OTEL_API = (
+    "opentelemetry.trace",
+    "opentelemetry.context",
+    "opentelemetry.propagators",
+    "opentelemetry.environment_variables",
+)
 
 
 def module_name(path: Path) -> str:
@@ -81,3 +89,11 @@ def test_only_the_protos_and_grpc_besides_the_standard_library() -> None:
             assert top == "conveyor" or top in THIRD_PARTY or top in sys.stdlib_module_names, (
                 f"{module_name(path)} imports {imported}"
             )
+
+
+def test_only_the_opentelemetry_api() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        for imported in imports_of(path):
+            if imported.split(".")[0] != "opentelemetry" or imported == "opentelemetry":
+                continue
+            assert imported.startswith(OTEL_API), f"{module_name(path)} imports {imported}"

@@ -121,6 +121,7 @@ EXPORTED = {
     "Unimplemented",
     "WebhookWorker",
     "WebhookWorkerNotFound",
+    "WhoAmI",
     "Worker",
     "__version__",
     "cron",

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
-from conveyor_api.auth import ADMIN_READS
+from conveyor_api.auth import ADMIN_READS, ANY_ROLE
 from conveyor_broker import NewTask, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import wire
@@ -106,7 +106,7 @@ async def session_status(
 
 def allowed(token: str, service: str, method: str) -> bool:
     role = TOKENS[token][0].partition("=")[0]
-    if role == "admin":
+    if role == "admin" or (service == "AdminService" and method in ANY_ROLE):
         return True
     return {
         "producer": service == "TaskService",
@@ -376,6 +376,57 @@ async def test_read_only_mode_refuses_mutations_even_to_admin(
         assert "needs role admin" in details
         await admin.ListQueues(service_pb2.ListQueuesRequest(), metadata=bearer("dash"))
     assert not await broker.queue_paused("q")
+
+
+# ------------------------------------------------------------------ who am I
+
+
+async def test_every_token_learns_its_role_and_what_it_may_do(
+    channel: grpc.aio.Channel,
+) -> None:
+    """WhoAmI answers every role (the interceptor lets it through for all), with the
+    token's name and role as configured and what the AdminService allows it."""
+    admin = stub(channel, "AdminService")
+    seen = {}
+    for name in TOKENS:
+        me = await admin.WhoAmI(service_pb2.WhoAmIRequest(), metadata=bearer(name))
+        assert me.token_name == name
+        assert me.role == TOKENS[name][0]
+        assert me.auth_enabled
+        assert not me.read_only
+        seen[name] = (me.can_read, me.can_mutate)
+    assert seen == {
+        "ops": (True, True),
+        "ci": (False, False),
+        "pool": (False, False),
+        "mailer": (False, False),
+        "dash": (True, False),
+    }
+    for metadata in (None, (("authorization", "Bearer not-a-configured-secret"),)):
+        code, details = await refused(admin.WhoAmI, service_pb2.WhoAmIRequest(), metadata=metadata)
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert "missing or invalid bearer token" in details
+
+
+async def test_who_am_i_under_read_only_and_with_auth_off(make_api: MakeApi) -> None:
+    strict = await make_api(auth_tokens=entries(), allow_unauthenticated=False, read_only=True)
+    open_api = await make_api()  # the tests' default: no tokens, allow_unauthenticated
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{strict.port}") as ch,
+        grpc.aio.insecure_channel(f"127.0.0.1:{open_api.port}") as open_ch,
+    ):
+        me = await stub(ch, "AdminService").WhoAmI(
+            service_pb2.WhoAmIRequest(), metadata=bearer("ops")
+        )
+        assert (me.role, me.read_only, me.can_read, me.can_mutate) == ("admin", True, True, False)
+        me = await stub(ch, "AdminService").WhoAmI(
+            service_pb2.WhoAmIRequest(), metadata=bearer("ci")
+        )
+        assert (me.role, me.can_read, me.can_mutate) == ("producer", False, False)
+        anyone = await stub(open_ch, "AdminService").WhoAmI(service_pb2.WhoAmIRequest())
+        assert anyone == service_pb2.WhoAmIResponse(
+            role="admin", auth_enabled=False, can_read=True, can_mutate=True
+        )
 
 
 async def test_webhook_callbacks_need_no_bearer_token(channel: grpc.aio.Channel) -> None:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -28,6 +28,7 @@ from conveyor_runtime.subjects import Subjects
 from conveyor_testkit.cluster_keys import cluster_auth
 from conveyor_testkit.polling import wait_until
 from nats.aio.msg import Msg
+from prometheus_client import REGISTRY
 
 TIMEOUT = 10.0
 
@@ -299,15 +300,15 @@ async def test_the_pending_sweep_asks_about_the_served_queues_a_page_at_a_time(
         raise AssertionError("the reaper listed every queue with due work")
 
     asked: list[list[str]] = []
-    among = broker.due_among
+    oldest = broker.oldest_due
 
-    async def due_among(queues: list[str]) -> list[str]:
+    async def oldest_due(queues: list[str]) -> dict[str, datetime]:
         asked.append(list(queues))
-        return await among(queues)
+        return await oldest(queues)
 
     monkeypatch.setattr(broker, "pending_count", count)
     monkeypatch.setattr(broker, "due_queues", every_due_queue)
-    monkeypatch.setattr(broker, "due_among", due_among)
+    monkeypatch.setattr(broker, "oldest_due", oldest_due)
     # Two queue names per page: the sweep must page to find all five.
     m = Maintenance(make_settings(sweep_limit=2), broker, nc, clock)
     serve(m, *due, "expiring", "scheduled", "idle")
@@ -324,6 +325,58 @@ async def test_the_pending_sweep_asks_about_the_served_queues_a_page_at_a_time(
     await wait_until(lambda: all(wakes.count(queue) == 1 for queue in due))
     assert wakes.count("expiring") == wakes.count("scheduled") == 0
     assert not any(wakes.count(queue) for queue in unserved)
+
+
+def _gauge(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+async def test_the_reaper_sets_the_oldest_due_and_depth_gauges_of_the_served_queues(
+    broker: Broker,
+    clock: FakeClock,
+    make_settings: Callable[..., MaintenanceSettings],
+    nc: NatsClient,
+) -> None:
+    """The sweep's probe of each served queue gives its oldest due age (every pass), the
+    depth gauges count the served queues by state (every depth_tick); a queue no longer
+    served leaves both, and so does everything once the reaper role is lost."""
+    oldest = "conveyor_queue_oldest_due_seconds"
+    depth = "conveyor_queue_depth"
+    await broker.enqueue(NewTask(queue="gauge-due", type="t"))
+    clock.advance(timedelta(seconds=5))
+    await broker.enqueue(NewTask(queue="gauge-due", type="t"))
+    later = clock.now() + timedelta(hours=1)
+    await broker.enqueue(NewTask(queue="gauge-later", type="t", process_at=later))
+    await broker.enqueue(NewTask(queue="gauge-unserved", type="t"))
+    clock.advance(timedelta(seconds=2))
+    m = Maintenance(make_settings(depth_tick=3600.0), broker, nc, clock)
+    serve(m, "gauge-due", "gauge-later")
+    assert (await m.reaper_pass()).failed_steps == ()
+    assert _gauge(oldest, queue="gauge-due") == 7.0
+    assert _gauge(oldest, queue="gauge-later") == 0.0
+    assert _gauge(oldest, queue="gauge-unserved") is None
+    assert _gauge(depth, queue="gauge-due", state="pending") == 2
+    assert _gauge(depth, queue="gauge-later", state="scheduled") == 1
+    assert _gauge(depth, queue="gauge-unserved", state="pending") is None
+
+    # The age grows with time on every pass; the depth waits for its tick.
+    await broker.enqueue(NewTask(queue="gauge-due", type="t"))
+    clock.advance(timedelta(seconds=3))
+    await m.reaper_pass()
+    assert _gauge(oldest, queue="gauge-due") == 10.0
+    assert _gauge(depth, queue="gauge-due", state="pending") == 2
+
+    # No longer served: the queue's gauges go (the depth ones at the next count).
+    m.demand.heard("gauge-later", "gw-test", closing=True, now=asyncio.get_running_loop().time())
+    await m.reaper_pass()
+    assert _gauge(oldest, queue="gauge-later") is None
+    await m.depth_pass(["gauge-due"])
+    assert _gauge(depth, queue="gauge-later", state="scheduled") is None
+    assert _gauge(depth, queue="gauge-due", state="pending") == 3
+
+    m.drop_queue_gauges()
+    assert _gauge(oldest, queue="gauge-due") is None
+    assert _gauge(depth, queue="gauge-due", state="pending") is None
 
 
 async def test_a_stored_invalid_queue_name_does_not_stop_the_sweep(

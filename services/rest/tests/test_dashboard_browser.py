@@ -82,8 +82,11 @@ async def stack(
     try:
         target = await cluster.start_services()
         port = free_port()
+        # The charts' sampler reads with a read-only token, every second.
         rest = cluster.spawn(
-            "rest", ["-m", "conveyor_rest", "--target", target, "--port", str(port)]
+            "rest",
+            ["-m", "conveyor_rest", "--target", target, "--rest-port", str(port)],
+            {"CONVEYOR_TOKEN": READER, "CONVEYOR_SAMPLE_INTERVAL": "1"},
         )
         await wait_until(
             lambda: port_open(port) or not rest.alive(), within=WAIT, message="rest port"
@@ -188,6 +191,11 @@ async def test_admin_sees_queues_fill_and_drain_and_acts(
         )
         wait(driver, lambda d: count(d, "ui-fill", "completed") == "12")
         assert count(driver, "ui-fill", "pending") == "0"
+        # The background sampler saw them complete: the queue's throughput chart has
+        # points (the page redraws it at each refresh).
+        throughput = 'tr[data-queue="ui-fill"] svg.chart.throughput'
+        wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, throughput))
+        assert driver.find_elements(By.CSS_SELECTOR, 'tr[data-queue="ui-fill"] svg.chart.latency')
 
         # Tasks a paused queue holds, for the actions below.
         held = enqueue(api, "ui-hold", 4, "e2e.hold")

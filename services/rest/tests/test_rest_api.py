@@ -15,7 +15,6 @@ import pytest
 from conveyor_api import ApiServer
 from conveyor_broker import Breaker, BreakerStatus, FakeClock
 from conveyor_rest.app import create_app
-from conveyor_rest.dashboard import Throughput, sparkline
 from conveyor_runtime.nats_connect import NatsClient, connect_nats
 from conveyor_runtime.settings import ApiSettings
 from conveyor_testkit.brokers import CountingBroker
@@ -23,6 +22,7 @@ from conveyor_testkit.webhooks import WEBHOOK_KEY, FakeDns
 
 ADMIN = "ops-admin-secret-0123456789"
 READER = "ops-reader-secret-0123456789"
+PRODUCER = "ops-producer-secret-0123456789"
 OPENED = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
@@ -83,7 +83,7 @@ async def rest_broker(nats_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, C
 @pytest.fixture
 async def rest_auth(nats_url: str) -> AsyncIterator[httpx.AsyncClient]:
     """The REST app in front of a real api with an admin and a read-only token."""
-    tokens = [f"ops:admin:{ADMIN}", f"viewer:read-only:{READER}"]
+    tokens = [f"ops:admin:{ADMIN}", f"viewer:read-only:{READER}", f"ci:producer:{PRODUCER}"]
     async for client, _ in rest_client(nats_url, auth_tokens=tokens, allow_unauthenticated=False):
         yield client
 
@@ -142,9 +142,18 @@ async def test_problem_json_for_grpc_errors_and_bad_input(rest: httpx.AsyncClien
     assert bad_state.status_code == 400
     assert bad_state.json()["code"] == "INVALID_ARGUMENT"
 
+    # A field the message does not have: the body's schema refuses it.
     bad_field = await rest.post("/v1/tasks", json={"type": "x", "nonsense": 1})
-    assert bad_field.status_code == 400
+    assert bad_field.status_code == 422
     assert bad_field.headers["content-type"] == "application/problem+json"
+    assert bad_field.json()["code"] == "INVALID_ARGUMENT"
+    assert "nonsense" in bad_field.json()["detail"]
+    # A value the protobuf parser refuses (not an RFC 3339 time): a 400 problem.
+    bad_value = await rest.post(
+        "/v1/tasks", json={"type": "x", "options": {"processAt": "tomorrow"}}
+    )
+    assert bad_value.status_code == 400
+    assert bad_value.json()["code"] == "INVALID_ARGUMENT"
 
     bad_limit = await rest.get("/v1/tasks", params={"limit": 0})
     assert bad_limit.status_code == 422
@@ -358,20 +367,43 @@ async def test_dashboard_pages(rest: httpx.AsyncClient) -> None:
 
 
 async def test_whoami_names_what_a_token_may_do(
-    rest: httpx.AsyncClient, rest_auth: httpx.AsyncClient
+    rest: httpx.AsyncClient, rest_auth: httpx.AsyncClient, nats_url: str
 ) -> None:
+    """What the api's WhoAmI answers, for every kind of caller."""
     assert (await rest.get("/v1/whoami")).json() == {
         "role": "admin",
         "can_read": True,
         "can_mutate": True,
+        "token_role": "admin",
+        "token_name": "",
+        "auth_enabled": False,
+        "read_only": False,
     }
     anonymous = await rest_auth.get("/v1/whoami")
     assert anonymous.status_code == 401
     assert anonymous.json()["code"] == "UNAUTHENTICATED"
     reader = await rest_auth.get("/v1/whoami", headers={"authorization": f"Bearer {READER}"})
-    assert reader.json() == {"role": "read-only", "can_read": True, "can_mutate": False}
+    assert reader.json() == {
+        "role": "read-only",
+        "can_read": True,
+        "can_mutate": False,
+        "token_role": "read-only",
+        "token_name": "viewer",
+        "auth_enabled": True,
+        "read_only": False,
+    }
     admin = await rest_auth.get("/v1/whoami", headers={"authorization": f"Bearer {ADMIN}"})
-    assert admin.json()["role"] == "admin"
+    assert (admin.json()["role"], admin.json()["token_name"]) == ("admin", "ops")
+    producer = await rest_auth.get("/v1/whoami", headers={"authorization": f"Bearer {PRODUCER}"})
+    assert producer.status_code == 200, producer.text
+    assert (producer.json()["role"], producer.json()["token_role"]) == ("none", "producer")
+    # An admin token on a read-only api may only read.
+    tokens = [f"ops:admin:{ADMIN}"]
+    async for strict, _ in rest_client(
+        nats_url, auth_tokens=tokens, allow_unauthenticated=False, read_only=True
+    ):
+        me = (await strict.get("/v1/whoami", headers={"authorization": f"Bearer {ADMIN}"})).json()
+        assert (me["role"], me["token_role"], me["read_only"]) == ("read-only", "admin", True)
 
 
 async def test_dashboard_search_webhooks_events_and_static(rest: httpx.AsyncClient) -> None:
@@ -415,16 +447,3 @@ async def test_dashboard_escapes_and_asks_for_a_token(
     assert 'id="login"' in asked.text
     rest_auth.cookies.set("conveyor_token", READER)
     assert (await rest_auth.get("/ui")).status_code == 200
-
-
-def test_throughput_ring_and_sparkline() -> None:
-    now = [0.0]
-    ring = Throughput(every=10, keep=3, clock=lambda: now[0])
-    for t, done in ((0, 0), (5, 99), (10, 4), (20, 10), (30, 7)):
-        now[0] = t
-        ring.record({"q": done})
-    # The sample at 5 s came too early; the oldest fell out of the ring; 10 -> 7 is none.
-    assert ring.series("q") == [6, 0]
-    assert ring.series("other") == [0, 0]
-    assert "<polyline" in sparkline([1, 3, 2])
-    assert "<svg" not in sparkline([])

@@ -144,6 +144,32 @@ def test_headers_sign_the_exact_body_with_the_given_secret() -> None:
     assert verify_delivery(signature, body, ["newest"], now=1_900_000_000)
     assert not verify_delivery(signature, body, ["older"], now=1_900_000_000)
     assert not verify_delivery(signature, body + b" ", ["newest"], now=1_900_000_000)
+    assert "traceparent" not in headers
+
+
+def test_the_tasks_trace_context_goes_along_as_http_headers() -> None:
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    env = envelope()
+    env.headers.update({"traceparent": traceparent, "tracestate": "v=1", "other": "x"})
+    body, _ = delivery_body(env, worker="w", secret="newest", callback="")
+    headers = delivery_headers(
+        body,
+        task_id=TASK,
+        delivery_id=LEASE,
+        secret="newest",
+        timestamp=1_900_000_000,
+        task_headers=env.headers,
+    )
+    assert headers["traceparent"] == traceparent
+    assert headers["tracestate"] == "v=1"
+    assert "other" not in headers
+    # What no HTTP header may carry (task headers hold any printable text) is left out.
+    env.headers["traceparent"] = "é" * 10
+    odd = delivery_headers(
+        body, task_id=TASK, delivery_id=LEASE, secret="s", timestamp=1, task_headers=env.headers
+    )
+    assert "traceparent" not in odd
+    assert odd["tracestate"] == "v=1"
 
 
 # ---------------------------------------------------------------- response

@@ -46,6 +46,7 @@ from conveyor_testkit.webhooks import (
 )
 from conveyor_webhook import WebhookConfig, WebhookGateway, Wiring
 from nats.errors import ConnectionClosedError
+from prometheus_client import REGISTRY
 
 QUEUE = "hooks"
 NAME = "billing"
@@ -560,3 +561,60 @@ async def test_a_gateway_that_fails_to_start_closes_what_it_opened(
     assert gateway.http_closed
     assert gateway.gateway.closed
     assert not gateway.serving
+
+
+# ------------------------------------------------------------------- metrics
+
+
+def _sample(name: str, **labels: str) -> float | None:
+    return REGISTRY.get_sample_value(name, labels)
+
+
+def _count(name: str, **labels: str) -> float:
+    return _sample(name, **labels) or 0.0
+
+
+@memory_only
+async def test_deliveries_callbacks_and_the_breaker_are_counted_by_registration(rig: Rig) -> None:
+    deliveries = "conveyor_webhook_deliveries_total"
+    outcomes = ("success", "error", "transport", "accepted")
+    before = {o: _count(deliveries, worker=NAME, outcome=o) for o in outcomes}
+    timed = _count("conveyor_webhook_delivery_seconds_count", worker=NAME)
+    transitions = "conveyor_webhook_breaker_transitions_total"
+    opened = _count(transitions, worker=NAME, event="opened")
+    closed = _count(transitions, worker=NAME, event="closed")
+    callbacks = _count("conveyor_webhook_callbacks_total", worker=NAME, kind="result", status="ok")
+    state = "conveyor_webhook_breaker_state"
+    gateway = await rig.start_gateway(
+        manager_options={"breaker_threshold": 1, "breaker_cooldown": 0.5}
+    )
+    assert _sample(state, worker=NAME) == 0
+
+    rig.endpoint.answer = rpc("success")
+    await rig.wait_state(await rig.submit(), TaskState.COMPLETED)
+    rig.endpoint.answer = rpc_error("declined")
+    await rig.wait_state(await rig.submit(), TaskState.RETRY)
+    # A transport failure opens the breaker (threshold 1).
+    rig.endpoint.answer = status(503)
+    await rig.wait_state(await rig.submit(), TaskState.RETRY)
+    assert _sample(state, worker=NAME) == 2
+    assert _count(transitions, worker=NAME, event="opened") == opened + 1
+    # After the cool-down the probe goes; the endpoint's answer (accepted) closes it.
+    rig.endpoint.answer = rpc("accepted")
+    parked = await rig.submit()
+    await wait_until(lambda: gateway.parked == 1)
+    assert _sample(state, worker=NAME) == 0
+    assert _count(transitions, worker=NAME, event="closed") == closed + 1
+    [delivery] = [d for d in rig.endpoint.deliveries if d.task_id == parked]
+    assert (await rig.callback(delivery, outcome=SUCCESS)).status == Reply.STATUS_OK
+
+    after = {o: _count(deliveries, worker=NAME, outcome=o) for o in outcomes}
+    assert {o: after[o] - before[o] for o in outcomes} == dict.fromkeys(outcomes, 1)
+    assert _count("conveyor_webhook_delivery_seconds_count", worker=NAME) == timed + 4
+    assert (
+        _count("conveyor_webhook_callbacks_total", worker=NAME, kind="result", status="ok")
+        == callbacks + 1
+    )
+    # A drained gateway's breaker is no one's to report.
+    await gateway.drain()
+    assert _sample(state, worker=NAME) is None

@@ -575,6 +575,9 @@ class EncryptedBroker(Broker):
     async def _due_among(self, queues: list[str]) -> list[str]:
         return await self._inner._due_among(queues)
 
+    async def _oldest_due(self, queues: list[str]) -> dict[str, datetime]:
+        return await self._inner._oldest_due(queues)
+
     # -------------------------------------------------------------------- cron
     #
     # A cron entry's template (payload and header values) is sealed to the entry

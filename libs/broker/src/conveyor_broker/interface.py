@@ -696,6 +696,23 @@ class Broker(abc.ABC):
             return []
         return await self._due_among(sorted(set(queues)))
 
+    async def oldest_due(self, queues: Sequence[str]) -> dict[str, datetime]:
+        """When the oldest due task (what ``lease`` would pick first now) of each of
+        ``queues`` fell due, its ``available_at``, for the queues that have one (the
+        others are left out), by name. The same input rules as :meth:`due_among`.
+
+        :meth:`due_among` with the time, at the same cost: one probe of the due index per
+        name (maintenance's sweep of the served queues, which gives the oldest due age of
+        each to the metrics for nothing).
+        """
+        self._check_open()
+        check_batch_size(queues, upper=MAX_BATCH)
+        for queue in queues:
+            check_queue(queue)
+        if not queues:
+            return {}
+        return await self._oldest_due(sorted(set(queues)))
+
     async def queue_stats(self, queue: str | None = None) -> list[QueueStats]:
         """Per-state counts for every queue that has tasks (in any state) or a stored
         pause flag, sorted by name; with ``queue``, a single entry (all zeros for an
@@ -1368,6 +1385,10 @@ class Broker(abc.ABC):
             if len(page) < MAX_BATCH or page[-1] >= queues[-1]:
                 return found
             after = page[-1]
+
+    @abc.abstractmethod
+    async def _oldest_due(self, queues: list[str]) -> dict[str, datetime]:
+        """``queues``: distinct valid names, sorted, at least one."""
 
     @abc.abstractmethod
     async def _queue_stats(self, queue: str | None) -> list[QueueStats]: ...

@@ -697,6 +697,15 @@ class MemoryBroker(Broker):
                 if any(_is_due(task, now) for task in self._table.leasable(name))
             ]
 
+    async def _oldest_due(self, queues: list[str]) -> dict[str, datetime]:
+        async with self._locked() as now:
+            found: dict[str, datetime] = {}
+            for name in queues:
+                due = [t.available_at for t in self._table.leasable(name) if _is_due(t, now)]
+                if due:
+                    found[name] = min(due)
+            return found
+
     async def _queue_stats(self, queue: str | None) -> list[QueueStats]:
         async with self._locked():
             if queue is not None:

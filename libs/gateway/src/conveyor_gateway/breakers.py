@@ -21,6 +21,10 @@ stats and ``conveyor breakers status`` show it) and published as a breaker event
 queue's event stream. Storing is best effort (logged when it fails): what decides for a
 WORKER-scope breaker is the gateway's memory, and a failed write of a QUEUE-scope one
 only leaves that type flowing.
+
+Metrics: each opening and closing counts in ``conveyor_type_breaker_transitions_total``,
+and the states are read from the gateways' memory at scrape time
+(:meth:`Breakers.states`, ``conveyor_type_breaker_state``): nothing on the dispatch path.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -36,6 +41,7 @@ from conveyor_broker import Breaker, BreakerConfig, BreakerScope, BreakerStatus,
 from conveyor_broker.breakers import BreakerMachine, config_for
 from conveyor_broker.clock import Clock
 from conveyor_protos.v1 import cluster_pb2, service_pb2
+from conveyor_runtime import metrics
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.wire.breakers import breaker_to_proto
 from nats.aio.subscription import Subscription
@@ -171,6 +177,8 @@ class Breakers:
         #: Breakers opened and closed here (for tests and metrics).
         self.opened = 0
         self.closed = 0
+        #: Stops reporting this gateway's breakers to the metrics (None: not reported yet).
+        self._unwatch: Callable[[], None] | None = None
 
     # ------------------------------------------------------------- dispatch
 
@@ -238,6 +246,7 @@ class Breakers:
             if ok and not held.probe:
                 return  # a success changes nothing on a closed breaker
             machine = self._machines[key] = BreakerMachine(config)
+            self._watch()
         elif config is not None:
             machine.config = config  # changed meanwhile; a deleted one runs out as it is
         now = self._clock.now()
@@ -253,12 +262,14 @@ class Breakers:
             return
         if machine.status is None:
             self.closed += 1
+            self._transition(key, "closed")
             self._disarm(key)
             logger.info("gateway.breaker_closed gateway=%s queue=%s type=%s", self._id, *key)
             self._spawn(self._drop(held.queue, held.type, self._id))
             self._spawn(self._event(held.queue, held.type, machine, "closed"))
         else:
             self.opened += 1
+            self._transition(key, "opened")
             logger.warning(
                 "gateway.breaker_opened gateway=%s queue=%s type=%s failures=%d cooldown=%s",
                 self._id,
@@ -281,6 +292,7 @@ class Breakers:
             if ok:
                 self._queue_open.pop(key, None)
                 self.closed += 1
+                self._transition(key, "closed")
                 logger.info(
                     "gateway.breaker_closed gateway=%s queue=%s type=%s scope=queue",
                     self._id,
@@ -307,7 +319,9 @@ class Breakers:
         key = (held.queue, held.type)
         until = now + config.cooldown
         self._queue_open[key] = until
+        self._watch()
         self.opened += 1
+        self._transition(key, "opened")
         logger.warning(
             "gateway.breaker_opened gateway=%s queue=%s type=%s failures=%d cooldown=%s "
             "scope=queue",
@@ -327,6 +341,47 @@ class Breakers:
         )
         self._spawn(self._open_in_broker(breaker))
         self._announce(held.queue)
+
+    # ---------------------------------------------------------------- metrics
+
+    def states(self) -> list[tuple[str, str, int]]:
+        """``(queue, type, state)`` of every breaker of this gateway, ``state`` one of
+        :data:`~conveyor_runtime.metrics.BREAKER_CLOSED`, ``BREAKER_HALF_OPEN`` and
+        ``BREAKER_OPEN``: a WORKER-scope one as it stands (an open one whose cool-down
+        is over is half-open), a QUEUE-scope one open while the cool-down it opened
+        here lasts. Only reads (the metrics call it on their scrape thread)."""
+        now = self._clock.now()
+        rows: list[tuple[str, str, int]] = []
+        for (queue, task_type), machine in list(self._machines.items()):
+            status, until = machine.status, machine.until
+            if status is BreakerStatus.OPEN and (until is None or now < until):
+                state = metrics.BREAKER_OPEN
+            elif status is not None:
+                state = metrics.BREAKER_HALF_OPEN
+            else:
+                state = metrics.BREAKER_CLOSED
+            rows.append((queue, task_type, state))
+        for (queue, task_type), open_until in list(self._queue_open.items()):
+            if now < open_until:
+                rows.append((queue, task_type, metrics.BREAKER_OPEN))
+        return rows
+
+    def _watch(self) -> None:
+        """Report this gateway's breakers to the metrics from its first one on (most
+        gateways never have one); weakly, so a gateway never closed is not kept."""
+        if self._unwatch is not None:
+            return
+        ref = weakref.WeakMethod(self.states)
+
+        def states() -> list[tuple[str, str, int]]:
+            method = ref()
+            return method() if method is not None else []
+
+        self._unwatch = metrics.watch_type_breakers(states)
+
+    def _transition(self, key: tuple[str, str], event: str) -> None:
+        queue, task_type = key
+        metrics.TYPE_BREAKER.labels(metrics.QUEUE(queue), metrics.TYPE(task_type), event).inc()
 
     # ----------------------------------------------------------------- timers
 
@@ -374,6 +429,9 @@ class Breakers:
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         for (queue, task_type), machine in list(self._machines.items()):
             if machine.status is not None and machine.config.scope is BreakerScope.WORKER:
                 await self._drop(queue, task_type, self._id)

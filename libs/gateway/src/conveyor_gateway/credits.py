@@ -34,6 +34,7 @@ from conveyor_broker.ids import is_ulid
 from conveyor_broker.validation import MAX_WEBHOOK_CONCURRENCY
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.tracing import tracing_enabled
 from nats.aio.subscription import Subscription
 
 from conveyor_gateway.breakers import Breakers
@@ -349,6 +350,8 @@ class Credits:
             accepted.append(env.id)
             room -= 1
         if envelopes:
+            if tracing_enabled():
+                self._holdings.traces.push(envelopes)
             self._transport.dispatch(envelopes)
         if self._shared:
             self._turn_taken(request, queue, len(accepted))

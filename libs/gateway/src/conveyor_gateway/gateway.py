@@ -36,6 +36,7 @@ from conveyor_broker import AckItem, Broker, LeaseLost, Task, TaskNotFound, Task
 from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime import metrics, wire
 from conveyor_runtime.bus import Bus
+from opentelemetry.trace import Span
 
 from conveyor_gateway.attempt_bounds import AttemptBound
 from conveyor_gateway.breakers import BreakerConfigs, Breakers
@@ -46,6 +47,7 @@ from conveyor_gateway.hints import WakePublisher
 from conveyor_gateway.holdings import Held, Holdings
 from conveyor_gateway.leases import LeaseExtension, OnExtended
 from conveyor_gateway.outcomes import FINAL_OUTCOMES, Outcomes, is_well_formed
+from conveyor_gateway.tracing import traced
 from conveyor_gateway.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,8 @@ class Gateway:
             grace=config.timeout_grace, clock=config.clock, on_overrun=self._on_overrun
         )
         self._held = self._holdings.by_lease
+        self._traces = self._holdings.traces
+        self._traces.gateway = gateway_id
         self._credits = Credits(
             gateway_id,
             spec,
@@ -311,14 +315,18 @@ class Gateway:
         # Successes (nearly every result) are acked together, in one task: a frame's worth
         # of results costs one ack round trip, not a task and a future apiece.
         acks: list[tuple[Held, AckItem]] = []
+        # The commit spans of traced deliveries (see conveyor_gateway.tracing).
+        traces = self._traces if self._traces.spans else None
+        ack_spans: list[Span] = []
         max_result = self._config.max_result
         now = time.monotonic()
         for result in results:
             held = self._held_for(result)
             if held is None:
                 continue
+            span = None if traces is None else traces.answered(held.lease_id, result.outcome)
             self._free(held.lease_id)
-            metrics.RUN_TIME.labels(metrics.QUEUE(held.queue)).observe(now - held.started)
+            metrics.run_time(held.queue).observe(now - held.started)
             fits = len(result.result) <= max_result
             if self.breakers is not None:
                 # A success whose result is too big fails the attempt: so it counts.
@@ -326,10 +334,13 @@ class Gateway:
                 self._record(held, result.outcome if ok else service_pb2.OUTCOME_FAILURE)
             if result.outcome == service_pb2.OUTCOME_SUCCESS and fits:
                 acks.append((held, AckItem(held.task_id, held.lease_id, result.result or None)))
+                if span is not None:
+                    ack_spans.append(span)
             else:
-                self._spawn(self._outcomes.complete(held, result))
+                spans = () if span is None else (span,)
+                self._spawn(traced(self._outcomes.complete(held, result), spans))
         if acks:
-            self._spawn(self._outcomes.ack_all(acks))
+            self._spawn(traced(self._outcomes.ack_all(acks), ack_spans))
 
     def _record(self, held: Held, outcome: int) -> None:
         """Count an attempt's end for its type's breaker (a release counts for nothing)."""
@@ -572,11 +583,13 @@ class Gateway:
             raise ValueError("a result needs a task id, a lease id and a final outcome")
         held = self._held.get(result.lease_id)
         if held is not None and held.task_id == result.task_id:
+            traces = self._traces
+            span = traces.answered(held.lease_id, result.outcome) if traces.spans else None
             self._free(held.lease_id)
             if self.breakers is not None:
                 self._record(held, result.outcome)
             try:
-                await self._outcomes.apply(held, result)
+                await traced(self._outcomes.apply(held, result), () if span is None else (span,))
             except LeaseLost:
                 return False
             return True

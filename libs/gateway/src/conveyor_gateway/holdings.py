@@ -19,6 +19,7 @@ from conveyor_protos.v1 import task_pb2
 from conveyor_runtime import metrics, wire
 
 from conveyor_gateway.attempt_bounds import AttemptBound, AttemptTimers, envelope_bounds
+from conveyor_gateway.tracing import DeliveryTraces
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,8 @@ class Holdings:
         self.expires: dict[str, datetime] = {}
         #: The timers of the bounded attempts, by lease id.
         self.timers = AttemptTimers(grace=grace, clock=clock, on_overrun=on_overrun)
+        #: The push spans of the sampled deliveries (empty while tracing is off).
+        self.traces = DeliveryTraces()
         self._clock = clock
 
     def __len__(self) -> int:
@@ -85,7 +88,7 @@ class Holdings:
             probe=probe or env.probe,
         )
         if held.lease_id not in self.by_lease:
-            metrics.LEASES_HELD.inc()
+            metrics.HELD.add(1)
         self.by_lease[held.lease_id] = held
         self.lease_of[held.task_id] = held.lease_id
         self.per_queue[queue] += 1
@@ -108,7 +111,7 @@ class Holdings:
             type=task.type,
         )
         if lease_id not in self.by_lease:
-            metrics.LEASES_HELD.inc()
+            metrics.HELD.add(1)
         self.by_lease[lease_id] = held
         self.lease_of[task.id] = lease_id
         self.per_queue[task.queue] += 1
@@ -128,10 +131,12 @@ class Holdings:
         held = self.by_lease.pop(lease_id, None)
         if held is None:
             return None
-        metrics.LEASES_HELD.dec()
+        metrics.HELD.add(-1)
         self.expires.pop(lease_id, None)
         if self.timers:
             self.timers.disarm(lease_id)
+        if self.traces.spans:
+            self.traces.drop(lease_id)
         if self.lease_of.get(held.task_id) == lease_id:
             del self.lease_of[held.task_id]
         per_queue = self.per_queue
@@ -143,10 +148,11 @@ class Holdings:
     def clear(self) -> list[Held]:
         """Stop holding anything (every timer disarmed); what was held."""
         held = list(self.by_lease.values())
-        metrics.LEASES_HELD.dec(len(held))
+        metrics.HELD.add(-len(held))
         self.by_lease.clear()
         self.expires.clear()
         self.timers.clear()
+        self.traces.clear()
         self.lease_of.clear()
         self.per_queue.clear()
         return held

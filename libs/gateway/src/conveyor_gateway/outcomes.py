@@ -41,7 +41,6 @@ from conveyor_broker import (
 )
 from conveyor_protos.v1 import service_pb2
 from conveyor_runtime import metrics, wire
-from prometheus_client import Counter
 
 from conveyor_gateway.attempt_bounds import (
     DEADLINE_EXCEEDED_ERROR,
@@ -84,14 +83,14 @@ BROKER_UNAVAILABLE = "broker unavailable: retry"
 Attempt = Callable[[list[Held]], Awaitable[list[Held]]]
 
 
-def _count(counter: Counter, batch: Sequence[Held]) -> None:
+def _count(counter: metrics.Bound, batch: Sequence[Held]) -> None:
     """Add ``batch`` to ``counter`` by queue and type (one increment per label pair)."""
     counts: dict[tuple[str, str], int] = {}
     for held in batch:
         key = (held.queue, held.type)
         counts[key] = counts.get(key, 0) + 1
     for (queue, type_), n in counts.items():
-        counter.labels(metrics.QUEUE(queue), metrics.TYPE(type_)).inc(n)
+        counter(queue, type_).inc(n)
 
 
 def is_well_formed(result: service_pb2.Result) -> bool:
@@ -150,14 +149,14 @@ class Outcomes:
             acked = await self._acks.ack(AckItem(task_id, lease_id, result.result or None))
             if not acked:
                 raise LeaseLost(task_id, lease_id)
-            _count(metrics.COMPLETED, [held])
+            _count(metrics.completed, [held])
         elif outcome == service_pb2.OUTCOME_FAILURE:
             delay = self._retry_delay(held, result)
             await self.fail(held, result.error or "handler failed", delay)
         elif outcome == service_pb2.OUTCOME_SKIP_RETRY:
             await broker.archive(task_id, lease_id, result.error or "handler asked to skip retries")
-            _count(metrics.FAILED, [held])
-            _count(metrics.ARCHIVED, [held])
+            _count(metrics.failed, [held])
+            _count(metrics.archived, [held])
         else:
             await broker.release(task_id, lease_id)
             self._wakes.wake(held.queue)
@@ -175,7 +174,7 @@ class Outcomes:
 
         async def ack(batch: list[Held]) -> list[Held]:
             acked = await self._acks.ack_many([items[h.lease_id] for h in batch])
-            _count(metrics.COMPLETED, [h for h, ok in zip(batch, acked, strict=True) if ok])
+            _count(metrics.completed, [h for h, ok in zip(batch, acked, strict=True) if ok])
             return [h for h, ok in zip(batch, acked, strict=True) if not ok]
 
         await self._settle([held for held, _ in acks], ack, "ack")
@@ -346,12 +345,12 @@ class Outcomes:
         now = self._config.clock.now()
         if retry_misses_deadline(held.deadline, now, delay):
             await self._broker.archive(held.task_id, held.lease_id, deadline_error(error))
-            _count(metrics.FAILED, [held])
-            _count(metrics.ARCHIVED, [held])
+            _count(metrics.failed, [held])
+            _count(metrics.archived, [held])
             return
         task = await self._broker.fail(held.task_id, held.lease_id, error, delay)
-        _count(metrics.FAILED, [held])
-        _count(metrics.ARCHIVED if task.state == TaskState.ARCHIVED else metrics.RETRIED, [held])
+        _count(metrics.failed, [held])
+        _count(metrics.archived if task.state == TaskState.ARCHIVED else metrics.retried, [held])
         # A retry wakes its queue when due rather than at the reaper's next sweep.
         self._wakes.when_due(task, self._config.clock.now())
 

@@ -6,13 +6,16 @@ Every service process exposes the default ``prometheus_client`` registry on
 ``conveyor dev``, one process for all) gets one.
 
 Instrumentation is cheap by rule: a counter increment per batch where the code already has
-one, never a query per scrape. The only database reads are the maintenance process's depth
-gauges (a small grouped query every few seconds, see ``conveyor_maintenance``) and the
-pool's size, read from asyncpg's own bookkeeping at scrape time.
+one, never a query per scrape. The only database reads are the maintenance process's:
+the depth gauges (a small grouped query per served queue every ``depth_tick``) and the
+oldest due task of each served queue (from the reaper's sweep of the due index, which it
+makes anyway); the pool's size is read from asyncpg's own bookkeeping at scrape time, and
+the type breakers' states from the gateways' memory (:func:`watch_type_breakers`).
 
-**Label cap.** Queue and task-type names come from clients, so the label values are
-bounded: each of :data:`QUEUE` and :data:`TYPE` keeps the first :data:`LABEL_LIMIT` (200)
-distinct values it sees in a process and reports every later one as ``"other"``.
+**Label cap.** Queue, task-type and webhook worker names come from clients, so the label
+values are bounded: each of :data:`QUEUE`, :data:`TYPE` and :data:`WORKER` keeps the first
+:data:`LABEL_LIMIT` (200) distinct values it sees in a process and reports every later one
+as ``"other"``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from conveyor_broker.types import EnqueueResult
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
@@ -61,9 +64,54 @@ class LabelCap:
         return len(self._kept)
 
 
-#: The caps of the queue and task-type labels (one each per process).
+#: The caps of the queue, task-type and webhook worker labels (one each per process).
 QUEUE = LabelCap()
 TYPE = LabelCap()
+WORKER = LabelCap()
+
+
+class Bound:
+    """The label children of one metric by raw label values, capped once and kept: a hot
+    path pays a dict lookup for its child instead of the caps and ``labels()`` (a lock)
+    on every call. ``caps`` caps each label in turn (None: taken as it is). At most
+    ``limit`` value tuples are kept (beyond the caps they all share ``other`` anyway);
+    later ones are looked up each time. Only for metrics whose children are never
+    removed (counters, histograms)."""
+
+    def __init__(self, metric: Any, *caps: LabelCap | None, limit: int = 4 * LABEL_LIMIT) -> None:
+        self._metric = metric
+        self._caps = caps
+        self._limit = limit
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        """The child of ``values`` (raw: the caps apply)."""
+        child = self._children.get(values)
+        if child is None:
+            labels = [
+                cap(value) if cap is not None else value
+                for cap, value in zip(self._caps, values, strict=True)
+            ]
+            child = self._metric.labels(*labels)
+            if len(self._children) < self._limit:
+                self._children[values] = child
+        return child
+
+
+class Tally:
+    """A gauge's value kept as a plain number by the one thread that changes it (the
+    event loop) and read at scrape time: cheaper than a Gauge's locked ``inc`` on a path
+    taken per task."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, n: int) -> None:
+        """Change the value by ``n``."""
+        self.value += n
+
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 
@@ -110,9 +158,20 @@ LEASES_HELD = Gauge(
     "conveyor_leases_held",
     "Deliveries the gateways of this process hold (in flight)",
 )
+#: What LEASES_HELD reports, changed per delivery held and let go (see :class:`Tally`).
+HELD = Tally()
+LEASES_HELD.set_function(lambda: HELD.value)
 LEASES_EXPIRED = Counter(
     "conveyor_leases_expired", "Expired leases the reaper took back (maintenance)"
 )
+
+#: The hot paths' children of the task metrics, by raw queue (and type).
+completed = Bound(COMPLETED, QUEUE, TYPE)
+failed = Bound(FAILED, QUEUE, TYPE)
+retried = Bound(RETRIED, QUEUE, TYPE)
+archived = Bound(ARCHIVED, QUEUE, TYPE)
+run_time = Bound(RUN_TIME, QUEUE)
+enqueue_to_start = Bound(ENQUEUE_TO_START, QUEUE)
 
 # ----------------------------------------------------------------------- dispatch
 
@@ -135,6 +194,13 @@ CREDITS = Gauge(
     "Free slots the gateways announced for a queue this dispatcher owns (CreditBook total)",
     ["queue"],
 )
+#: The dispatcher's children of the dispatch metrics, by raw queue.
+offers = Bound(OFFERS, QUEUE)
+offered = Bound(OFFERED, QUEUE)
+accepted = Bound(ACCEPTED, QUEUE)
+started = Bound(STARTED, QUEUE)
+released = Bound(RELEASED, QUEUE)
+credits = Bound(CREDITS, QUEUE)
 OWNERSHIP = Counter(
     "conveyor_ownership_changes",
     "Queue ownership changes of this dispatcher (event: claimed, lost, released)",
@@ -142,34 +208,67 @@ OWNERSHIP = Counter(
 )
 LEADERSHIP = Counter(
     "conveyor_leader_changes",
-    "Leader roles won and lost by this process (role: scheduler, reaper, ...)",
+    "Leader roles won and lost by this process (role: scheduler, reaper, resolver, "
+    "storage: maintenance; webhook-manager: webhook)",
     ["role", "event"],
 )
 
 # ------------------------------------------------------------ breakers, webhooks
 
+#: The values of the breaker state gauges.
+BREAKER_CLOSED, BREAKER_HALF_OPEN, BREAKER_OPEN = 0, 1, 2
+
 TYPE_BREAKER = Counter(
     "conveyor_type_breaker_transitions",
-    "Circuit breakers per task type opened and closed (gateway)",
+    "Circuit breakers per task type that this process's gateways opened and closed "
+    "(event: opened, closed; a probe's failure opens it again)",
     ["queue", "type", "event"],
 )
 WEBHOOK_DELIVERIES = Counter(
     "conveyor_webhook_deliveries",
-    "Webhook deliveries by outcome (ok, failure, transport, ...)",
-    ["outcome"],
+    "Webhook deliveries (HTTP requests) by registration and outcome: success, failure, "
+    "skip_retry, release (the endpoint's answer), accepted (asynchronous), error (an "
+    "answer that fails the attempt: 4xx, JSON-RPC error, invalid body), transport (no "
+    "answer, a timeout or a 5xx: what the endpoint's breaker counts), canceled (aborted "
+    "in flight: lease lost, a callback came first, a drain)",
+    ["worker", "outcome"],
+)
+WEBHOOK_DELIVERY_SECONDS = Histogram(
+    "conveyor_webhook_delivery_seconds",
+    "Seconds from sending a webhook delivery to its endpoint's answer (or its failure)",
+    ["worker"],
+    buckets=_LATENCY_BUCKETS,
+)
+WEBHOOK_CALLBACKS = Counter(
+    "conveyor_webhook_callbacks",
+    "Webhook callbacks answered by the webhook leader (kind: heartbeat, result; status: "
+    "ok, lease_lost, invalid)",
+    ["worker", "kind", "status"],
 )
 WEBHOOK_BREAKER = Gauge(
-    "conveyor_webhook_breaker_open",
-    "1 while an endpoint's circuit breaker is open or half-open, 0 when closed",
-    ["endpoint"],
+    "conveyor_webhook_breaker_state",
+    "State of a running webhook registration's endpoint breaker: 0 closed, 1 half-open, "
+    "2 open (the webhook leader)",
+    ["worker"],
+)
+WEBHOOK_BREAKER_TRANSITIONS = Counter(
+    "conveyor_webhook_breaker_transitions",
+    "Endpoint circuit breakers opened and closed (event: opened, closed)",
+    ["worker", "event"],
 )
 
 # --------------------------------------------------------------- queue depth
 
 QUEUE_DEPTH = Gauge(
     "conveyor_queue_depth",
-    "Tasks per queue and state (the reaper leader of maintenance, refreshed every 10 s)",
+    "Tasks per queue and state (the reaper leader of maintenance, every depth_tick)",
     ["queue", "state"],
+)
+QUEUE_OLDEST_DUE = Gauge(
+    "conveyor_queue_oldest_due_seconds",
+    "Seconds the oldest due task of a served queue has waited since it fell due; 0 when "
+    "nothing is due (the reaper leader of maintenance, every reap_tick)",
+    ["queue"],
 )
 
 # ------------------------------------------------------------------ links
@@ -198,15 +297,19 @@ class _Source:
     connected: Callable[[], bool]
 
 
-class _RuntimeCollector(Collector):
-    """The Postgres pool (size, free) and the NATS connection state of every runtime open
-    in this process, read at scrape time (no query: asyncpg's and nats-py's own state)."""
+_S = TypeVar("_S")
+
+
+class _Sources(Generic[_S]):
+    """What a collector reads at scrape time: sources added (and removed) by whoever
+    owns them, from any thread."""
 
     def __init__(self) -> None:
-        self._sources: dict[int, _Source] = {}
+        self._sources: dict[int, _S] = {}
         self._lock = threading.Lock()
 
-    def add(self, source: _Source) -> Callable[[], None]:
+    def add(self, source: _S) -> Callable[[], None]:
+        """Read ``source`` from now on, until the returned function is called."""
         key = id(source)
         with self._lock:
             self._sources[key] = source
@@ -217,9 +320,18 @@ class _RuntimeCollector(Collector):
 
         return remove
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def snapshot(self) -> list[_S]:
+        """The sources now."""
         with self._lock:
-            sources = list(self._sources.values())
+            return list(self._sources.values())
+
+
+class _RuntimeCollector(_Sources[_Source], Collector):
+    """The Postgres pool (size, free) and the NATS connection state of every runtime open
+    in this process, read at scrape time (no query: asyncpg's and nats-py's own state)."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        sources = self.snapshot()
         size = GaugeMetricFamily(
             "conveyor_db_pool_size", "Connections in the Postgres pool", labels=["service"]
         )
@@ -266,6 +378,59 @@ def watch_runtime(service: str, broker: Any, nc: Any) -> Callable[[], None]:
         return pool_stats() if pool_stats is not None else None
 
     return _COLLECTOR.add(_Source(service, pool, lambda: bool(nc.is_connected)))
+
+
+#: What one gateway's type breakers are now: ``(queue, type, state)`` per breaker it has,
+#: ``state`` one of BREAKER_CLOSED, BREAKER_HALF_OPEN and BREAKER_OPEN.
+BreakerStates = Callable[[], Iterable[tuple[str, str, int]]]
+
+
+class _TypeBreakerCollector(_Sources[BreakerStates], Collector):
+    """The state of the circuit breakers per task type of every gateway in this process,
+    read from their memory at scrape time (nothing is kept per change): the worst state
+    per queue and type, and how many gateways hold it open or half-open."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        sources = self.snapshot()
+        worst: dict[tuple[str, str], int] = {}
+        tripped: dict[tuple[str, str], int] = {}
+        for states in sources:
+            try:
+                rows = list(states())
+            except Exception:  # a gateway closing meanwhile: report nothing for it
+                continue
+            for queue, type_, state in rows:
+                key = (QUEUE(queue), TYPE(type_))
+                worst[key] = max(worst.get(key, BREAKER_CLOSED), state)
+                tripped[key] = tripped.get(key, 0) + (state != BREAKER_CLOSED)
+        state_family = GaugeMetricFamily(
+            "conveyor_type_breaker_state",
+            "Worst state of a task type's circuit breaker among this process's gateways: "
+            "0 closed, 1 half-open, 2 open (a QUEUE-scope one is open in the process that "
+            "opened it, for its cool-down)",
+            labels=["queue", "type"],
+        )
+        open_family = GaugeMetricFamily(
+            "conveyor_type_breakers_open",
+            "Gateways of this process whose breaker of the type is open or half-open",
+            labels=["queue", "type"],
+        )
+        for key in sorted(worst):
+            state_family.add_metric(list(key), worst[key])
+            open_family.add_metric(list(key), tripped[key])
+        yield state_family
+        yield open_family
+
+
+_BREAKERS = _TypeBreakerCollector()
+REGISTRY.register(_BREAKERS)
+
+
+def watch_type_breakers(states: BreakerStates) -> Callable[[], None]:
+    """Report the type breakers ``states`` lists (one gateway's) at every scrape, until the
+    returned function is called. ``states`` runs on the scrape's thread: it must only
+    read."""
+    return _BREAKERS.add(states)
 
 
 # ------------------------------------------------------------------ the server

@@ -129,7 +129,12 @@ async def open_runtime(
     clock = clock or SystemClock()
     subjects = Subjects(settings.subject_prefix)
     auth = ClusterAuth.from_settings(settings)  # an unusable key fails before any link
-    configure_tracing(name, settings.instance_id, settings.otlp_endpoint)
+    configure_tracing(
+        name,
+        settings.instance_id,
+        settings.otlp_endpoint,
+        sample_ratio=settings.trace_sample_ratio,
+    )
     signals = Health()
     broker = await _until_stopped(open_broker(settings, clock), "broker")
     try:

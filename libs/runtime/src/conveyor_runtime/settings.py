@@ -19,7 +19,7 @@ from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_valid
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from conveyor_runtime.cluster_key import ClusterKeyError, parse_keys, read_key_file
-from conveyor_runtime.tls import check_links, check_server_tls
+from conveyor_runtime.tls import check_links, check_rest_tls, check_server_tls
 from conveyor_runtime.tokens import Token, load_tokens
 from conveyor_runtime.webhook_secrets import SecretKeyring
 from conveyor_runtime.webhook_urls import AddressPolicy, parse_networks
@@ -110,6 +110,13 @@ class CommonSettings(BaseSettings):
         None,
         description="Export OpenTelemetry traces over OTLP/gRPC to this endpoint "
         "(e.g. http://jaeger:4317); unset: no tracing",
+    )
+    trace_sample_ratio: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of the traces that start in this process to record (0 to 1; a "
+        "task's trace is sampled once, where it starts, and every later hop follows)",
     )
     health_file: str | None = Field(
         None,
@@ -510,6 +517,12 @@ class MaintenanceSettings(ServiceSettings):
         "delayed task that falls due runs one at once)",
     )
     reap_tick: float = Field(1.0, gt=0, description="Seconds between reaper passes")
+    depth_tick: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds between refreshes of the queue depth gauges (the reaper "
+        "leader: a count by state per served queue)",
+    )
     register_tick: float = Field(
         5.0,
         gt=0,
@@ -589,13 +602,91 @@ class WebhookSettings(WebhookAccessSettings):
     )
 
 
-#: Every service's settings class, by service name (the order of the reference).
-SERVICE_SETTINGS: dict[str, type[CommonSettings]] = {
+class RestSettings(BaseSettings):
+    """services/rest: the REST admin API and the ``/ui`` dashboard, a gRPC client of an
+    api. It is on neither NATS nor Postgres, so it has these settings only (none of
+    :class:`CommonSettings`), read like every service's: flags, then ``CONVEYOR_*``
+    variables, then defaults."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_",
+        extra="forbid",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        hide_input_in_errors=True,
+    )
+
+    target: str = Field(
+        "127.0.0.1:50051",
+        description="The api's gRPC address: host:port, or https://host:port when it "
+        "speaks TLS (as the CLI's --target)",
+    )
+    tls_ca: str | None = Field(
+        None,
+        description="CA bundle (PEM file) that verifies the api's certificate; setting "
+        "any tls_* file makes the link TLS (unset: the system's CAs)",
+    )
+    tls_client_cert: str | None = Field(
+        None,
+        description="Client certificate (PEM file) for an api that asks for one (its "
+        "CONVEYOR_TLS_CLIENT_CA: mutual TLS)",
+    )
+    tls_client_key: str | None = Field(
+        None, description="Private key (PEM file) of tls_client_cert"
+    )
+    token: SecretStr | None = Field(
+        None,
+        description="The bearer secret of this process's own calls to the api (the "
+        "dashboard's sampler, the health probe; a read-only token suffices); each REST "
+        "request passes its caller's own token",
+    )
+    rest_host: str = Field("127.0.0.1", description="HTTP listen address")
+    rest_port: int = Field(8080, ge=0, le=65535, description="HTTP listen port (0: any free port)")
+    rest_tls_cert: str | None = Field(
+        None, description="Certificate (PEM file) to serve HTTPS with (unset: plain HTTP)"
+    )
+    rest_tls_key: str | None = Field(None, description="Private key (PEM file) of rest_tls_cert")
+    sample_interval: float = Field(
+        10.0,
+        ge=0,
+        description="Seconds between the dashboard's samples of every queue's counts and "
+        "latency, kept in memory for an hour for its charts (0: no sampling, no charts)",
+    )
+    allow_plaintext: bool = Field(
+        False,
+        description="Knowingly allow tokens to cross the network in clear: a plaintext "
+        "target beyond this machine, or plain HTTP on an address beyond loopback",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level")
+    log_format: Literal["text", "json"] = Field("text", description="Log format")
+    health_file: str | None = Field(
+        None,
+        description="Touch this file every few seconds while the api answers this "
+        "process (for `conveyor health`)",
+    )
+
+    @model_validator(mode="after")
+    def _links_fail_closed(self) -> Self:
+        check_rest_tls(self)
+        return self
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> Self:
+        """Settings from ``argv`` flags (None: no flags) over the environment."""
+        if argv is None:
+            return cls()
+        return cls(_cli_parse_args=list(argv))
+
+
+#: Every service's settings class, by service name (the order of the reference). Each is
+#: a CommonSettings but ``rest``'s (on neither NATS nor Postgres: only its own).
+SERVICE_SETTINGS: dict[str, type[CommonSettings] | type[RestSettings]] = {
     "common": CommonSettings,
     "api": ApiSettings,
     "dispatcher": DispatcherSettings,
     "maintenance": MaintenanceSettings,
     "webhook": WebhookSettings,
+    "rest": RestSettings,
 }
 
 
@@ -604,10 +695,15 @@ def reference_markdown() -> str:
     lines: list[str] = []
     common = set(CommonSettings.model_fields)
     for service, cls in SERVICE_SETTINGS.items():
-        own = [name for name in cls.model_fields if service == "common" or name not in common]
+        alone = not issubclass(cls, CommonSettings)
+        own = [
+            name for name in cls.model_fields if service == "common" or alone or name not in common
+        ]
         if not own:
             continue
         title = "Every service" if service == "common" else f"`{service}`"
+        if alone:
+            title += " (these only: it is on neither NATS nor Postgres)"
         lines += [
             f"#### {title}",
             "",

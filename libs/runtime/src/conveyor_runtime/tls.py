@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import ssl
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal, cast
 from urllib.parse import parse_qs, urlsplit
 
 if TYPE_CHECKING:
-    from conveyor_runtime.settings import ApiSettings, CommonSettings
+    from conveyor_runtime.settings import ApiSettings, CommonSettings, RestSettings
 
 __all__ = [
     "SECURE_SSLMODES",
     "SslMode",
     "check_links",
+    "check_rest_tls",
     "check_server_tls",
     "client_context",
     "describe_hosts",
     "dsn_hosts",
     "effective_sslmode",
+    "grpc_target",
     "is_loopback",
     "nats_hosts",
     "nats_tls_context",
@@ -223,6 +226,74 @@ def check_server_tls(settings: ApiSettings) -> None:
             f"no TLS certificate for the gRPC port on {settings.host}: set CONVEYOR_TLS_CERT "
             f"and CONVEYOR_TLS_KEY, {_PLAINTEXT_HINT}"
         )
+    _raise(problems)
+
+
+def grpc_target(target: str) -> tuple[str, bool | None]:
+    """A gRPC target as the CLI and the SDK take it: ``https://host:port`` is
+    ``("host:port", True)``, ``http://host:port`` ``("host:port", False)``, anything
+    else (``host:port``, a gRPC target string) itself and None (TLS if TLS files are
+    given). ValueError for a URL with a path."""
+    match = re.match(r"^(https?)://([^/]+)/?$", target, flags=re.IGNORECASE)
+    if match is not None:
+        return match.group(2), match.group(1).lower() == "https"
+    if re.match(r"^https?://", target, flags=re.IGNORECASE):
+        raise ValueError(f"target {target!r} has a path: give https://host:port")
+    return target, None
+
+
+def _target_host(address: str) -> str:
+    # "host:port", "[::1]:port", "host": the host part.
+    return urlsplit(f"//{address}").hostname or ""
+
+
+def check_rest_tls(settings: RestSettings) -> None:
+    """Raise ValueError for the REST process's TLS settings: unreadable files, a
+    certificate without its key, TLS files for an ``http://`` target, and (unless
+    ``allow_plaintext``) a plaintext link to an api beyond loopback or plain HTTP on an
+    address beyond loopback: either would carry bearer tokens in clear."""
+    problems: list[str] = []
+    for variable, path in (
+        ("CONVEYOR_TLS_CA", settings.tls_ca),
+        ("CONVEYOR_TLS_CLIENT_CERT", settings.tls_client_cert),
+        ("CONVEYOR_TLS_CLIENT_KEY", settings.tls_client_key),
+        ("CONVEYOR_REST_TLS_CERT", settings.rest_tls_cert),
+        ("CONVEYOR_REST_TLS_KEY", settings.rest_tls_key),
+    ):
+        _check_file(problems, variable, path)
+    _check_pair(
+        problems,
+        ("CONVEYOR_TLS_CLIENT_CERT", settings.tls_client_cert),
+        ("CONVEYOR_TLS_CLIENT_KEY", settings.tls_client_key),
+    )
+    _check_pair(
+        problems,
+        ("CONVEYOR_REST_TLS_CERT", settings.rest_tls_cert),
+        ("CONVEYOR_REST_TLS_KEY", settings.rest_tls_key),
+    )
+    try:
+        address, scheme_tls = grpc_target(settings.target)
+    except ValueError as exc:
+        problems.append(f"CONVEYOR_TARGET: {exc}")
+        address, scheme_tls = settings.target, None
+    material = bool(settings.tls_ca or settings.tls_client_cert or settings.tls_client_key)
+    if scheme_tls is False and material:
+        problems.append(
+            "CONVEYOR_TARGET is http:// (plaintext) but TLS files are set: use https://"
+        )
+    tls = scheme_tls if scheme_tls is not None else material
+    if not settings.allow_plaintext:
+        host = _target_host(address)
+        if not tls and not is_loopback(host):
+            problems.append(
+                f"the api at {host} without TLS: set CONVEYOR_TARGET=https://{address} "
+                f"(with CONVEYOR_TLS_CA for a private CA), {_PLAINTEXT_HINT}"
+            )
+        if not settings.rest_tls_cert and not is_loopback(settings.rest_host):
+            problems.append(
+                f"plain HTTP on {settings.rest_host}: set CONVEYOR_REST_TLS_CERT and "
+                f"CONVEYOR_REST_TLS_KEY, {_PLAINTEXT_HINT}"
+            )
     _raise(problems)
 
 

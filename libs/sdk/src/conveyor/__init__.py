@@ -47,6 +47,7 @@ from conveyor._clients.admin_types import (
     TaskPage,
     WebhookGateway,
     WebhookWorker,
+    WhoAmI,
     WorkerSession,
     cron,
 )
@@ -154,6 +155,7 @@ __all__ = [
     "WebhookGateway",
     "WebhookWorker",
     "WebhookWorkerNotFound",
+    "WhoAmI",
     "Worker",
     "WorkerSession",
     "__version__",

@@ -39,6 +39,8 @@ COMPOSE_HOSTS: Mapping[str, tuple[str, ...]] = {
     "api": ("api", "localhost", "127.0.0.1", "::1"),
     "nats": ("nats", "nats-1", "nats-2", "nats-3", "localhost", "127.0.0.1", "::1"),
     "postgres": ("postgres", "localhost", "127.0.0.1", "::1"),
+    # The REST admin API's HTTPS port (browsers and curl reach it as localhost).
+    "rest": ("rest", "localhost", "127.0.0.1", "::1"),
 }
 #: The nodes of compose.yaml's nats-cluster profile: they route to each other with
 #: ``nats-route.pem`` (server and client certificate for these names).
@@ -189,8 +191,9 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
     """Write a new development CA and everything compose.yaml mounts into ``folder``:
 
     - ``ca.pem``: the CA every client and server trusts;
-    - ``<host>.pem`` / ``<host>.key`` for ``api``, ``nats`` and ``postgres``: server
-      certificates for their compose names, ``localhost`` and the loopback addresses;
+    - ``<host>.pem`` / ``<host>.key`` for ``api``, ``nats``, ``postgres`` and ``rest``:
+      server certificates for their compose names, ``localhost`` and the loopback
+      addresses;
     - ``nats-route.pem`` / ``nats-route.key``: what the nodes of the nats-cluster profile
       present to each other on their routes (mutual TLS), for their names;
     - ``client.pem`` / ``client.key``: a client certificate (the CLI, the SDK, a webhook

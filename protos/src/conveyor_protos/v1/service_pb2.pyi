@@ -1074,6 +1074,26 @@ class GetClusterInfoResponse(_message.Message):
     answered_by: str
     def __init__(self, server_version: _Optional[str] = ..., broker: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[WorkerSessionInfo, _Mapping]]] = ..., queue_owners: _Optional[_Mapping[str, str]] = ..., nodes: _Optional[_Iterable[_Union[ClusterNode, _Mapping]]] = ..., leaders: _Optional[_Mapping[str, str]] = ..., webhook_gateways: _Optional[_Iterable[_Union[WebhookGatewayInfo, _Mapping]]] = ..., answered_by: _Optional[str] = ...) -> None: ...
 
+class WhoAmIRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WhoAmIResponse(_message.Message):
+    __slots__ = ("role", "token_name", "auth_enabled", "read_only", "can_read", "can_mutate")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_NAME_FIELD_NUMBER: _ClassVar[int]
+    AUTH_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CAN_READ_FIELD_NUMBER: _ClassVar[int]
+    CAN_MUTATE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    token_name: str
+    auth_enabled: bool
+    read_only: bool
+    can_read: bool
+    can_mutate: bool
+    def __init__(self, role: _Optional[str] = ..., token_name: _Optional[str] = ..., auth_enabled: _Optional[bool] = ..., read_only: _Optional[bool] = ..., can_read: _Optional[bool] = ..., can_mutate: _Optional[bool] = ...) -> None: ...
+
 class WatchEventsRequest(_message.Message):
     __slots__ = ("queues", "states")
     QUEUES_FIELD_NUMBER: _ClassVar[int]

@@ -584,6 +584,11 @@ class AdminServiceStub:
                 request_serializer=conveyor_dot_v1_dot_service__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=conveyor_dot_v1_dot_service__pb2.TaskEvent.FromString,
                 _registered_method=True)
+        self.WhoAmI = channel.unary_unary(
+                '/conveyor.v1.AdminService/WhoAmI',
+                request_serializer=conveyor_dot_v1_dot_service__pb2.WhoAmIRequest.SerializeToString,
+                response_deserializer=conveyor_dot_v1_dot_service__pb2.WhoAmIResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -842,6 +847,15 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WhoAmI(self, request, context):
+        """Who the caller is, as this api sees its bearer token, and what it may do on the
+        AdminService. Any token the api accepts may ask (a producer's or a worker's too); a
+        missing or unknown token is UNAUTHENTICATED, as for every call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1049,6 +1063,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=conveyor_dot_v1_dot_service__pb2.WatchEventsRequest.FromString,
                     response_serializer=conveyor_dot_v1_dot_service__pb2.TaskEvent.SerializeToString,
+            ),
+            'WhoAmI': grpc.unary_unary_rpc_method_handler(
+                    servicer.WhoAmI,
+                    request_deserializer=conveyor_dot_v1_dot_service__pb2.WhoAmIRequest.FromString,
+                    response_serializer=conveyor_dot_v1_dot_service__pb2.WhoAmIResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2161,6 +2180,33 @@ class AdminService:
             '/conveyor.v1.AdminService/WatchEvents',
             conveyor_dot_v1_dot_service__pb2.WatchEventsRequest.SerializeToString,
             conveyor_dot_v1_dot_service__pb2.TaskEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WhoAmI(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/conveyor.v1.AdminService/WhoAmI',
+            conveyor_dot_v1_dot_service__pb2.WhoAmIRequest.SerializeToString,
+            conveyor_dot_v1_dot_service__pb2.WhoAmIResponse.FromString,
             options,
             channel_credentials,
             insecure,

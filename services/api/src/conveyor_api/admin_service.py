@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -47,13 +47,18 @@ from conveyor_runtime.wire import TaskDefaults
 from google.protobuf.timestamp_pb2 import Timestamp
 from nats.aio.subscription import Subscription
 
+from conveyor_api.auth import who_am_i
 from conveyor_api.broker_status import abort_for_error
 from conveyor_api.session import SessionRegistry
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from conveyor_runtime.tokens import Token
+
     _Context = grpc.aio.ServicerContext[Any, Any]
+    #: Who a call's metadata names: the token it presents (BearerAuthInterceptor.caller).
+    Caller = Callable[[Any], Token | None]
 
 #: Most tasks one BatchTaskAction touches.
 MAX_BATCH_ACTION = 1000
@@ -98,13 +103,19 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         instance: str = "",
         card: NodeCard | None = None,
         cluster_info_window: float = 0.25,
+        caller: Caller | None = None,
+        read_only: bool = False,
     ) -> None:
         """``url_guard`` checks where webhook URLs point (default: public addresses only);
         ``keyring`` seals webhook secrets (default: none, and registering a secret is
         FAILED_PRECONDITION); ``task_defaults`` are the producer's limits, which a cron
         entry's task template must keep too. ``instance`` names this api; ``card`` is its
         own entry in the cluster view, and GetClusterInfo waits ``cluster_info_window``
-        seconds for every process's."""
+        seconds for every process's. ``caller`` names the token a call's metadata
+        presents (None: auth is off) and ``read_only`` says the api refuses mutations:
+        what WhoAmI reports (the interceptors enforce both)."""
+        self._caller = caller
+        self._read_only = read_only
         self._broker = broker
         self._instance = instance
         self._card = card
@@ -237,6 +248,18 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         )
         merge_nodes(nodes, response)
         return response
+
+    async def WhoAmI(
+        self, request: service_pb2.WhoAmIRequest, context: _Context
+    ) -> service_pb2.WhoAmIResponse:
+        """The caller's token's role and what it may do here (any authenticated token may
+        ask: BearerAuthInterceptor lets this method through for every role)."""
+        if self._caller is None:
+            return who_am_i(None, auth_enabled=False, read_only=self._read_only)
+        token = self._caller(context.invocation_metadata())
+        if token is None:  # the interceptor refuses such a call before it gets here
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        return who_am_i(token, auth_enabled=True, read_only=self._read_only)
 
     async def WatchEvents(
         self, request: service_pb2.WatchEventsRequest, context: _Context

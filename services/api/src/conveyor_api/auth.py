@@ -48,6 +48,9 @@ ADMIN_READS = frozenset(
         "WatchEvents",
     }
 )
+#: AdminService methods any authenticated token may call, whatever its role: the caller
+#: asking what it may do (a producer or worker token too). Read-only mode lets them pass.
+ANY_ROLE = frozenset({"WhoAmI"})
 
 
 def _refusal(
@@ -84,9 +87,15 @@ def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | None:
     return None
 
 
+def any_role(method: str) -> bool:
+    """True for a method every authenticated token may call (:data:`ANY_ROLE`)."""
+    return method.startswith(ADMIN_SERVICE) and method.removeprefix(ADMIN_SERVICE) in ANY_ROLE
+
+
 def needed_role(method: str) -> Role:
     """The role a call needs besides admin, as refusals name it: ``producer``,
-    ``worker``, ``read-only`` or ``admin`` (every method not listed here: fail closed)."""
+    ``worker``, ``read-only`` or ``admin`` (every method not listed here: fail closed).
+    The :data:`ANY_ROLE` methods need none: the interceptor lets every token through."""
     if method.startswith(TASK_SERVICE):
         return Role.PRODUCER
     if method.startswith(WORKER_SERVICE):
@@ -138,6 +147,11 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
                 found = token
         return found
 
+    def caller(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Token | None:
+        """The configured token a call's ``metadata`` presents (its ``authorization:
+        Bearer`` entry), if any: what a handler asks to learn who called it."""
+        return self.identify(_bearer(metadata))
+
     async def intercept_service(
         self, continuation: _Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
@@ -155,7 +169,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
                 "missing or invalid bearer token (metadata 'authorization: Bearer <secret>', "
                 "the secret part of a name:role:secret token)",
             )
-        if token.role is Role.ADMIN:
+        if token.role is Role.ADMIN or any_role(method):
             return handler
         needed = needed_role(method)
         if token.role is not needed:
@@ -256,6 +270,31 @@ class _HelloCheckedContext:
         return value
 
 
+def who_am_i(
+    token: Token | None, *, auth_enabled: bool, read_only: bool
+) -> service_pb2.WhoAmIResponse:
+    """AdminService.WhoAmI's answer for a caller presenting ``token`` (None with auth
+    off): its role, and what the interceptors above let it do on the AdminService (reads
+    need an admin or read-only token, mutations an admin one and an api that is not
+    read-only)."""
+    if not auth_enabled:
+        role, name = Role.ADMIN, ""
+        text = str(Role.ADMIN)
+    elif token is None:
+        raise ValueError("who_am_i: auth is on, so the caller has a token")
+    else:
+        role, name, text = token.role, token.name, token.role_text
+    can_read = role in (Role.ADMIN, Role.READ_ONLY)
+    return service_pb2.WhoAmIResponse(
+        role=text,
+        token_name=name,
+        auth_enabled=auth_enabled,
+        read_only=read_only,
+        can_read=can_read,
+        can_mutate=role is Role.ADMIN and not read_only,
+    )
+
+
 class ReadOnlyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses AdminService mutations with PERMISSION_DENIED; everything else passes."""
 
@@ -267,7 +306,7 @@ class ReadOnlyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not method.startswith(ADMIN_SERVICE):
             return handler
         name = method.removeprefix(ADMIN_SERVICE)
-        if name in ADMIN_READS:
+        if name in ADMIN_READS or name in ANY_ROLE:
             return handler
         return _refusal(
             handler,

@@ -150,13 +150,16 @@ class ApiServer:
         self._server: grpc.aio.Server | None = None
         self._cancel_sub: Subscription | None = None
         self._admin: AdminService | None = None
+        #: The bearer-token check (None: auth off); AdminService.WhoAmI asks it who called.
+        self._auth: BearerAuthInterceptor | None = None
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if tracing_enabled():
             interceptors.append(TracingInterceptor())
         if self.settings.tokens:
-            interceptors.append(BearerAuthInterceptor(self.settings.tokens))
+            self._auth = BearerAuthInterceptor(self.settings.tokens)
+            interceptors.append(self._auth)
         else:
             # ApiSettings refuses this combination unless allow_unauthenticated is set.
             logger.warning(
@@ -242,6 +245,8 @@ class ApiServer:
             instance=settings.instance_id,
             card=self.card,
             cluster_info_window=settings.cluster_info_window,
+            caller=self._auth.caller if self._auth is not None else None,
+            read_only=settings.read_only,
         )
         add_service(server, _SERVICES["AdminService"], self._admin)
         add_service(

@@ -27,6 +27,7 @@ from conveyor_runtime import metrics
 from conveyor_runtime.wire import TaskDefaults, new_task_from_request, task_to_proto
 
 from conveyor_api.broker_status import abort_for_error, status_code_of, status_message
+from conveyor_api.tracing import commit_span, stamp_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,9 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
         """Validate, group-commit, answer after the commit."""
         try:
             task = new_task_from_request(request.task, self._clock, self._defaults)
-            result = await self._committer.enqueue(task)
+            (task,) = stamp_tasks([task])
+            with commit_span([task]):
+                result = await self._committer.enqueue(task)
         except Exception as exc:
             await abort_for_error(context, exc)
         return service_pb2.EnqueueResponse(task=task_to_proto(result.task), created=result.created)
@@ -106,7 +109,9 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
                 items.append(None)
             except (InvalidTask, NotSupported) as exc:
                 items.append(_item_error(exc))
-        outcomes = await self._committer.enqueue_many([task for _, task in work])
+        tasks = stamp_tasks([task for _, task in work])
+        with commit_span(tasks):
+            outcomes = await self._committer.enqueue_many(tasks)
         for done, ((index, _), outcome) in enumerate(zip(work, outcomes, strict=True)):
             if done and done % YIELD_EVERY == 0:
                 await asyncio.sleep(0)
@@ -135,8 +140,9 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
     ) -> service_pb2.EnqueueTxResponse:
         """All-or-nothing: one broker transaction, no group commit."""
         try:
-            tasks = self._convert_batch(request.tasks, "EnqueueTx")
-            results = await self._broker.enqueue_batch(tasks) if tasks else []
+            tasks = stamp_tasks(self._convert_batch(request.tasks, "EnqueueTx"))
+            with commit_span(tasks):
+                results = await self._broker.enqueue_batch(tasks) if tasks else []
         except Exception as exc:
             await abort_for_error(context, exc)
         metrics.record_enqueued(results)

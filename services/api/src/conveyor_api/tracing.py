@@ -1,16 +1,35 @@
-"""A span per gRPC call (installed only when tracing is on)."""
+"""A span per gRPC call (installed only when tracing is on), the child of the trace
+context the caller sent in the call's metadata (``traceparent``); and the enqueue's own
+parts: the trace context the api writes into a task that came without one, and the span
+of the group commit."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from conveyor_runtime.tracing import tracer
+from conveyor_broker import NewTask
+from conveyor_broker.validation import MAX_HEADERS
+from conveyor_runtime.tracing import (
+    TRACEPARENT,
+    carrier_of,
+    links_to,
+    remote_parent,
+    task_parent,
+    tracer,
+    tracing_enabled,
+)
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 _tracer = tracer(__name__)
+#: What :func:`commit_span` gives while tracing is off (reusable: it does nothing).
+_OFF = contextlib.nullcontext()
 
 if TYPE_CHECKING:
     _Continuation = Callable[
@@ -34,12 +53,13 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         attributes = _attributes(method)
+        parent = remote_parent(handler_call_details.invocation_metadata)  # type: ignore[arg-type]
         if handler.unary_unary is not None:
             inner: Any = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 with _tracer.start_as_current_span(
-                    method, kind=SpanKind.SERVER, attributes=attributes
+                    method, parent, kind=SpanKind.SERVER, attributes=attributes
                 ) as span:
                     response = await inner(request, context)
                     code = context.code()
@@ -62,7 +82,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
                 requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
             ) -> None:
                 with _tracer.start_as_current_span(
-                    method, kind=SpanKind.SERVER, attributes=attributes
+                    method, parent, kind=SpanKind.SERVER, attributes=attributes
                 ):
                     await inner_stream(requests, context)
 
@@ -78,7 +98,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
                 request: Any, context: grpc.aio.ServicerContext[Any, Any]
             ) -> AsyncIterator[Any]:
                 with _tracer.start_as_current_span(
-                    method, kind=SpanKind.SERVER, attributes=attributes
+                    method, parent, kind=SpanKind.SERVER, attributes=attributes
                 ):
                     async for response in inner_us(request, context):
                         yield response
@@ -89,3 +109,53 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+def stamp_tasks(tasks: Sequence[NewTask]) -> list[NewTask]:
+    """``tasks``, each one that carries no ``traceparent`` given the current span's (the
+    call's) while tracing is on and that span is sampled: so the task's trace starts
+    here when its producer traces nothing, and every later hop joins it. A task with
+    no room for another header is left as it is."""
+    if not tracing_enabled():
+        return list(tasks)
+    span = trace.get_current_span()
+    span_context = span.get_span_context()
+    if not (span_context.is_valid and span_context.trace_flags.sampled):
+        return list(tasks)
+    carrier = carrier_of(span)
+    return [
+        task
+        if TRACEPARENT in task.headers or len(task.headers) + len(carrier) > MAX_HEADERS
+        else dataclasses.replace(task, headers={**task.headers, **carrier})
+        for task in tasks
+    ]
+
+
+def commit_span(tasks: Sequence[NewTask]) -> AbstractContextManager[object]:
+    """The span of an enqueue's group commit (``conveyor.commit``), current inside the
+    ``with`` block; does nothing while tracing is off.
+
+    Its parent is the call's span; for a single task whose headers carry another trace
+    (a producer that sent its context in the task but not in the call), that trace. A
+    batch's commit links to the other traces its tasks carry instead (at most
+    :data:`~conveyor_runtime.tracing.MAX_LINKS`).
+    """
+    if not tracing_enabled():
+        return _OFF
+    current = trace.get_current_span().get_span_context()
+    parent = None
+    links = None
+    if len(tasks) == 1:
+        own = task_parent(tasks[0].headers)
+        if own is not None and (
+            trace.get_current_span(own).get_span_context().trace_id != current.trace_id
+        ):
+            parent = own
+    else:
+        links = links_to((task.headers for task in tasks), besides=current.trace_id)
+    attributes: dict[str, Any] = {"conveyor.tasks": len(tasks)}
+    if tasks:
+        attributes["conveyor.queue"] = tasks[0].queue
+    return _tracer.start_as_current_span(
+        "conveyor.commit", parent, SpanKind.INTERNAL, attributes, links
+    )

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 
 from conveyor_dispatcher.credits import CreditBook
 from conveyor_dispatcher.leases import LeaseBatcher
+from conveyor_dispatcher.tracing import OfferSpans, lease_started
 
 logger = logging.getLogger(__name__)
 
@@ -248,9 +249,7 @@ class QueueDispatcher:
     # ------------------------------------------------------------------ cycle
 
     def _credits_changed(self) -> None:
-        metrics.CREDITS.labels(metrics.QUEUE(self.queue)).set(
-            0 if self._closed else self.book.total
-        )
+        metrics.credits(self.queue).set(0 if self._closed else self.book.total)
 
     def _kick(self) -> None:
         self._credits_changed()
@@ -294,6 +293,7 @@ class QueueDispatcher:
                     break  # the timer kicks when the next token is due
                 slots = self.book.take_slots(want)
                 holders = [self.book.holder_of(gw) for gw in slots]
+                lease_at = lease_started()
                 try:
                     if self._breakers or self.book.any_blocked(slots):
                         groups = await self._lease_filtered(slots, holders)
@@ -330,7 +330,11 @@ class QueueDispatcher:
                         self.book.refund(group_slots)
                         continue
                     took, left = await self._dispatch(
-                        tasks, group_slots, group_holders, more=len(tasks) == len(group_slots)
+                        tasks,
+                        group_slots,
+                        group_holders,
+                        more=len(tasks) == len(group_slots),
+                        lease_at=lease_at,
                     )
                     accepted += took
                     rejected += left
@@ -521,12 +525,15 @@ class QueueDispatcher:
         *,
         more: bool = False,
         probe: bool = False,
+        lease_at: int = 0,
     ) -> tuple[int, int]:
         """Send ``tasks`` to the gateways whose ``slots`` (taken from the book for this
         lease, the gateway of each, named as ``holders`` in the lease) they were leased
         for; release what nobody accepted, and give back the slots no task used. ``more``:
         the lease got all it asked for (the queue probably holds more), which the offers
-        say; ``probe``: the tasks are a half-open breaker's probe (their envelopes say so).
+        say; ``probe``: the tasks are a half-open breaker's probe (their envelopes say so);
+        ``lease_at``: when their lease began, while tracing is on (0: nothing traced; see
+        :mod:`~conveyor_dispatcher.tracing`).
 
         A task too big for any NATS message is archived first (see :func:`split_offer`):
         its slot is given back and it counts as neither accepted nor released. Returns
@@ -539,6 +546,7 @@ class QueueDispatcher:
         offer, oversized = fit_offer(envelopes, self._bus.max_payload)
         if oversized:
             await self._archive_oversized(oversized)
+        spans = OfferSpans.start(self.queue, offer, lease_at) if lease_at else None
         plan, unused = assign(offer, slots, holders)
         self.book.refund(unused)
         # A gateway forgotten while the lease ran (it closed) gets nothing: its tasks go
@@ -548,6 +556,8 @@ class QueueDispatcher:
             *(self._send(gw, batch, more) for gw, batch in plan.items() if gw in self.book)
         )
         rejected = leftover + [task for batch in results for task in batch]
+        if spans is not None:
+            spans.end(rejected)
         await self._release(rejected)
         accepted = len(offer) - len(rejected)
         self.dispatched += accepted
@@ -558,15 +568,14 @@ class QueueDispatcher:
         """The metrics of one dispatch: counters per batch, and the enqueue-to-start
         latency of each accepted first attempt (its lease time, ``started_at``, less when
         it was created or, when later, due: ``process_at``)."""
-        queue = metrics.QUEUE(self.queue)
-        metrics.OFFERED.labels(queue).inc(len(offer))
-        metrics.ACCEPTED.labels(queue).inc(accepted)
-        metrics.STARTED.labels(queue).inc(accepted)
+        metrics.offered(self.queue).inc(len(offer))
+        metrics.accepted(self.queue).inc(accepted)
+        metrics.started(self.queue).inc(accepted)
         self._credits_changed()
         if not accepted:
             return
         refused = {task.id for task in rejected}
-        latency = metrics.ENQUEUE_TO_START.labels(queue)
+        latency = metrics.enqueue_to_start(self.queue)
         for task, _ in offer:
             if task.id in refused or task.retried or task.started_at is None:
                 continue
@@ -603,7 +612,7 @@ class QueueDispatcher:
     ) -> list[Task]:
         """One DispatchRequest to ``gateway``; returns the tasks it did not accept."""
         batch = [task for task, _ in piece]
-        metrics.OFFERS.labels(metrics.QUEUE(self.queue)).inc()
+        metrics.offers(self.queue).inc()
         request = cluster_pb2.DispatchRequest(
             queue=self.queue,
             dispatcher=self._config.instance_id,
@@ -695,7 +704,7 @@ class QueueDispatcher:
                     result,
                 )
         self.released += len(tasks)
-        metrics.RELEASED.labels(metrics.QUEUE(self.queue)).inc(len(tasks))
+        metrics.released(self.queue).inc(len(tasks))
 
 
 #: Bytes of a DispatchRequest besides its envelopes (queue, dispatcher id) and of each

@@ -22,7 +22,10 @@ skipped one only delays work.
   work can go nowhere), and asking the broker about the served queues only keeps a
   pass's cost to the queues in use, however many others hold work. Every instance
   listens to the holders' NATS beats (the leader's successor knows who is alive), and an
-  instance that has listened for less than ``holder_silence`` judges nobody.
+  instance that has listened for less than ``holder_silence`` judges nobody. The same
+  sweep gives the metrics each served queue's oldest due age (the broker's probe returns
+  the due time it found), and every ``depth_tick`` the leader counts the served queues'
+  tasks by state for the depth gauges; a leader that loses the role drops both.
 - resolver, as ``Resolve`` messages arrive: the dependents of ended tasks are promoted,
   canceled or left blocked, and promoted queues woken (see
   :mod:`conveyor_maintenance.resolver`).
@@ -39,7 +42,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.cron import CronSchedule, plan_fire, slot_text
@@ -78,8 +81,6 @@ _tracer = tracer(__name__)
 
 SCHEDULER = "scheduler"
 REAPER = "reaper"
-#: Seconds between refreshes of the queue depth gauges (by the reaper leader).
-DEPTH_TICK = 10.0
 STORAGE = "storage"
 #: Most promote rounds in one scheduler pass (each takes up to sweep_limit tasks).
 MAX_PROMOTE_ROUNDS = 10
@@ -160,6 +161,9 @@ class Maintenance:
         self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0}
         #: When the reaper leader last refreshed the queue depth gauges (loop time).
         self._depth_at = float("-inf")
+        #: The queue labels whose depth and oldest due gauges this instance set.
+        self._depth_labels: set[str] = set()
+        self._due_labels: set[str] = set()
         self.resolver = DependencyResolver(
             broker,
             self.bus,
@@ -287,6 +291,19 @@ class Maintenance:
     def _on_lost(self, role: str) -> None:
         metrics.LEADERSHIP.labels(role, "lost").inc()
         logger.warning("maintenance.leadership_lost role=%s instance=%s", role, self.instance_id)
+        if role == REAPER:
+            self.drop_queue_gauges()
+
+    def drop_queue_gauges(self) -> None:
+        """Drop the queue depth and oldest due gauges this instance set: they are the new
+        reaper leader's to report (stale ones here would stand beside its fresh ones)."""
+        for label in self._due_labels:
+            with contextlib.suppress(KeyError):
+                metrics.QUEUE_OLDEST_DUE.remove(label)
+        self._due_labels = set()
+        self._depth_labels = set()
+        metrics.QUEUE_DEPTH.clear()
+        self._depth_at = float("-inf")
 
     async def _lead(
         self,
@@ -528,9 +545,13 @@ class Maintenance:
         async def sweep_pending() -> None:
             # Which served queues have due work, a page of names at a time: one index
             # probe per name, so the pass costs the same with a million tasks due, or ten
-            # thousand queues holding work that no worker serves.
+            # thousand queues holding work that no worker serves. The probe's due time is
+            # each queue's oldest due age, for the metrics.
+            oldest: dict[str, datetime] = {}
             for start in range(0, len(served), limit):
-                to_wake.update(await self._broker.due_among(served[start : start + limit]))
+                oldest.update(await self._broker.oldest_due(served[start : start + limit]))
+            to_wake.update(oldest)
+            self._set_oldest_due(served, oldest)
 
         await step("release_dead_holders", release_dead_holders)
         await step("reap", reap)
@@ -539,7 +560,7 @@ class Maintenance:
         await step("purge", purge)
         await step("pending_sweep", sweep_pending)
         await step("wake", lambda: self.wake(sorted(to_wake)))
-        if now - self._depth_at >= DEPTH_TICK:
+        if now - self._depth_at >= self.settings.depth_tick:
             self._depth_at = now
             await step("depth", lambda: self.depth_pass(served))
         report = ReaperReport(
@@ -569,12 +590,40 @@ class Maintenance:
         """Set the queue depth gauges of the served queues (at most the label cap's
         worth): one ``queue_stats(queue)`` each, a count by state over that queue's
         index entries (its retained ended rows included). Run by the reaper leader every
-        DEPTH_TICK seconds, so the cluster pays it once, never per scrape."""
+        ``depth_tick`` seconds, so the cluster pays it once, never per scrape. The
+        queues no longer served are dropped from the gauges."""
+        labels: set[str] = set()
         for queue in sorted(served)[: metrics.LABEL_LIMIT]:
             for stats in await self._broker.queue_stats(queue):
                 label = metrics.QUEUE(stats.queue)
+                if label == metrics.OTHER:
+                    continue  # no count of a label that stands for many queues
+                labels.add(label)
                 for state, n in stats.counts.items():
                     metrics.QUEUE_DEPTH.labels(label, state.value).set(n)
+        for label in self._depth_labels - labels:
+            for state in TaskState:
+                with contextlib.suppress(KeyError):
+                    metrics.QUEUE_DEPTH.remove(label, state.value)
+        self._depth_labels = labels
+
+    def _set_oldest_due(self, served: Iterable[str], oldest: dict[str, datetime]) -> None:
+        """Set the oldest due gauge of every served queue from the sweep's due times (0:
+        nothing due; the queues past the label cap as one ``other``, their oldest), and
+        drop the queues no longer served."""
+        now = self.clock.now()
+        ages: dict[str, float] = {}
+        for queue in served:
+            label = metrics.QUEUE(queue)
+            due = oldest.get(queue)
+            age = max(0.0, (now - due).total_seconds()) if due is not None else 0.0
+            ages[label] = max(ages.get(label, 0.0), age)
+        for label, age in ages.items():
+            metrics.QUEUE_OLDEST_DUE.labels(label).set(age)
+        for label in self._due_labels - ages.keys():
+            with contextlib.suppress(KeyError):
+                metrics.QUEUE_OLDEST_DUE.remove(label)
+        self._due_labels = set(ages)
 
 
 async def _rest(tick: float, hint: asyncio.Event | None) -> None:

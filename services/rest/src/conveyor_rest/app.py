@@ -7,7 +7,9 @@ roles and ``CONVEYOR_READ_ONLY`` are the api's, unchanged. A gRPC error becomes 
 
 Request and response bodies are the protobuf messages' canonical JSON mapping
 (``google.protobuf.json_format``): field names in lowerCamelCase, enums by name,
-timestamps as RFC 3339 strings, bytes as base64.
+timestamps as RFC 3339 strings, bytes as base64. Each route declares its bodies as
+pydantic models derived from those messages (:mod:`conveyor_rest.models`), so the OpenAPI
+document describes every field, and FastAPI checks the bodies in and out against them.
 """
 
 from __future__ import annotations
@@ -16,21 +18,34 @@ import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import grpc
 import grpc.aio
 from conveyor_protos.v1 import service_pb2 as pb
-from conveyor_protos.v1 import service_pb2_grpc as pb_grpc
 from conveyor_protos.v1 import task_pb2 as task_pb
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from google.protobuf import json_format
 from google.protobuf.message import Message
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from conveyor_rest.dashboard import add_dashboard
+from conveyor_rest.history import QueueHistory
+from conveyor_rest.link import ApiLink
+from conveyor_rest.models import (
+    BatchBody,
+    BatchResult,
+    HistoryPoint,
+    Problem,
+    TaskActionBody,
+    WhoAmI,
+    input_model,
+    output_model,
+)
+from conveyor_rest.models import QueueHistory as QueueHistoryBody
 
 PROBLEM = "application/problem+json"
 
@@ -57,52 +72,48 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 
 JsonObject = dict[str, Any]
 
+_SERVICES = pb.DESCRIPTOR.services_by_name
 
-class Problem(BaseModel):
-    """An RFC 9457 problem detail; ``code`` is the gRPC status name."""
-
-    type: str = "about:blank"
-    title: str
-    status: int
-    detail: str = ""
-    code: str
-
-
-class TaskActionBody(BaseModel):
-    """The body of a reschedule: when the task becomes due (RFC 3339)."""
-
-    process_at: str = Field(description="RFC 3339 time, e.g. 2026-01-01T00:00:00Z")
-
-
-class BatchBody(BaseModel):
-    """A batch action on a selection: ids, or a queue and a state."""
-
-    action: str = Field(description="cancel, run-now, delete, archive, revive or reschedule")
-    ids: list[str] = Field(default_factory=list, max_length=10_000)
-    queue: str = ""
-    state: str = ""
-    process_at: str | None = None
-
-
-class WhoAmI(BaseModel):
-    """What the caller's token may do, as the api answers two probes (see ``whoami``)."""
-
-    role: str = Field(description="admin, read-only, or none (no AdminService access)")
-    can_read: bool
-    can_mutate: bool
-
-
-class BatchResult(BaseModel):
-    """How many tasks a batch action changed, and the ids it could not act on."""
-
-    affected: int
-    failures: dict[str, str]
-
+#: The body of POST /v1/tasks: a NewTask whose payload may be any JSON value.
+EnqueueBody = input_model(
+    task_pb.NewTask.DESCRIPTOR,
+    name="EnqueueBody",
+    overrides={
+        "payload": (
+            Any,
+            "the payload: a JSON object, array, number, boolean or null is sent as its "
+            "JSON text (as the SDK sends it); a string is base64 of the bytes",
+        )
+    },
+)
 
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": Problem, "content": {PROBLEM: {}}}
     for status in (400, 401, 403, 404, 409, 422, 429, 501, 503)
 }
+
+
+def answers(rpc: str, service: str = "AdminService") -> dict[str, Any]:
+    """The route options of a route that answers what ``service.rpc`` returns: its
+    model (fields the JSON mapping leaves out stay out), and the problem answers."""
+    message = _SERVICES[service].methods_by_name[rpc].output_type
+    return {
+        "response_model": output_model(message),
+        "response_model_exclude_unset": True,
+        "responses": PROBLEM_RESPONSES,
+    }
+
+
+def typed(route: Callable[..., Any], **annotations: Any) -> Callable[..., Any]:
+    """``route`` with some parameters annotated with models made at run time (FastAPI
+    reads them for the request bodies; the source keeps a static type for mypy)."""
+    route.__annotations__.update(annotations)
+    return route
+
+
+def fields(body: BaseModel) -> JsonObject:
+    """A request model's fields as given, by their JSON names (for ``ParseDict``)."""
+    return body.model_dump(by_alias=True, exclude_unset=True)
 
 
 def problem(status: int, code: str, detail: str) -> JSONResponse:
@@ -142,26 +153,32 @@ class InvalidInput(Exception):
     """Input the REST layer refuses before any gRPC call (400 INVALID_ARGUMENT)."""
 
 
-def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastAPI:
-    """The FastAPI application, calling the api service at ``target``."""
+def create_app(
+    target: str | ApiLink,
+    *,
+    channel: grpc.aio.Channel | None = None,
+    history: QueueHistory | None = None,
+) -> FastAPI:
+    """The FastAPI application, calling the api service at ``target`` (a ``host:port``
+    or ``https://host:port`` target, or the process's :class:`ApiLink`; ``channel``: one
+    to use instead of opening one). ``history`` is what the charts and the history route
+    show, which a :class:`~conveyor_rest.history.QueueSampler` fills (None: an empty
+    one, nothing sampled)."""
     app = FastAPI(
         title="Conveyor admin API",
         version="1",
         description="REST/JSON over Conveyor's gRPC AdminService and TaskService.",
     )
-    state: dict[str, Any] = {"channel": channel}
+    link = target if isinstance(target, ApiLink) else ApiLink(target, channel=channel)
+    history = history if history is not None else QueueHistory(interval=0)
+    app.state.link = link
+    app.state.history = history
 
-    def open_channel() -> grpc.aio.Channel:
-        if state["channel"] is None:
-            state["channel"] = grpc.aio.insecure_channel(target)
-        chan: grpc.aio.Channel = state["channel"]
-        return chan
+    def admin() -> Any:
+        return link.admin()
 
-    def admin() -> pb_grpc.AdminServiceStub:
-        return pb_grpc.AdminServiceStub(open_channel())  # type: ignore[no-untyped-call]
-
-    def tasks() -> pb_grpc.TaskServiceStub:
-        return pb_grpc.TaskServiceStub(open_channel())  # type: ignore[no-untyped-call]
+    def tasks() -> Any:
+        return link.tasks()
 
     def metadata(request: Request) -> list[tuple[str, str]]:
         auth = request.headers.get("authorization")
@@ -200,19 +217,23 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
         return json_format.ParseDict(body, message)
 
     # ---------------------------------------------------------------- producers
-    @app.post("/v1/tasks", tags=["producers"], responses=PROBLEM_RESPONSES)
-    async def enqueue(body: JsonObject, request: Request) -> JsonObject:
+    async def enqueue(body: BaseModel, request: Request) -> JsonObject:
         """Enqueue a task: the body is a NewTask (type, payload, queue, ...); a JSON object or
         array as ``payload`` is sent as its JSON bytes, a string is base64 bytes."""
-        if not isinstance(body.get("payload", ""), str):
+        given = fields(body)
+        if "payload" in given and not isinstance(given["payload"], str):
             # A JSON value is the payload itself (as the SDK sends it); a string is base64.
-            raw = json.dumps(body["payload"], separators=(",", ":")).encode()
-            body = {**body, "payload": base64.b64encode(raw).decode()}
-        message = pb.EnqueueRequest(task=parse(body, task_pb.NewTask()))  # type: ignore[arg-type]
+            raw = json.dumps(given["payload"], separators=(",", ":")).encode()
+            given["payload"] = base64.b64encode(raw).decode()
+        message = pb.EnqueueRequest(task=parse(given, task_pb.NewTask()))  # type: ignore[arg-type]
         return await call(tasks().Enqueue, message, request)
 
+    app.post("/v1/tasks", tags=["producers"], **answers("Enqueue", "TaskService"))(
+        typed(enqueue, body=EnqueueBody)
+    )
+
     # ---------------------------------------------------------------- tasks
-    @app.get("/v1/tasks", tags=["tasks"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/tasks", tags=["tasks"], **answers("ListTasks"))
     async def list_tasks(
         request: Request,
         queue: Annotated[str, Query(max_length=200)] = "",
@@ -231,7 +252,7 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
         )
         return await call(admin().ListTasks, message, request)
 
-    @app.get("/v1/tasks/{task_id}", tags=["tasks"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/tasks/{task_id}", tags=["tasks"], **answers("GetTask"))
     async def get_task(task_id: str, request: Request) -> JsonObject:
         """One task, with its payload, result, progress and errors (AdminService.GetTask, or
         TaskService.GetTask for a producer token, which may not call the admin one)."""
@@ -256,7 +277,7 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
 
         listing.__name__ = f"list_{path.strip('/').replace('/', '_')}"
         listing.__doc__ = f"AdminService.{rpc}."
-        app.get(path, tags=["limits"], responses=PROBLEM_RESPONSES)(listing)
+        app.get(path, tags=["limits"], **answers(rpc))(listing)
 
     def action_route(path: str, rpc: str) -> None:
         async def act(task_id: str, request: Request) -> JsonObject:
@@ -265,17 +286,17 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
 
         act.__name__ = f"task_{path.replace('-', '_')}"
         act.__doc__ = f"AdminService.{rpc} on one task."
-        app.post(f"/v1/tasks/{{task_id}}/{path}", tags=["tasks"], responses=PROBLEM_RESPONSES)(act)
+        app.post(f"/v1/tasks/{{task_id}}/{path}", tags=["tasks"], **answers(rpc))(act)
 
     for path, rpc in actions.items():
         action_route(path, rpc)
 
-    @app.delete("/v1/tasks/{task_id}", tags=["tasks"], responses=PROBLEM_RESPONSES)
+    @app.delete("/v1/tasks/{task_id}", tags=["tasks"], **answers("DeleteTask"))
     async def delete_task(task_id: str, request: Request) -> JsonObject:
         """Delete a task that is not running."""
         return await call(admin().DeleteTask, pb.TaskActionRequest(id=task_id), request)
 
-    @app.post("/v1/tasks/{task_id}/reschedule", tags=["tasks"], responses=PROBLEM_RESPONSES)
+    @app.post("/v1/tasks/{task_id}/reschedule", tags=["tasks"], **answers("RescheduleTask"))
     async def reschedule(task_id: str, body: TaskActionBody, request: Request) -> JsonObject:
         """Make a task due at ``process_at``."""
         message = pb.RescheduleTaskRequest(id=task_id)
@@ -285,13 +306,15 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
             raise InvalidInput(f"process_at: {exc}") from None
         return await call(admin().RescheduleTask, message, request)
 
-    @app.get("/v1/tasks/{task_id}/dependencies", tags=["tasks"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/tasks/{task_id}/dependencies", tags=["tasks"], **answers("ListTaskDependencies"))
     async def dependencies(task_id: str, request: Request, dependents: bool = False) -> JsonObject:
         """What a task waits for (or, with ``dependents``, what waits for it)."""
         message = pb.ListTaskDependenciesRequest(id=task_id, dependents=dependents)
         return await call(admin().ListTaskDependencies, message, request)
 
-    @app.post("/v1/tasks:batch", tags=["tasks"], responses=PROBLEM_RESPONSES)
+    @app.post(
+        "/v1/tasks:batch", tags=["tasks"], response_model=BatchResult, responses=PROBLEM_RESPONSES
+    )
     async def batch(body: BatchBody, request: Request) -> BatchResult:
         """One action on many tasks: by ids, or by queue and state."""
         key = "TASK_ACTION_" + body.action.upper().replace("-", "_")
@@ -316,34 +339,34 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
         return BatchResult(affected=reply.affected, failures=dict(reply.failures))
 
     # ---------------------------------------------------------------- queues
-    @app.get("/v1/queues", tags=["queues"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/queues", tags=["queues"], **answers("ListQueues"))
     async def list_queues(request: Request) -> JsonObject:
         """Every queue, with its counts and its breakers that are not closed."""
         return await call(admin().ListQueues, pb.ListQueuesRequest(), request)
 
-    @app.get("/v1/queues/{queue}/stats", tags=["queues"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/queues/{queue}/stats", tags=["queues"], **answers("GetQueueStats"))
     async def queue_stats(queue: str, request: Request) -> JsonObject:
         """A queue's task counts per state, whether it is paused, and its circuit
         breakers that are open or half-open."""
         return await call(admin().GetQueueStats, pb.GetQueueStatsRequest(queue=queue), request)
 
-    @app.post("/v1/queues/{queue}/pause", tags=["queues"], responses=PROBLEM_RESPONSES)
+    @app.post("/v1/queues/{queue}/pause", tags=["queues"], **answers("PauseQueue"))
     async def pause_queue(queue: str, request: Request) -> JsonObject:
         """Stop dispatching a queue's tasks."""
         return await call(admin().PauseQueue, pb.PauseQueueRequest(queue=queue), request)
 
-    @app.post("/v1/queues/{queue}/resume", tags=["queues"], responses=PROBLEM_RESPONSES)
+    @app.post("/v1/queues/{queue}/resume", tags=["queues"], **answers("ResumeQueue"))
     async def resume_queue(queue: str, request: Request) -> JsonObject:
         """Dispatch a paused queue's tasks again."""
         return await call(admin().ResumeQueue, pb.ResumeQueueRequest(queue=queue), request)
 
     # ---------------------------------------------------------------- webhooks, cron
-    @app.get("/v1/webhooks", tags=["webhooks"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/webhooks", tags=["webhooks"], **answers("ListWebhookWorkers"))
     async def list_webhooks(request: Request) -> JsonObject:
         """Webhook registrations, with their breaker state."""
         return await call(admin().ListWebhookWorkers, pb.ListWebhookWorkersRequest(), request)
 
-    @app.get("/v1/cron", tags=["cron"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/cron", tags=["cron"], **answers("ListCronEntries"))
     async def list_cron(request: Request) -> JsonObject:
         """Cron entries, with their next and last runs."""
         return await call(admin().ListCronEntries, pb.ListCronEntriesRequest(), request)
@@ -363,23 +386,26 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
             + ("_paused" if fields.get("paused") else "")
         )
         by_name.__doc__ = f"AdminService.{rpc}."
-        app.api_route(path, methods=[verb], tags=[tag], responses=PROBLEM_RESPONSES)(by_name)
+        app.api_route(path, methods=[verb], tags=[tag], **answers(rpc))(by_name)
 
     def body_route(
         path: str, rpc: str, request_type: Any, field: str, inner: Any, tag: str
     ) -> None:
         """A PUT whose JSON body is one message (``inner``), its ``name`` from the path."""
 
-        async def upsert(name: str, body: JsonObject, request: Request) -> JsonObject:
-            value = parse(
-                {**body, "name": name} if "name" in inner.DESCRIPTOR.fields_by_name else body,
-                inner(),
-            )
+        async def upsert(name: str, body: BaseModel, request: Request) -> JsonObject:
+            given = fields(body)
+            if "name" in inner.DESCRIPTOR.fields_by_name:
+                given["name"] = name
+            value = parse(given, inner())
             return await call(getattr(admin(), rpc), request_type(**{field: value}), request)
 
         upsert.__name__ = f"put_{tag}"
-        upsert.__doc__ = f"AdminService.{rpc}: the body is a {inner.DESCRIPTOR.name} in JSON."
-        app.put(path, tags=[tag], responses=PROBLEM_RESPONSES)(upsert)
+        upsert.__doc__ = (
+            f"AdminService.{rpc}: the body is a {inner.DESCRIPTOR.name} in JSON, its name "
+            "from the path."
+        )
+        app.put(path, tags=[tag], **answers(rpc))(typed(upsert, body=input_model(inner.DESCRIPTOR)))
 
     hook = "/v1/webhooks/{name}"
     named_route("GET", hook, "GetWebhookWorker", pb.GetWebhookWorkerRequest, "webhooks")
@@ -423,15 +449,18 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
 
     rate = "/v1/limits/rate/{queue}"
 
-    @app.put(rate, tags=["limits"], responses=PROBLEM_RESPONSES)
-    async def put_rate_limit(queue: str, body: JsonObject, request: Request) -> JsonObject:
+    async def put_rate_limit(queue: str, body: BaseModel, request: Request) -> JsonObject:
         """AdminService.SetRateLimit: the body is a RateLimit in JSON (``perSecond``,
         ``burst``: 0 or absent for one second's worth), its queue from the path."""
         message = pb.SetRateLimitRequest()
-        parse({**body, "queue": queue}, message.limit)
+        parse({**fields(body), "queue": queue}, message.limit)
         return await call(admin().SetRateLimit, message, request)
 
-    @app.delete(rate, tags=["limits"], responses=PROBLEM_RESPONSES)
+    app.put(rate, tags=["limits"], **answers("SetRateLimit"))(
+        typed(put_rate_limit, body=input_model(pb.RateLimit.DESCRIPTOR))
+    )
+
+    @app.delete(rate, tags=["limits"], **answers("DeleteRateLimit"))
     async def delete_rate_limit(queue: str, request: Request) -> JsonObject:
         """AdminService.DeleteRateLimit."""
         message = pb.DeleteRateLimitRequest(queue=queue)
@@ -439,15 +468,18 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
 
     keyed = "/v1/limits/concurrency/{queue}"
 
-    @app.put(keyed, tags=["limits"], responses=PROBLEM_RESPONSES)
-    async def put_concurrency_limit(queue: str, body: JsonObject, request: Request) -> JsonObject:
+    async def put_concurrency_limit(queue: str, body: BaseModel, request: Request) -> JsonObject:
         """AdminService.SetConcurrencyLimit: the body is a ConcurrencyLimit in JSON
         (``perKey``, ``pattern``: absent for ``*``), its queue from the path."""
         message = pb.SetConcurrencyLimitRequest()
-        parse({**body, "queue": queue}, message.limit)
+        parse({**fields(body), "queue": queue}, message.limit)
         return await call(admin().SetConcurrencyLimit, message, request)
 
-    @app.delete(keyed, tags=["limits"], responses=PROBLEM_RESPONSES)
+    app.put(keyed, tags=["limits"], **answers("SetConcurrencyLimit"))(
+        typed(put_concurrency_limit, body=input_model(pb.ConcurrencyLimit.DESCRIPTOR))
+    )
+
+    @app.delete(keyed, tags=["limits"], **answers("DeleteConcurrencyLimit"))
     async def delete_concurrency_limit(
         queue: str, request: Request, pattern: Annotated[str, Query(max_length=256)] = "*"
     ) -> JsonObject:
@@ -457,19 +489,23 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
 
     breaker = "/v1/limits/breakers/{queue}"
 
-    @app.put(breaker, tags=["limits"], responses=PROBLEM_RESPONSES)
-    async def put_breaker_config(queue: str, body: JsonObject, request: Request) -> JsonObject:
+    async def put_breaker_config(queue: str, body: BaseModel, request: Request) -> JsonObject:
         """AdminService.SetBreakerConfig: the body is a BreakerConfig in JSON
         (``failures``, ``window`` and ``cooldown`` as durations such as ``"60s"``,
         ``pattern``: absent for ``*``, ``scope``: ``worker`` (the default) or
         ``queue``), its queue from the path."""
         message = pb.SetBreakerConfigRequest()
-        if isinstance(body, dict) and "scope" in body:
-            body = {**body, "scope": breaker_scope(body["scope"])}
-        parse({**body, "queue": queue}, message.config)
+        given = fields(body)
+        if "scope" in given:
+            given["scope"] = breaker_scope(given["scope"])
+        parse({**given, "queue": queue}, message.config)
         return await call(admin().SetBreakerConfig, message, request)
 
-    @app.delete(breaker, tags=["limits"], responses=PROBLEM_RESPONSES)
+    app.put(breaker, tags=["limits"], **answers("SetBreakerConfig"))(
+        typed(put_breaker_config, body=input_model(pb.BreakerConfig.DESCRIPTOR))
+    )
+
+    @app.delete(breaker, tags=["limits"], **answers("DeleteBreakerConfig"))
     async def delete_breaker_config(
         queue: str, request: Request, pattern: Annotated[str, Query(max_length=256)] = "*"
     ) -> JsonObject:
@@ -477,7 +513,7 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
         message = pb.DeleteBreakerConfigRequest(queue=queue, pattern=pattern)
         return await call(admin().DeleteBreakerConfig, message, request)
 
-    @app.get("/v1/limits/breakers", tags=["limits"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/limits/breakers", tags=["limits"], **answers("ListBreakerConfigs"))
     async def list_breaker_configs(
         request: Request, queue: Annotated[str, Query(max_length=200)] = ""
     ) -> JsonObject:
@@ -485,7 +521,7 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
         message = pb.ListBreakerConfigsRequest(queue=queue)
         return await call(admin().ListBreakerConfigs, message, request)
 
-    @app.get("/v1/breakers", tags=["breakers"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/breakers", tags=["breakers"], **answers("ListBreakers"))
     async def list_breakers(
         request: Request, queue: Annotated[str, Query(max_length=200)] = ""
     ) -> JsonObject:
@@ -503,40 +539,64 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
     ):
         list_route(path, rpc, request_type)
 
-    @app.get("/v1/cluster", tags=["cluster"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/cluster", tags=["cluster"], **answers("GetClusterInfo"))
     async def cluster(request: Request) -> JsonObject:
         """The cluster's services and dispatch owners."""
         return await call(admin().GetClusterInfo, pb.GetClusterInfoRequest(), request)
 
     # ---------------------------------------------------------------- who am I
-    @app.get("/v1/whoami", tags=["auth"], responses=PROBLEM_RESPONSES)
+    @app.get("/v1/whoami", tags=["auth"], response_model=WhoAmI, responses=PROBLEM_RESPONSES)
     async def whoami(request: Request) -> WhoAmI:
-        """What the caller's token may do on the AdminService: ``admin`` (reads and
-        mutations), ``read-only`` (reads: a read-only token, or an api under
-        ``CONVEYOR_READ_ONLY``) or ``none`` (a producer or worker token). The tokens are
-        the api's, so this asks the api: a ListQueues of one queue, then a DeleteTask of
-        the empty id, which no task has (the api refuses a role before it looks at the
-        request, and an allowed call fails on the empty id: nothing is changed). A missing
-        or unknown token is a 401 problem, like any route."""
-        md = metadata(request)
-        try:
-            await admin().ListQueues(pb.ListQueuesRequest(limit=1), metadata=md, timeout=30.0)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
-                raise
-            return WhoAmI(role="none", can_read=False, can_mutate=False)
-        try:
-            await admin().DeleteTask(pb.TaskActionRequest(id=""), metadata=md, timeout=30.0)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
-                return WhoAmI(role="read-only", can_read=True, can_mutate=False)
-        return WhoAmI(role="admin", can_read=True, can_mutate=True)
+        """What the caller's token may do on the AdminService, as the api's WhoAmI
+        answers: ``admin`` (reads and mutations), ``read-only`` (reads: a read-only
+        token, or any on an api under ``CONVEYOR_READ_ONLY``) or ``none`` (a producer or
+        worker token), with the token's own role and name. A missing or unknown token is
+        a 401 problem, like any route; an api older than WhoAmI a 501 one."""
+        me = await admin().WhoAmI(pb.WhoAmIRequest(), metadata=metadata(request), timeout=30.0)
+        role = "admin" if me.can_mutate else "read-only" if me.can_read else "none"
+        return WhoAmI(
+            role=role,
+            can_read=me.can_read,
+            can_mutate=me.can_mutate,
+            token_role=me.role,
+            token_name=me.token_name,
+            auth_enabled=me.auth_enabled,
+            read_only=me.read_only,
+        )
+
+    # ---------------------------------------------------------------- history
+    @app.get(
+        "/v1/queues/{queue}/history",
+        tags=["queues"],
+        response_model=QueueHistoryBody,
+        responses=PROBLEM_RESPONSES,
+    )
+    async def queue_history(queue: str, request: Request) -> QueueHistoryBody:
+        """The queue's samples over the last hour, oldest first, as this REST process
+        took them every ``CONVEYOR_SAMPLE_INTERVAL`` seconds (what the dashboard charts):
+        completed and archived tasks since the sample before, completions per minute,
+        pending and active counts, and the latency (how long the oldest pending task had
+        waited). Memory only: empty after a restart, or with sampling off. The caller's
+        token must be one that may read the queue's stats (the api answers a
+        GetQueueStats first)."""
+        await admin().GetQueueStats(
+            pb.GetQueueStatsRequest(queue=queue), metadata=metadata(request), timeout=30.0
+        )
+        return history_body(history, queue)
 
     # ---------------------------------------------------------------- events
     @app.get(
         "/v1/events",
         tags=["events"],
-        responses={**PROBLEM_RESPONSES, 200: {"content": {"text/event-stream": {}}}},
+        responses={
+            **PROBLEM_RESPONSES,
+            200: {
+                "description": "Server-Sent Events: a ': watching' comment once subscribed, "
+                "then one 'data:' line of TaskEvent JSON per event, and an 'event: error' "
+                "one (code, detail) if the api ends the stream",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+        },
         response_model=None,
     )
     async def events(
@@ -573,8 +633,33 @@ def create_app(target: str, *, channel: grpc.aio.Channel | None = None) -> FastA
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    add_dashboard(app, admin)
+    add_dashboard(app, admin, history)
     return app
+
+
+def history_body(history: QueueHistory, queue: str) -> QueueHistoryBody:
+    """``queue``'s points in ``history``, as the history route answers them."""
+    return QueueHistoryBody(
+        queue=queue,
+        interval_seconds=history.interval,
+        window_seconds=history.window,
+        points=[
+            HistoryPoint(
+                at=_rfc3339(point.sample.at),
+                completed=point.completed,
+                failed=point.failed,
+                completed_per_minute=point.per_minute,
+                pending=point.sample.pending,
+                active=point.sample.active,
+                latency_seconds=point.sample.latency,
+            )
+            for point in history.points(queue)
+        ],
+    )
+
+
+def _rfc3339(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def task_pb_action(key: str) -> int:

@@ -1,9 +1,10 @@
 """The web dashboard at ``/ui``: server-rendered HTML, one small script and one stylesheet
 (``conveyor_rest/static``, served as text): nothing to build.
 
-Pages: the queues (counts by state, paused, open breakers, throughput over the last hour,
-pause/resume), a task search (queue, state, type; paged; a batch action on the
-selection), a task's page, the webhook registrations, and a live view of the events.
+Pages: the queues (counts by state, paused, open breakers, charts of throughput and
+latency over the last hour, pause/resume), a task search (queue, state, type; paged; a
+batch action on the selection), a task's page, the webhook registrations, and a live
+view of the events.
 
 Every page calls the api with the caller's token, like the REST routes. A browser cannot
 put a header on a page it navigates to, so the login form stores the token in
@@ -13,11 +14,12 @@ batch...) are ``fetch`` calls to the REST API with ``Authorization: Bearer``, wh
 reads the cookie. The script asks ``/v1/whoami`` and shows the action buttons only to a
 token that may mutate (the api refuses the others anyway).
 
-Throughput: the api keeps no history, so this process keeps one (``Throughput``): at most
-every ``SAMPLE_SECONDS`` a queues page (or its refresh, every few seconds while one is
-open) records each queue's count of completed tasks, in a ring of an hour's samples. The
-sparkline is the completions between samples; it is empty until a page has been open for
-two samples, and starts again with each REST process.
+Charts: the api keeps no history, so this process keeps one
+(:mod:`conveyor_rest.history`): a background sampler records every queue's counts and
+latency every ``CONVEYOR_SAMPLE_INTERVAL`` seconds, whether or not a page is open, in a
+ring of the last hour; the queues page draws each queue's completions per minute and its
+latency from it (so a page opened later shows the hour before), for the queues the
+caller's own token may list.
 """
 
 from __future__ import annotations
@@ -25,12 +27,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
-import itertools
 import json
-import time
 import urllib.parse
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -43,14 +42,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from conveyor_rest.history import QueueHistory
+
 STATES = ("pending", "scheduled", "held", "active", "retry", "blocked", "archived", "completed")
 #: The state filter's choices on the search page (the api's state names).
 SEARCH_STATES = (*STATES, "canceled")
 #: The batch actions the search page offers (the REST batch endpoint's names).
 BATCH_ACTIONS = ("cancel", "run-now", "revive", "archive", "delete")
-#: How often the queues page records a throughput sample, and how many it keeps (1 h).
-SAMPLE_SECONDS = 10.0
-SAMPLES = 360
 
 STATIC = {"app.js": "text/javascript", "app.css": "text/css"}
 
@@ -70,53 +68,100 @@ LOGIN = """<form id="login" class="login"><p>{why}</p>
 <button>log in</button></form>"""
 
 
-class Throughput:
-    """Per queue, the count of completed tasks sampled at most every ``every`` seconds,
-    the last ``keep`` samples (see the module's docstring)."""
-
-    def __init__(
-        self,
-        every: float = SAMPLE_SECONDS,
-        keep: int = SAMPLES,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.every = every
-        self.clock = clock
-        self.samples: deque[tuple[float, dict[str, int]]] = deque(maxlen=keep)
-
-    def record(self, completed: Mapping[str, int]) -> None:
-        """A sample of ``completed`` (queue -> count), unless the last is too recent."""
-        now = self.clock()
-        if self.samples and now - self.samples[-1][0] < self.every:
-            return
-        self.samples.append((now, dict(completed)))
-
-    def series(self, queue: str) -> list[int]:
-        """The completions of ``queue`` between consecutive samples, oldest first (a
-        count that went down, as retention deletes, counts as none)."""
-        counts = [sample.get(queue) for _, sample in self.samples]
-        out = []
-        for before, after in itertools.pairwise(counts):
-            out.append(max(0, (after or 0) - (before or 0)) if before is not None else 0)
-        return out
-
-
-def sparkline(values: list[int], width: int = 120, height: int = 24) -> str:
-    """An inline SVG polyline of ``values`` (empty: a dash), with the total as its title."""
-    if not values:
+def chart(
+    points: Sequence[tuple[float, float | None]],
+    *,
+    now: float,
+    span: float,
+    kind: str,
+    label: str,
+    show: Callable[[float], str],
+    width: int = 160,
+    height: int = 28,
+) -> str:
+    """An inline SVG line chart of ``points`` (time, value; None: not measured, a gap)
+    over the ``span`` seconds up to ``now``, scaled to its peak, then its latest value;
+    its title says the latest and the peak (``show`` writes a value). No value: a dash."""
+    valued = [v for _, v in points if v is not None]
+    if not valued:
         return '<span class="muted" title="no samples yet">—</span>'
-    top = max(values) or 1
-    step = width / max(1, len(values) - 1)
-    points = " ".join(
-        f"{i * step:.1f},{height - 1 - (v / top) * (height - 2):.1f}" for i, v in enumerate(values)
-    )
-    total = sum(values)
+    top = max(valued) or 1.0
+    start = now - span
+    # Runs of consecutive values; a value alone between gaps is a dot.
+    runs: list[list[tuple[float, float]]] = [[]]
+    for at, value in points:
+        if value is None:
+            if runs[-1]:
+                runs.append([])
+            continue
+        x = max(0.0, min(width, (at - start) / span * width))
+        runs[-1].append((x, height - 1 - (value / top) * (height - 2)))
+    shapes = []
+    for run in runs:
+        if len(run) == 1:
+            (x, y), *_ = run
+            shapes.append(f'<circle r="1.5" fill="currentColor" cx="{x:.1f}" cy="{y:.1f}"/>')
+        elif run:
+            line = " ".join(f"{x:.1f},{y:.1f}" for x, y in run)
+            shapes.append(
+                f'<polyline fill="none" stroke="currentColor" stroke-width="1.5" points="{line}"/>'
+            )
+    latest, peak = show(valued[-1]), show(max(valued))
+    about = f"{label}: {latest} now, {peak} at most in the last {_minutes(span)}"
     return (
-        f'<svg class="spark" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-        f'role="img" aria-label="{total} completed"><title>{total} completed in the last '
-        f'{len(values)} samples</title><polyline fill="none" stroke="currentColor" '
-        f'stroke-width="1.5" points="{points}"/></svg> <span class="muted">{total}</span>'
+        f'<svg class="chart {kind}" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{esc(about)}" '
+        f'data-points="{len(valued)}"><title>{esc(about)}</title>{"".join(shapes)}</svg> '
+        f'<span class="muted">{esc(latest)}</span>'
     )
+
+
+def _minutes(span: float) -> str:
+    return f"{span / 60:.0f} min" if span >= 120 else f"{span:.0f} s"
+
+
+def per_minute(value: float) -> str:
+    """A rate as the throughput chart writes it."""
+    return f"{value:.0f}/min" if value >= 10 or value == 0 else f"{value:.1f}/min"
+
+
+def seconds(value: float) -> str:
+    """A latency as the latency chart writes it."""
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    if value < 120:
+        return f"{value:.1f} s"
+    return f"{value / 60:.1f} min"
+
+
+def queue_charts(history: QueueHistory, queue: str) -> tuple[str, str]:
+    """``queue``'s throughput chart (completions per minute) and latency chart, over the
+    hour, or over the time sampled so far when that is shorter (at least ten samples'
+    worth): a fresh REST process's first minutes are not squeezed into the right edge."""
+    now = history.last_at
+    points = history.points(queue)
+    if now is None or not points:
+        dash = '<span class="muted" title="no samples yet">—</span>'
+        return dash, dash
+    least = 10 * (history.interval or 1.0)
+    span = min(history.window, max(now - points[0].sample.at, least))
+    rate = chart(
+        [(p.sample.at, p.per_minute) for p in points],
+        now=now,
+        span=span,
+        kind="throughput",
+        label="completed per minute",
+        show=per_minute,
+    )
+    latency = chart(
+        [(p.sample.at, p.sample.latency) for p in points],
+        now=now,
+        span=span,
+        kind="latency",
+        label="oldest pending task waited",
+        show=seconds,
+    )
+    return rate, latency
 
 
 def esc(value: object) -> str:
@@ -160,9 +205,9 @@ def when(message: Message, field: str) -> str:
     return str(stamp.ToJsonString())
 
 
-def add_dashboard(app: FastAPI, admin: Callable[[], Any]) -> None:
-    """The ``/ui`` pages on ``app``; ``admin`` gives an AdminService stub."""
-    throughput = Throughput()
+def add_dashboard(app: FastAPI, admin: Callable[[], Any], history: QueueHistory) -> None:
+    """The ``/ui`` pages on ``app``; ``admin`` gives an AdminService stub, ``history``
+    the samples the charts draw."""
     static = {
         name: resources.files("conveyor_rest").joinpath("static", name).read_text()
         for name in STATIC
@@ -202,7 +247,6 @@ def add_dashboard(app: FastAPI, admin: Callable[[], Any]) -> None:
 
     async def queues_table(request: Request) -> str:
         listing = await rpc("ListQueues", pb.ListQueuesRequest(), request)
-        throughput.record({q.queue: int(q.counts.get("completed", 0)) for q in listing.queues})
         head = "".join(f"<th>{s}</th>" for s in STATES)
         rows = []
         for stats in listing.queues:
@@ -229,19 +273,21 @@ def add_dashboard(app: FastAPI, admin: Callable[[], Any]) -> None:
             else:
                 status = '<span class="muted">running</span>'
                 action = button("pause", "POST", f"{url}/pause", f"Pause queue {stats.queue}?")
+            rate, latency = queue_charts(history, stats.queue)
             rows.append(
                 f'<tr data-queue="{name}"><th><a href="/ui/tasks?queue={quoted}">{name}</a></th>'
                 f'{cells}<td class="paused">{status}</td><td>{breakers}</td>'
-                f"<td>{sparkline(throughput.series(stats.queue))}</td><td>{action}</td></tr>"
+                f'<td class="throughput">{rate}</td><td class="latency">{latency}</td>'
+                f"<td>{action}</td></tr>"
             )
         if not rows:
             rows.append(
-                f'<tr><td colspan="{len(STATES) + 5}" class="muted">no queues yet</td></tr>'
+                f'<tr><td colspan="{len(STATES) + 6}" class="muted">no queues yet</td></tr>'
             )
         return (
             f'<table id="queues"><thead><tr><th>queue</th>{head}<th>status</th><th>breakers</th>'
-            f"<th>completed, last hour</th><th></th></tr></thead><tbody>{''.join(rows)}</tbody>"
-            "</table>"
+            "<th>completed per minute, last hour</th><th>latency, last hour</th><th></th></tr>"
+            f"</thead><tbody>{''.join(rows)}</tbody></table>"
         )
 
     @app.get("/ui", response_class=HTMLResponse, include_in_schema=False)
@@ -256,10 +302,18 @@ def add_dashboard(app: FastAPI, admin: Callable[[], Any]) -> None:
             '<form action="/ui/task" class="inline"><input name="id" placeholder="task id" '
             "required><button>open</button></form>"
         )
+        if history.interval > 0:
+            sampled = (
+                f"sampled by this REST process every {history.interval:g} s, whether or not "
+                "a page is open: completions per minute, and how long each queue's oldest "
+                "pending task had waited"
+            )
+        else:
+            sampled = "not sampled: this REST process runs with CONVEYOR_SAMPLE_INTERVAL=0"
         note = (
-            f'<p class="muted">Refreshed every 5 s. Throughput: completions per '
-            f"{SAMPLE_SECONDS:g} s sample, over the samples this REST process took while a "
-            "queues page was open (at most an hour).</p>"
+            f'<p class="muted">Refreshed every 5 s. Charts: up to the last '
+            f"{history.window / 60:g} min, {sampled} (kept in memory: a restarted REST "
+            "process starts them again).</p>"
         )
         return page(
             "queues",

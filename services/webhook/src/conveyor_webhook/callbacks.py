@@ -15,6 +15,9 @@ callback gets a reply, a broker failure included, so the api never waits for a t
   that is not final, a result over this service's ``max_result``, a task on a queue the
   registration does not serve; and :data:`~conveyor_gateway.outcomes.BROKER_UNAVAILABLE`
   when the broker failed (the api turns that one into UNAVAILABLE: retry).
+
+Each answer counts in ``conveyor_webhook_callbacks_total`` by registration, kind
+(heartbeat, result) and status (ok, lease_lost, invalid).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from conveyor_broker import (
 )
 from conveyor_gateway.outcomes import BROKER_UNAVAILABLE
 from conveyor_protos.v1 import cluster_pb2, service_pb2
-from conveyor_runtime import wire
+from conveyor_runtime import metrics, wire
 
 from conveyor_webhook.config import Wiring
 from conveyor_webhook.response import OUTCOMES
@@ -166,9 +169,25 @@ async def live_task(
 Handler = Callable[[cluster_pb2.WebhookCallback], Awaitable[Status]]
 
 
+#: The ``status`` label of each reply status.
+_STATUS_LABELS = {
+    Status.STATUS_OK: "ok",
+    Status.STATUS_LEASE_LOST: "lease_lost",
+    Status.STATUS_INVALID: "invalid",
+}
+
+
 async def answer(name: str, callback: cluster_pb2.WebhookCallback, handle: Handler) -> Status:
     """Check ``callback`` for registration ``name``, apply it with ``handle``, and say
-    how it went. Never raises (but CancelledError)."""
+    how it went (and count it). Never raises (but CancelledError)."""
+    status = await _answer(name, callback, handle)
+    kind = callback.WhichOneof("kind") or "none"
+    label = _STATUS_LABELS.get(status.status, "invalid")
+    metrics.WEBHOOK_CALLBACKS.labels(metrics.WORKER(name), kind, label).inc()
+    return status
+
+
+async def _answer(name: str, callback: cluster_pb2.WebhookCallback, handle: Handler) -> Status:
     if callback.worker and callback.worker != name:
         return reply(
             Status.STATUS_INVALID,

@@ -5,17 +5,21 @@ in docs (webhook contract): ``POST <url>`` with a JSON-RPC 2.0 call of method
 ``conveyor.task`` whose ``id`` is the lease id, signed with the registration's newest
 secret over the exact body bytes the Standard Webhooks way (``webhook-id`` is the
 delivery id: the lease id, new for every attempt), plus the deprecated
-``Conveyor-Signature``.
+``Conveyor-Signature``. The task's W3C trace context (``traceparent``, ``tracestate``: the
+webhook gateway's push span while it traces, else what the task carries) goes along as
+HTTP headers of the same names, so a traced endpoint continues the task's trace.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from conveyor_protos.v1 import task_pb2
 from conveyor_runtime import wire
+from conveyor_runtime.tracing import TRACEPARENT, TRACESTATE
 from conveyor_runtime.webhook_auth import (
     LeaseClaims,
     mint_lease_token,
@@ -30,6 +34,11 @@ METHOD = "conveyor.task"
 #: The delivery id of one attempt is ``webhook-id`` (the lease id).
 DELIVERY_HEADER = "Conveyor-Delivery"
 USER_AGENT = f"conveyor-webhook/{__version__}"
+#: The task headers a delivery also sends as HTTP headers: its trace context.
+TRACE_HEADERS = (TRACEPARENT, TRACESTATE)
+#: The longest trace header sent (W3C: a tracestate holds at most 32 members of 256 bytes;
+#: anything longer than that is no trace context).
+MAX_TRACE_HEADER = 8192
 
 
 def rfc3339(value: datetime) -> str:
@@ -74,13 +83,28 @@ def delivery_body(
 
 
 def delivery_headers(
-    body: bytes, *, task_id: str, delivery_id: str, secret: str, timestamp: int
+    body: bytes,
+    *,
+    task_id: str,
+    delivery_id: str,
+    secret: str,
+    timestamp: int,
+    task_headers: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The HTTP headers of a delivery: content type, the signature headers (Standard
-    Webhooks, with ``delivery_id``, and the deprecated one), the task id, user agent."""
-    return {
+    Webhooks, with ``delivery_id``, and the deprecated one), the task id, user agent, and
+    the trace context among ``task_headers`` (the envelope's: ``traceparent`` and
+    ``tracestate``, when set)."""
+    headers = {
         "Content-Type": "application/json",
         **signed_headers(secret, delivery_id, body, timestamp),
         DELIVERY_HEADER: task_id,
         "User-Agent": USER_AGENT,
     }
+    if task_headers:
+        for name in TRACE_HEADERS:
+            value = task_headers.get(name)
+            # Task headers hold any printable text; an HTTP header only some of it.
+            if value and len(value) <= MAX_TRACE_HEADER and value.isascii() and value.isprintable():
+                headers[name] = value
+    return headers

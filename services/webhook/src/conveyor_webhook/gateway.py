@@ -27,6 +27,10 @@ this class is its :class:`~conveyor_gateway.transport.Transport` and its callbac
 - Draining (pause, restart, leadership loss, shutdown) lets parked deliveries go without
   a broker call (their endpoint is still working on them; their callbacks go on being
   answered), waits for open synchronous ones, then releases whatever is still held.
+- Metrics, by registration name (``worker``): every delivery's outcome
+  (``conveyor_webhook_deliveries_total``, see :func:`delivery_outcome`) and how long its
+  endpoint took (``conveyor_webhook_delivery_seconds``); the breaker's state while the
+  gateway serves (``conveyor_webhook_breaker_state``) and its openings and closings.
 """
 
 from __future__ import annotations
@@ -42,11 +46,11 @@ import aiohttp
 from conveyor_broker import LeaseLost, WebhookWorker
 from conveyor_gateway.outcomes import MAX_RETRY_AFTER
 from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
-from conveyor_runtime import wire
+from conveyor_runtime import metrics, wire
 from conveyor_runtime.webhook_auth import signed_headers
 from conveyor_runtime.webhook_urls import FORBIDDEN_ADDRESS
 
-from conveyor_webhook.breaker import CircuitBreaker, Ticket
+from conveyor_webhook.breaker import BreakerState, CircuitBreaker, Ticket
 from conveyor_webhook.callbacks import (
     Status,
     answer,
@@ -60,6 +64,7 @@ from conveyor_webhook.delivery import delivery_body, delivery_headers
 from conveyor_webhook.http import forbidden, open_session, signed_by
 from conveyor_webhook.parking import ParkedDeliveries
 from conveyor_webhook.response import (
+    OUTCOMES,
     Accepted,
     Broken,
     Finished,
@@ -70,7 +75,7 @@ from conveyor_webhook.response import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WebhookConfig", "WebhookGateway", "as_result"]
+__all__ = ["WebhookConfig", "WebhookGateway", "as_result", "delivery_outcome"]
 
 #: Room in a response body beyond the base64 of the largest result.
 RESPONSE_HEADROOM = 64 * 1024
@@ -82,8 +87,31 @@ NO_CALLBACK_ERROR = "endpoint answered accepted but no callback address is confi
 STOPPED_HEARTBEATING = "webhook delivery stopped heartbeating"
 
 
+#: The ``outcome`` label of each final outcome an endpoint can answer.
+_OUTCOME_LABELS = {outcome: name for name, outcome in OUTCOMES.items()}
+#: The breaker state gauge's value of each state.
+_BREAKER_GAUGE = {
+    BreakerState.CLOSED: metrics.BREAKER_CLOSED,
+    BreakerState.HALF_OPEN: metrics.BREAKER_HALF_OPEN,
+    BreakerState.OPEN: metrics.BREAKER_OPEN,
+}
+
+
 class ResponseTooLarge(Exception):
     """The endpoint's response body is over the limit."""
+
+
+def delivery_outcome(reply: Reply) -> str:
+    """The ``outcome`` label of a delivery that got ``reply``: the endpoint's final outcome
+    (success, failure, skip_retry, release), ``accepted`` (asynchronous), ``transport``
+    (no answer, a timeout or a 5xx: what the breaker counts) or ``error`` (any other
+    answer that fails the attempt). A delivery aborted in flight counts as
+    ``canceled``."""
+    if isinstance(reply, Finished):
+        return _OUTCOME_LABELS.get(reply.outcome, "error")
+    if isinstance(reply, Accepted):
+        return "accepted"
+    return "transport" if reply.transport else "error"
 
 
 def as_result(reply: Finished | Broken, task_id: str, lease_id: str) -> service_pb2.Result:
@@ -125,6 +153,10 @@ class WebhookGateway:
             worker, self, heartbeat_skips=self._parked, on_extended=self._parked.note_extended
         )
         self.breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown)
+        #: This registration's label (capped) and its pre-bound metrics.
+        self._label = metrics.WORKER(worker.name)
+        self._latency = metrics.WEBHOOK_DELIVERY_SECONDS.labels(self._label)
+        self._breaker_gauge = metrics.WEBHOOK_BREAKER.labels(self._label)
         self._deliveries: dict[str, asyncio.Task[None]] = {}  # lease id -> open delivery
         self._breaker_timer: asyncio.TimerHandle | None = None
         self._beat: asyncio.Task[None] | None = None
@@ -182,6 +214,8 @@ class WebhookGateway:
             await asyncio.shield(self.drain())
             raise
         self._started = True
+        if not self._retired:
+            self._breaker_gauge.set(_BREAKER_GAUGE[self.breaker.state(self._loop_time())])
         logger.info(
             "webhook.gateway_started worker=%s gateway=%s url=%s",
             self.name,
@@ -207,6 +241,9 @@ class WebhookGateway:
             return
         self._retired = True
         self._cancel_breaker_timer()
+        if self._started and self._label != metrics.OTHER:
+            # Its state is no one's now (the next gateway of the name sets it again).
+            metrics.WEBHOOK_BREAKER.remove(self._label)
         self._let_parked_go()
         self.gateway.cap_concurrency(0)
 
@@ -315,8 +352,14 @@ class WebhookGateway:
                 self.gateway.on_heartbeat()
 
     async def _deliver(self, env: task_pb2.TaskEnvelope) -> None:
-        ticket = self.breaker.ticket(asyncio.get_running_loop().time())
-        reply_ = await self._post(env, self.worker)
+        sent = self._loop_time()
+        ticket = self.breaker.ticket(sent)
+        try:
+            reply_ = await self._post(env, self.worker)
+        except asyncio.CancelledError:
+            self._count("canceled", sent)
+            raise
+        self._count(delivery_outcome(reply_), sent)
         self._record(reply_, ticket)
         if isinstance(reply_, Accepted):
             if self._config.callback_address:
@@ -350,6 +393,7 @@ class WebhookGateway:
             delivery_id=delivery_id,
             secret=secret,
             timestamp=int(time.time()),
+            task_headers=env.headers,
         )
         timeout = worker.timeout.total_seconds()
         try:
@@ -383,14 +427,29 @@ class WebhookGateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    @staticmethod
+    def _loop_time() -> float:
+        return asyncio.get_running_loop().time()
+
+    def _count(self, outcome: str, sent: float) -> None:
+        """One delivery sent at ``sent`` (loop time) ended with ``outcome``."""
+        metrics.WEBHOOK_DELIVERIES.labels(self._label, outcome).inc()
+        self._latency.observe(self._loop_time() - sent)
+
     # -------------------------------------------------------- circuit breaker
 
     def _record(self, reply_: Reply, ticket: Ticket) -> None:
-        now = asyncio.get_running_loop().time()
+        now = self._loop_time()
+        before = self.breaker.state(now)
         if isinstance(reply_, Broken) and reply_.transport:
             self.breaker.record_failure(now, ticket)
         else:
             self.breaker.record_success(now, ticket)
+        after = self.breaker.state(now)
+        if after is BreakerState.OPEN and before is not BreakerState.OPEN:
+            metrics.WEBHOOK_BREAKER_TRANSITIONS.labels(self._label, "opened").inc()
+        elif after is BreakerState.CLOSED and before is BreakerState.HALF_OPEN:
+            metrics.WEBHOOK_BREAKER_TRANSITIONS.labels(self._label, "closed").inc()
         self._apply_breaker()
 
     def _apply_cap(self) -> None:
@@ -403,6 +462,7 @@ class WebhookGateway:
     def _apply_breaker(self) -> None:
         if self._retired:
             return
+        self._breaker_gauge.set(_BREAKER_GAUGE[self.breaker.state(self._loop_time())])
         self._apply_cap()
         self._cancel_breaker_timer()
         reopens_at = self.breaker.reopens_at()

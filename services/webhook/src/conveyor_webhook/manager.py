@@ -56,6 +56,7 @@ from conveyor_gateway import (
     WakePublisher,
 )
 from conveyor_protos.v1 import cluster_pb2, service_pb2
+from conveyor_runtime import metrics
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.cluster_view import NodeCard
@@ -294,6 +295,7 @@ class WebhookManager:
                     break
 
     def _on_lost(self, role: str) -> None:
+        metrics.LEADERSHIP.labels(role, "lost").inc()
         logger.warning("webhook.leadership_lost role=%s instance=%s", role, self.instance_id)
         self._in_background(self._stop_all())
 
@@ -314,6 +316,7 @@ class WebhookManager:
                 if not elected:
                     await asyncio.sleep(retry)
                     continue
+                metrics.LEADERSHIP.labels(ROLE, "won").inc()
                 logger.info("webhook.leader_elected instance=%s", self.instance_id)
             try:
                 await self.reconcile()

@@ -127,6 +127,7 @@ from conveyor_broker.postgres.queries.sweeps import (
     DUE_AMONG,
     DUE_QUEUES,
     FREE_ALL_LAPSED_CLAIMS,
+    OLDEST_DUE,
     PENDING_COUNT,
     PENDING_COUNT_QUEUE,
     PROMOTE_SCHEDULED,
@@ -714,6 +715,11 @@ class PostgresBroker(Broker):
         # One index probe per name asked about.
         rows = await self._fetch(DUE_AMONG, self._clock.now(), queues)
         return [row["queue"] for row in rows]
+
+    async def _oldest_due(self, queues: list[str]) -> dict[str, datetime]:
+        # The same probe of the due index per name, keeping the row's due time.
+        rows = await self._fetch(OLDEST_DUE, self._clock.now(), queues)
+        return {row["queue"]: row["available_at"] for row in sorted(rows, key=lambda r: r["queue"])}
 
     async def _queue_stats(self, queue: str | None) -> list[QueueStats]:
         if queue is None:

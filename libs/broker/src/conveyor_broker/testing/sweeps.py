@@ -405,6 +405,51 @@ class SweepTests:
         with pytest.raises(BrokerClosed):
             await broker.due_among([QUEUE])
 
+    async def test_oldest_due_gives_when_each_queues_first_due_task_fell_due(
+        self, broker: Broker, clock: FakeClock
+    ) -> None:
+        start = clock.now()
+        asked = ["q-pending", "q-retry", "q-later", "q-expiring", "q-active", "q-empty"]
+        assert await broker.oldest_due(asked) == {}
+        assert await broker.oldest_due([]) == {}
+        await enqueue(broker, "q-pending")
+        clock.advance(timedelta(seconds=2))
+        await enqueue(broker, "q-pending")
+        retry = await enqueue_and_lease(broker, "q-retry")
+        await broker.fail(retry.id, retry.lease_id or "", "boom", timedelta(seconds=1))
+        later = await enqueue_and_lease(broker, "q-later")
+        await broker.fail(later.id, later.lease_id or "", "boom", timedelta(seconds=30))
+        await enqueue(broker, "q-expiring", expires_at=clock.now() + timedelta(seconds=5))
+        await enqueue_and_lease(broker, "q-active")
+        await enqueue(broker, "q-other")
+        mid = clock.now()
+        # The oldest due task's due time: the first enqueue, not the second; a retry not
+        # yet due is not due.
+        assert await broker.oldest_due(asked) == {"q-expiring": mid, "q-pending": start}
+        clock.advance(timedelta(seconds=1))
+        assert await broker.oldest_due(["q-retry", "q-pending", "q-retry"]) == {
+            "q-pending": start,
+            "q-retry": mid + timedelta(seconds=1),
+        }
+        # Expired rows are nothing to lease; the later retry falls due in its turn.
+        clock.advance(timedelta(seconds=30))
+        assert await broker.oldest_due(asked) == {
+            "q-later": mid + timedelta(seconds=30),
+            "q-pending": start,
+            "q-retry": mid + timedelta(seconds=1),
+        }
+        # Leased, the first task no longer counts: the second is the oldest.
+        await broker.lease("q-pending", 1, TTL)
+        found = await broker.oldest_due(asked)
+        assert found["q-pending"] == start + timedelta(seconds=2)
+        assert set(found) == set(await broker.due_among(asked))
+        for queues in (["not a queue"], [QUEUE] * (MAX_BATCH + 1)):
+            with pytest.raises(InvalidTask):
+                await broker.oldest_due(queues)
+        await broker.close()
+        with pytest.raises(BrokerClosed):
+            await broker.oldest_due([QUEUE])
+
     async def test_due_queues_pages_by_name(self, broker: Broker, clock: FakeClock) -> None:
         await enqueue(broker, "page-0", process_at=clock.now() + timedelta(hours=1))
         for n in range(1, 6):

@@ -30,6 +30,7 @@ from conveyor._clients.admin_types import (
     TaskDependency,
     TaskPage,
     WebhookWorker,
+    WhoAmI,
     misfire_policy,
 )
 from conveyor._clients.admin_wire import (
@@ -67,6 +68,7 @@ from conveyor._clients.admin_wire import (
     watch_request,
     webhook_from_wire,
     webhook_request,
+    whoami_from_wire,
     with_breaker_config,
     with_concurrency_limit,
     with_cron_name,
@@ -376,6 +378,13 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
             "GetClusterInfo", svc.GetClusterInfoRequest(), svc.GetClusterInfoResponse
         )
         return cluster_from_wire(response)
+
+    async def whoami(self) -> WhoAmI:
+        """Who the api takes this client's token for, and what it may do on the
+        AdminService (any accepted token may ask; a missing or unknown one raises
+        :class:`Unauthenticated`, an api older than the call :class:`Unimplemented`)."""
+        response = await self._call("WhoAmI", svc.WhoAmIRequest(), svc.WhoAmIResponse)
+        return whoami_from_wire(response)
 
     async def upsert_webhook_worker(
         self,

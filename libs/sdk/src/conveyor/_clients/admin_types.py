@@ -461,3 +461,25 @@ class ClusterInfo:
     def of_kind(self, kind: str) -> list[ClusterNode]:
         """The nodes of one kind (``"api"``, ``"dispatcher"``, ...)."""
         return [node for node in self.nodes if node.kind == kind]
+
+
+@dataclass(frozen=True, slots=True)
+class WhoAmI:
+    """What :meth:`AsyncAdminClient.whoami` returns: who the api takes the caller for (by
+    its token) and what the caller may do on the AdminService.
+
+    Any token the api accepts may ask, whatever its role."""
+
+    #: The token's role as configured: ``admin``, ``producer``, ``worker`` (or
+    #: ``worker=<queue>+<queue>...``), ``read-only``; ``admin`` when auth is off.
+    role: str
+    #: The token's name (never its secret); None when auth is off.
+    token_name: str | None
+    #: False when the api runs without tokens (everyone may do everything).
+    auth_enabled: bool
+    #: True when the api refuses every AdminService mutation (``CONVEYOR_READ_ONLY``).
+    read_only: bool
+    #: May list and inspect (tasks, queues, stats, events...).
+    can_read: bool
+    #: May change things (pause, cancel, upsert...).
+    can_mutate: bool

@@ -34,6 +34,7 @@ from conveyor._clients.admin_types import (
     TaskPage,
     WebhookGateway,
     WebhookWorker,
+    WhoAmI,
     WorkerSession,
 )
 from conveyor._clients.task_wire import (
@@ -609,6 +610,18 @@ class AdminBase:
     def _page(self, response: svc.ListTasksResponse) -> TaskPage:
         tasks = [task_from_wire(task, self._codec) for task in response.tasks]
         return TaskPage(tasks=tasks, next_cursor=response.next_cursor or None)
+
+
+def whoami_from_wire(message: svc.WhoAmIResponse) -> WhoAmI:
+    """The SDK view of WhoAmI's answer."""
+    return WhoAmI(
+        role=message.role,
+        token_name=message.token_name or None,
+        auth_enabled=message.auth_enabled,
+        read_only=message.read_only,
+        can_read=message.can_read,
+        can_mutate=message.can_mutate,
+    )
 
 
 # ------------------------------------------------------------------ the cluster view

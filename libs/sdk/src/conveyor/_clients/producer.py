@@ -14,6 +14,7 @@ from conveyor._clients.producer_wire import ProducerBase
 from conveyor._clients.transport import AsyncRpcClient, with_task_id
 from conveyor._errors import ConveyorError
 from conveyor._payload import Codec, JsonCodec
+from conveyor._tracing import enqueue_trace
 from conveyor._types import DurationLike, EnqueueResult, OnFailure, TaskInfo, TaskSpec, spec
 
 
@@ -117,7 +118,13 @@ class AsyncClient(ProducerBase, AsyncRpcClient):
 
     async def enqueue_spec(self, item: TaskSpec) -> TaskInfo:
         """Enqueue one prepared :class:`TaskSpec` (see :meth:`enqueue`)."""
-        response = await self._call("Enqueue", self._enqueue_request(item), svc.EnqueueResponse)
+        request = self._enqueue_request(item)
+        with enqueue_trace("conveyor.enqueue", [request.task]) as trace:
+            trace.stamp([request.task])
+            response = await self._call(
+                "Enqueue", request, svc.EnqueueResponse, metadata=trace.metadata
+            )
+            trace.identify(response.task.id)
         return self._task(response)
 
     async def enqueue_batch(self, items: Iterable[TaskSpec]) -> list[EnqueueResult]:
@@ -129,8 +136,12 @@ class AsyncClient(ProducerBase, AsyncRpcClient):
         tasks = self._batch(items)
         if not tasks:
             return []
-        request = svc.EnqueueBatchRequest(tasks=tasks)
-        response = await self._call("EnqueueBatch", request, svc.EnqueueBatchResponse)
+        with enqueue_trace("conveyor.enqueue_batch", tasks) as trace:
+            trace.stamp(tasks)
+            request = svc.EnqueueBatchRequest(tasks=tasks)
+            response = await self._call(
+                "EnqueueBatch", request, svc.EnqueueBatchResponse, metadata=trace.metadata
+            )
         return self._batch_results(response, len(tasks))
 
     async def enqueue_tx(self, items: Iterable[TaskSpec]) -> list[TaskInfo]:
@@ -138,8 +149,12 @@ class AsyncClient(ProducerBase, AsyncRpcClient):
         tasks = self._batch(items)
         if not tasks:
             return []
-        request = svc.EnqueueTxRequest(tasks=tasks)
-        response = await self._call("EnqueueTx", request, svc.EnqueueTxResponse)
+        with enqueue_trace("conveyor.enqueue_tx", tasks) as trace:
+            trace.stamp(tasks)
+            request = svc.EnqueueTxRequest(tasks=tasks)
+            response = await self._call(
+                "EnqueueTx", request, svc.EnqueueTxResponse, metadata=trace.metadata
+            )
         return self._tx_results(response, len(tasks))
 
     async def get_task(self, id: str) -> TaskInfo:

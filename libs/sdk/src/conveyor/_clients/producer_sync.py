@@ -15,6 +15,7 @@ from conveyor._clients.producer_wire import ProducerBase
 from conveyor._clients.transport import SyncRpcClient, with_task_id
 from conveyor._errors import ConveyorError
 from conveyor._payload import Codec, JsonCodec
+from conveyor._tracing import enqueue_trace
 from conveyor._types import DurationLike, EnqueueResult, OnFailure, TaskInfo, TaskSpec, spec
 
 
@@ -103,7 +104,11 @@ class Client(ProducerBase, SyncRpcClient):
 
     def enqueue_spec(self, item: TaskSpec) -> TaskInfo:
         """Enqueue one prepared :class:`TaskSpec` (see :meth:`enqueue`)."""
-        response = self._call("Enqueue", self._enqueue_request(item), svc.EnqueueResponse)
+        request = self._enqueue_request(item)
+        with enqueue_trace("conveyor.enqueue", [request.task]) as trace:
+            trace.stamp([request.task])
+            response = self._call("Enqueue", request, svc.EnqueueResponse, metadata=trace.metadata)
+            trace.identify(response.task.id)
         return self._task(response)
 
     def enqueue_batch(self, items: Iterable[TaskSpec]) -> list[EnqueueResult]:
@@ -115,8 +120,12 @@ class Client(ProducerBase, SyncRpcClient):
         tasks = self._batch(items)
         if not tasks:
             return []
-        request = svc.EnqueueBatchRequest(tasks=tasks)
-        response = self._call("EnqueueBatch", request, svc.EnqueueBatchResponse)
+        with enqueue_trace("conveyor.enqueue_batch", tasks) as trace:
+            trace.stamp(tasks)
+            request = svc.EnqueueBatchRequest(tasks=tasks)
+            response = self._call(
+                "EnqueueBatch", request, svc.EnqueueBatchResponse, metadata=trace.metadata
+            )
         return self._batch_results(response, len(tasks))
 
     def enqueue_tx(self, items: Iterable[TaskSpec]) -> list[TaskInfo]:
@@ -124,8 +133,12 @@ class Client(ProducerBase, SyncRpcClient):
         tasks = self._batch(items)
         if not tasks:
             return []
-        request = svc.EnqueueTxRequest(tasks=tasks)
-        response = self._call("EnqueueTx", request, svc.EnqueueTxResponse)
+        with enqueue_trace("conveyor.enqueue_tx", tasks) as trace:
+            trace.stamp(tasks)
+            request = svc.EnqueueTxRequest(tasks=tasks)
+            response = self._call(
+                "EnqueueTx", request, svc.EnqueueTxResponse, metadata=trace.metadata
+            )
         return self._tx_results(response, len(tasks))
 
     def get_task(self, id: str) -> TaskInfo:

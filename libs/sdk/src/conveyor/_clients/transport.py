@@ -90,14 +90,23 @@ class AsyncRpcClient(_Settings):
             self._channel = self._endpoint.aio_channel()
         return self._channel
 
-    async def _call(self, method: str, request: Any, response_type: Any) -> Any:
+    async def _call(
+        self,
+        method: str,
+        request: Any,
+        response_type: Any,
+        *,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Any:
+        """One unary call; ``metadata`` goes with it besides the token (a trace context)."""
         rpc = self._open().unary_unary(
             self._service + method,
             request_serializer=type(request).SerializeToString,
             response_deserializer=response_type.FromString,
         )
+        sent = self._metadata + metadata if metadata else self._metadata
         try:
-            return await rpc(request, timeout=self._timeout, metadata=self._metadata)
+            return await rpc(request, timeout=self._timeout, metadata=sent)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, tls=self._endpoint.tls) from None
 
@@ -141,14 +150,23 @@ class SyncRpcClient(_Settings):
             raise ConveyorError("the client is closed")
         return self._channel
 
-    def _call(self, method: str, request: Any, response_type: Any) -> Any:
+    def _call(
+        self,
+        method: str,
+        request: Any,
+        response_type: Any,
+        *,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> Any:
+        """One unary call; ``metadata`` goes with it besides the token (a trace context)."""
         rpc = self._live_channel().unary_unary(
             self._service + method,
             request_serializer=type(request).SerializeToString,
             response_deserializer=response_type.FromString,
         )
+        sent = self._metadata + metadata if metadata else self._metadata
         try:
-            return rpc(request, timeout=self._timeout, metadata=self._metadata)
+            return rpc(request, timeout=self._timeout, metadata=sent)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, tls=self._endpoint.tls) from None
 

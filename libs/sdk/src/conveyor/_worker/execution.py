@@ -16,9 +16,11 @@ from typing import Any, Protocol
 
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
+from opentelemetry.trace import Span
 
 from conveyor._errors import SkipRetry
 from conveyor._payload import Codec, decode_value, encode_value
+from conveyor._tracing import end_run, start_run
 from conveyor._wire_time import duration_from_wire, duration_to_wire, timestamp_from_wire
 from conveyor._worker.context import TaskContext
 from conveyor._worker.dependencies import DependencyResult, read_dependencies
@@ -177,6 +179,7 @@ class Execution:
         "registration",
         "released",
         "reported",
+        "span",
         "suppressed",
         "task",
         "thread_future",
@@ -223,6 +226,8 @@ class Execution:
         self.released = False
         #: The task's outcome has been dealt with.
         self.reported = False
+        #: The run's span, while the application traces (see conveyor._tracing).
+        self.span: Span | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._on_finished: Callable[[Execution], None] | None = None
 
@@ -255,8 +260,9 @@ class Execution:
             if ctx.timeout is not None or ctx.deadline is not None
             else None
         )
+        self.span, context = start_run(self.envelope)
         self.task = loop.create_task(
-            self._run(self._codec, pool, limit), name=f"conveyor:{self.key[0]}"
+            self._run(self._codec, pool, limit), name=f"conveyor:{self.key[0]}", context=context
         )
         self.task.add_done_callback(self._settled)
         if limit is not None:
@@ -289,6 +295,8 @@ class Execution:
         if task is not None and task.done() and not self.reported:
             self.reported = True
             self._report(task)
+            if self.span is not None:
+                end_run(self.span, task)
         on_finished = self._on_finished
         if on_finished is not None and self.finished:
             self._on_finished = None

@@ -245,3 +245,17 @@ WHERE (
 )
 ORDER BY q.queue
 """
+
+#: DUE_AMONG with the due time (available_at) of each queue's first due row: the queues of
+#: $2 that have a due task at now $1 (in no particular order: the caller sorts them). The
+#: same probe per name, and nothing sorts the rows it reads.
+OLDEST_DUE = """
+SELECT q.queue, d.available_at FROM unnest($2::text[]) AS q(queue)
+CROSS JOIN LATERAL (
+    SELECT t.available_at FROM conveyor_tasks t
+    WHERE t.queue = q.queue AND t.state IN ('pending', 'retry') AND t.available_at <= $1
+      AND (t.expires_at IS NULL OR t.expires_at > $1)
+    ORDER BY t.available_at, t.id
+    LIMIT 1
+) AS d
+"""
