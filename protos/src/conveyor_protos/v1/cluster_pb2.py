@@ -27,7 +27,7 @@ from conveyor_protos.v1 import service_pb2 as conveyor_dot_v1_dot_service__pb2
 from conveyor_protos.v1 import task_pb2 as conveyor_dot_v1_dot_task__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63onveyor/v1/cluster.proto\x12\x13\x63onveyor.v1.cluster\x1a\x19\x63onveyor/v1/service.proto\x1a\x16\x63onveyor/v1/task.proto\"\x15\n\x04Wake\x12\r\n\x05queue\x18\x01 \x01(\t\"\x93\x02\n\x08Register\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x05\x12\x0e\n\x06weight\x18\x04 \x01(\x05\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12\x39\n\x06labels\x18\x06 \x03(\x0b\x32).conveyor.v1.cluster.Register.LabelsEntry\x12\x0f\n\x07\x63losing\x18\x07 \x01(\x08\x12\x10\n\x08returned\x18\x08 \x01(\x04\x12\x0e\n\x06holder\x18\t \x01(\t\x12\x15\n\rblocked_types\x18\n \x03(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"C\n\x04\x44one\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\t\x12\t\n\x01n\x18\x03 \x01(\x05\x12\x10\n\x08returned\x18\x04 \x01(\x04\"\x1c\n\nHolderBeat\x12\x0e\n\x06holder\x18\x01 \x01(\t\"3\n\x0e\x44ispatcherBeat\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"\x0e\n\x0cNodesRequest\"(\n\x07\x43ontrol\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"l\n\x0f\x44ispatchRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x12\n\ndispatcher\x18\x02 \x01(\t\x12(\n\x05tasks\x18\x03 \x03(\x0b\x32\x19.conveyor.v1.TaskEnvelope\x12\x0c\n\x04more\x18\x04 \x01(\x08\"[\n\rDispatchReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\t\x12\x0f\n\x07\x63redits\x18\x02 \x01(\x05\x12\x10\n\x08returned\x18\x03 \x01(\x04\x12\x15\n\rblocked_types\x18\x04 \x03(\t\"0\n\rCancelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\'\n\x07Resolve\x12\x10\n\x08task_ids\x18\x01 \x03(\tJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"2\n\x0f\x43\x61ncelBroadcast\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xc9\x01\n\x0fWebhookCallback\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05queue\x18\x04 \x01(\t\x12\x35\n\theartbeat\x18\x05 \x01(\x0b\x32 .conveyor.v1.cluster.WebhookBeatH\x00\x12\x35\n\x06result\x18\x06 \x01(\x0b\x32#.conveyor.v1.cluster.WebhookOutcomeH\x00\x42\x06\n\x04kind\"\x1f\n\x0bWebhookBeat\x12\x10\n\x08progress\x18\x01 \x01(\x0c\"k\n\x0eWebhookOutcome\x12%\n\x07outcome\x18\x01 \x01(\x0e\x32\x14.conveyor.v1.Outcome\x12\x0e\n\x06result\x18\x02 \x01(\x0c\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x13\n\x0bretry_after\x18\x04 \x01(\x01\"\xc7\x01\n\x14WebhookCallbackReply\x12@\n\x06status\x18\x01 \x01(\x0e\x32\x30.conveyor.v1.cluster.WebhookCallbackReply.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10lease_expires_at\x18\x03 \x01(\x01\"B\n\x06Status\x12\r\n\tSTATUS_OK\x10\x00\x12\x15\n\x11STATUS_LEASE_LOST\x10\x01\x12\x12\n\x0eSTATUS_INVALID\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63onveyor/v1/cluster.proto\x12\x13\x63onveyor.v1.cluster\x1a\x19\x63onveyor/v1/service.proto\x1a\x16\x63onveyor/v1/task.proto\"\x15\n\x04Wake\x12\r\n\x05queue\x18\x01 \x01(\t\"M\n\tGroupsDue\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x31\n\x06groups\x18\x02 \x03(\x0b\x32!.conveyor.v1.cluster.DueGroupHint\"=\n\x0c\x44ueGroupHint\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12\x10\n\x08max_size\x18\x03 \x01(\x05\"\xa8\x02\n\x08Register\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x05\x12\x0e\n\x06weight\x18\x04 \x01(\x05\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12\x39\n\x06labels\x18\x06 \x03(\x0b\x32).conveyor.v1.cluster.Register.LabelsEntry\x12\x0f\n\x07\x63losing\x18\x07 \x01(\x08\x12\x10\n\x08returned\x18\x08 \x01(\x04\x12\x0e\n\x06holder\x18\t \x01(\t\x12\x15\n\rblocked_types\x18\n \x03(\t\x12\x13\n\x0b\x62\x61tch_types\x18\x0b \x03(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"C\n\x04\x44one\x12\x0f\n\x07gateway\x18\x01 \x01(\t\x12\r\n\x05queue\x18\x02 \x01(\t\x12\t\n\x01n\x18\x03 \x01(\x05\x12\x10\n\x08returned\x18\x04 \x01(\x04\"\x1c\n\nHolderBeat\x12\x0e\n\x06holder\x18\x01 \x01(\t\"3\n\x0e\x44ispatcherBeat\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"\x0e\n\x0cNodesRequest\"(\n\x07\x43ontrol\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"{\n\x0f\x44ispatchRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x12\n\ndispatcher\x18\x02 \x01(\t\x12(\n\x05tasks\x18\x03 \x03(\x0b\x32\x19.conveyor.v1.TaskEnvelope\x12\x0c\n\x04more\x18\x04 \x01(\x08\x12\r\n\x05group\x18\x05 \x01(\t\"[\n\rDispatchReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\t\x12\x0f\n\x07\x63redits\x18\x02 \x01(\x05\x12\x10\n\x08returned\x18\x03 \x01(\x04\x12\x15\n\rblocked_types\x18\x04 \x03(\t\"0\n\rCancelRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\'\n\x07Resolve\x12\x10\n\x08task_ids\x18\x01 \x03(\tJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"2\n\x0f\x43\x61ncelBroadcast\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xc9\x01\n\x0fWebhookCallback\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05queue\x18\x04 \x01(\t\x12\x35\n\theartbeat\x18\x05 \x01(\x0b\x32 .conveyor.v1.cluster.WebhookBeatH\x00\x12\x35\n\x06result\x18\x06 \x01(\x0b\x32#.conveyor.v1.cluster.WebhookOutcomeH\x00\x42\x06\n\x04kind\"\x1f\n\x0bWebhookBeat\x12\x10\n\x08progress\x18\x01 \x01(\x0c\"k\n\x0eWebhookOutcome\x12%\n\x07outcome\x18\x01 \x01(\x0e\x32\x14.conveyor.v1.Outcome\x12\x0e\n\x06result\x18\x02 \x01(\x0c\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x13\n\x0bretry_after\x18\x04 \x01(\x01\"\xc7\x01\n\x14WebhookCallbackReply\x12@\n\x06status\x18\x01 \x01(\x0e\x32\x30.conveyor.v1.cluster.WebhookCallbackReply.Status\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10lease_expires_at\x18\x03 \x01(\x01\"B\n\x06Status\x12\r\n\tSTATUS_OK\x10\x00\x12\x15\n\x11STATUS_LEASE_LOST\x10\x01\x12\x12\n\x0eSTATUS_INVALID\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,38 +38,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTER_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_WAKE']._serialized_start=101
   _globals['_WAKE']._serialized_end=122
-  _globals['_REGISTER']._serialized_start=125
-  _globals['_REGISTER']._serialized_end=400
-  _globals['_REGISTER_LABELSENTRY']._serialized_start=355
-  _globals['_REGISTER_LABELSENTRY']._serialized_end=400
-  _globals['_DONE']._serialized_start=402
-  _globals['_DONE']._serialized_end=469
-  _globals['_HOLDERBEAT']._serialized_start=471
-  _globals['_HOLDERBEAT']._serialized_end=499
-  _globals['_DISPATCHERBEAT']._serialized_start=501
-  _globals['_DISPATCHERBEAT']._serialized_end=552
-  _globals['_NODESREQUEST']._serialized_start=554
-  _globals['_NODESREQUEST']._serialized_end=568
-  _globals['_CONTROL']._serialized_start=570
-  _globals['_CONTROL']._serialized_end=610
-  _globals['_DISPATCHREQUEST']._serialized_start=612
-  _globals['_DISPATCHREQUEST']._serialized_end=720
-  _globals['_DISPATCHREPLY']._serialized_start=722
-  _globals['_DISPATCHREPLY']._serialized_end=813
-  _globals['_CANCELREQUEST']._serialized_start=815
-  _globals['_CANCELREQUEST']._serialized_end=863
-  _globals['_RESOLVE']._serialized_start=865
-  _globals['_RESOLVE']._serialized_end=904
-  _globals['_CANCELBROADCAST']._serialized_start=906
-  _globals['_CANCELBROADCAST']._serialized_end=956
-  _globals['_WEBHOOKCALLBACK']._serialized_start=959
-  _globals['_WEBHOOKCALLBACK']._serialized_end=1160
-  _globals['_WEBHOOKBEAT']._serialized_start=1162
-  _globals['_WEBHOOKBEAT']._serialized_end=1193
-  _globals['_WEBHOOKOUTCOME']._serialized_start=1195
-  _globals['_WEBHOOKOUTCOME']._serialized_end=1302
-  _globals['_WEBHOOKCALLBACKREPLY']._serialized_start=1305
-  _globals['_WEBHOOKCALLBACKREPLY']._serialized_end=1504
-  _globals['_WEBHOOKCALLBACKREPLY_STATUS']._serialized_start=1438
-  _globals['_WEBHOOKCALLBACKREPLY_STATUS']._serialized_end=1504
+  _globals['_GROUPSDUE']._serialized_start=124
+  _globals['_GROUPSDUE']._serialized_end=201
+  _globals['_DUEGROUPHINT']._serialized_start=203
+  _globals['_DUEGROUPHINT']._serialized_end=264
+  _globals['_REGISTER']._serialized_start=267
+  _globals['_REGISTER']._serialized_end=563
+  _globals['_REGISTER_LABELSENTRY']._serialized_start=518
+  _globals['_REGISTER_LABELSENTRY']._serialized_end=563
+  _globals['_DONE']._serialized_start=565
+  _globals['_DONE']._serialized_end=632
+  _globals['_HOLDERBEAT']._serialized_start=634
+  _globals['_HOLDERBEAT']._serialized_end=662
+  _globals['_DISPATCHERBEAT']._serialized_start=664
+  _globals['_DISPATCHERBEAT']._serialized_end=715
+  _globals['_NODESREQUEST']._serialized_start=717
+  _globals['_NODESREQUEST']._serialized_end=731
+  _globals['_CONTROL']._serialized_start=733
+  _globals['_CONTROL']._serialized_end=773
+  _globals['_DISPATCHREQUEST']._serialized_start=775
+  _globals['_DISPATCHREQUEST']._serialized_end=898
+  _globals['_DISPATCHREPLY']._serialized_start=900
+  _globals['_DISPATCHREPLY']._serialized_end=991
+  _globals['_CANCELREQUEST']._serialized_start=993
+  _globals['_CANCELREQUEST']._serialized_end=1041
+  _globals['_RESOLVE']._serialized_start=1043
+  _globals['_RESOLVE']._serialized_end=1082
+  _globals['_CANCELBROADCAST']._serialized_start=1084
+  _globals['_CANCELBROADCAST']._serialized_end=1134
+  _globals['_WEBHOOKCALLBACK']._serialized_start=1137
+  _globals['_WEBHOOKCALLBACK']._serialized_end=1338
+  _globals['_WEBHOOKBEAT']._serialized_start=1340
+  _globals['_WEBHOOKBEAT']._serialized_end=1371
+  _globals['_WEBHOOKOUTCOME']._serialized_start=1373
+  _globals['_WEBHOOKOUTCOME']._serialized_end=1480
+  _globals['_WEBHOOKCALLBACKREPLY']._serialized_start=1483
+  _globals['_WEBHOOKCALLBACKREPLY']._serialized_end=1682
+  _globals['_WEBHOOKCALLBACKREPLY_STATUS']._serialized_start=1616
+  _globals['_WEBHOOKCALLBACKREPLY_STATUS']._serialized_end=1682
 # @@protoc_insertion_point(module_scope)

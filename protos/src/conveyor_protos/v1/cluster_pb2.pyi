@@ -16,8 +16,26 @@ class Wake(_message.Message):
     queue: str
     def __init__(self, queue: _Optional[str] = ...) -> None: ...
 
+class GroupsDue(_message.Message):
+    __slots__ = ("queue", "groups")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    queue: str
+    groups: _containers.RepeatedCompositeFieldContainer[DueGroupHint]
+    def __init__(self, queue: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[DueGroupHint, _Mapping]]] = ...) -> None: ...
+
+class DueGroupHint(_message.Message):
+    __slots__ = ("group", "size", "max_size")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    size: int
+    max_size: int
+    def __init__(self, group: _Optional[str] = ..., size: _Optional[int] = ..., max_size: _Optional[int] = ...) -> None: ...
+
 class Register(_message.Message):
-    __slots__ = ("gateway", "queue", "capacity", "weight", "in_flight", "labels", "closing", "returned", "holder", "blocked_types")
+    __slots__ = ("gateway", "queue", "capacity", "weight", "in_flight", "labels", "closing", "returned", "holder", "blocked_types", "batch_types")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +53,7 @@ class Register(_message.Message):
     RETURNED_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_TYPES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TYPES_FIELD_NUMBER: _ClassVar[int]
     gateway: str
     queue: str
     capacity: int
@@ -45,7 +64,8 @@ class Register(_message.Message):
     returned: int
     holder: str
     blocked_types: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., capacity: _Optional[int] = ..., weight: _Optional[int] = ..., in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., closing: _Optional[bool] = ..., returned: _Optional[int] = ..., holder: _Optional[str] = ..., blocked_types: _Optional[_Iterable[str]] = ...) -> None: ...
+    batch_types: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gateway: _Optional[str] = ..., queue: _Optional[str] = ..., capacity: _Optional[int] = ..., weight: _Optional[int] = ..., in_flight: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., closing: _Optional[bool] = ..., returned: _Optional[int] = ..., holder: _Optional[str] = ..., blocked_types: _Optional[_Iterable[str]] = ..., batch_types: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("gateway", "queue", "n", "returned")
@@ -86,16 +106,18 @@ class Control(_message.Message):
     def __init__(self, queue: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("queue", "dispatcher", "tasks", "more")
+    __slots__ = ("queue", "dispatcher", "tasks", "more", "group")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     DISPATCHER_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     queue: str
     dispatcher: str
     tasks: _containers.RepeatedCompositeFieldContainer[_task_pb2.TaskEnvelope]
     more: bool
-    def __init__(self, queue: _Optional[str] = ..., dispatcher: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[_task_pb2.TaskEnvelope, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    group: str
+    def __init__(self, queue: _Optional[str] = ..., dispatcher: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[_task_pb2.TaskEnvelope, _Mapping]]] = ..., more: _Optional[bool] = ..., group: _Optional[str] = ...) -> None: ...
 
 class DispatchReply(_message.Message):
     __slots__ = ("accepted", "credits", "returned", "blocked_types")

@@ -869,7 +869,7 @@ class TriggerCronEntryResponse(_message.Message):
     def __init__(self, task: _Optional[_Union[_task_pb2.Task, _Mapping]] = ...) -> None: ...
 
 class WebhookWorker(_message.Message):
-    __slots__ = ("name", "url", "queues", "concurrency", "timeout", "paused", "secrets", "created_at", "updated_at")
+    __slots__ = ("name", "url", "queues", "concurrency", "timeout", "paused", "secrets", "created_at", "updated_at", "batch_types")
     class QueuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -886,6 +886,7 @@ class WebhookWorker(_message.Message):
     SECRETS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TYPES_FIELD_NUMBER: _ClassVar[int]
     name: str
     url: str
     queues: _containers.ScalarMap[str, int]
@@ -895,7 +896,8 @@ class WebhookWorker(_message.Message):
     secrets: _containers.RepeatedScalarFieldContainer[str]
     created_at: _timestamp_pb2.Timestamp
     updated_at: _timestamp_pb2.Timestamp
-    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., queues: _Optional[_Mapping[str, int]] = ..., concurrency: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., paused: _Optional[bool] = ..., secrets: _Optional[_Iterable[str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    batch_types: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., url: _Optional[str] = ..., queues: _Optional[_Mapping[str, int]] = ..., concurrency: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., paused: _Optional[bool] = ..., secrets: _Optional[_Iterable[str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., batch_types: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpsertWebhookWorkerRequest(_message.Message):
     __slots__ = ("worker",)
