@@ -26,8 +26,8 @@ medians of each and their difference. ``--payload-bytes`` pads each task's paylo
 ``--metrics on`` has every service serve ``/metrics`` on a port of its own and scrapes
 them all every ``--scrape-interval`` seconds (1 s: more often than Prometheus would) for the
 whole run; ``--metrics off`` turns the instrumentation itself off in every process
-(bench/metrics_off: prometheus_client's recording calls become no-ops) and serves
-nothing; without the flag the services count but serve nothing, as in tests. ``--metrics
+(bench/metrics_off: prometheus_client's recording calls and conveyor_runtime.metrics'
+own become no-ops) and serves nothing; without the flag the services count but serve nothing, as in tests. ``--metrics
 both`` measures the cost like ``--encryption both``: ``--rounds`` pairs of runs off and on.
 
 Prints a summary and writes bench/results/e2e.json (``--encryption both``:

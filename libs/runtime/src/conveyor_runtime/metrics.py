@@ -16,19 +16,26 @@ the type breakers' states from the gateways' memory (:func:`watch_type_breakers`
 values are bounded: each of :data:`QUEUE`, :data:`TYPE` and :data:`WORKER` keeps the first
 :data:`LABEL_LIMIT` (200) distinct values it sees in a process and reports every later one
 as ``"other"``.
+
+**Per-task observations.** The two histograms observed once per task (run time, enqueue to
+start) are :class:`FoldedHistogram`: their hot children (:class:`Observations`) only append
+each value to a list, and fold the list into the prometheus_client child in bulk (sorted,
+one increment per bucket hit) at every collect (a scrape) and every :data:`FOLD_AT`
+values; what is exposed is the same Histogram, exactly as if each value had been observed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from conveyor_broker.types import EnqueueResult
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -80,6 +87,8 @@ class Bound:
 
     def __init__(self, metric: Any, *caps: LabelCap | None, limit: int = 4 * LABEL_LIMIT) -> None:
         self._metric = metric
+        # A FoldedHistogram's children are its Observations (what its hot paths observe).
+        self._child = metric.observations if isinstance(metric, FoldedHistogram) else metric.labels
         self._caps = caps
         self._limit = limit
         self._children: dict[tuple[str, ...], Any] = {}
@@ -92,7 +101,7 @@ class Bound:
                 cap(value) if cap is not None else value
                 for cap, value in zip(self._caps, values, strict=True)
             ]
-            child = self._metric.labels(*labels)
+            child = self._child(*labels)
             if len(self._children) < self._limit:
                 self._children[values] = child
         return child
@@ -111,6 +120,103 @@ class Tally:
     def add(self, n: int) -> None:
         """Change the value by ``n``."""
         self.value += n
+
+
+#: Values an :class:`Observations` keeps before it folds them in on its own (a scrape folds
+#: them all in before): a bound on its memory when nobody scrapes.
+FOLD_AT = 512
+
+
+class Observations:
+    """The hot side of one :class:`FoldedHistogram` child: :meth:`observe` appends the value
+    to a list (no lock: ``list.append`` is atomic, whatever thread calls it), and every
+    collect, and every :data:`FOLD_AT` values, adds what is listed to the child in bulk:
+    the values sorted, one locked increment per bucket they fall in and one for the sum,
+    instead of a bucket search and two locked increments per value. The child's samples
+    are then those of one ``observe`` per value (the sum up to float rounding: it is added
+    a batch at a time). Values must not be NaN (durations never are)."""
+
+    __slots__ = ("_bounds", "_child", "_lock", "_pending")
+
+    def __init__(self, child: Histogram, lock: threading.Lock) -> None:
+        self._child = child
+        self._bounds: list[float] = child._upper_bounds
+        self._pending: list[float] = []
+        #: The histogram's: a collect reads no batch half folded in.
+        self._lock = lock
+
+    def observe(self, value: float) -> None:
+        """Observe ``value`` (folded in at the next collect at the latest)."""
+        pending = self._pending
+        pending.append(value)
+        if len(pending) >= FOLD_AT:
+            self._fold_unless_collecting()
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        """Observe each of ``values``."""
+        pending = self._pending
+        pending.extend(values)
+        if len(pending) >= FOLD_AT:
+            self._fold_unless_collecting()
+
+    def _fold_unless_collecting(self) -> None:
+        # A collect (another thread) holding the lock folds the list in itself: the hot
+        # path never waits for a scrape.
+        if self._lock.acquire(blocking=False):
+            try:
+                self._fold()
+            finally:
+                self._lock.release()
+
+    def _fold(self) -> None:
+        """Add the values listed so far to the child (the histogram's lock held)."""
+        pending = self._pending
+        n = len(pending)
+        if not n:
+            return
+        # Values appended meanwhile (by another thread) go after the n taken: kept.
+        values = pending[:n]
+        del pending[:n]
+        child = self._child
+        child._sum.inc(sum(values))
+        values.sort()
+        counted = 0
+        for bound, bucket in zip(self._bounds, child._buckets, strict=True):
+            upto = bisect_right(values, bound, counted)
+            if upto > counted:
+                bucket.inc(upto - counted)
+                counted = upto
+                if counted == n:
+                    break
+
+
+class FoldedHistogram(Histogram):
+    """A Histogram whose hot paths observe through :meth:`observations` (see
+    :class:`Observations`); every collect (a scrape, ``get_sample_value``) folds what they
+    listed in first. Its ``labels()`` children still observe one value at a time. Never
+    ``remove()`` a child that has observations (a :class:`Bound` keeps them anyway)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._observations: dict[tuple[str, ...], Observations] = {}
+        self._fold_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def observations(self, *labelvalues: str) -> Observations:
+        """The hot side of the child of ``labelvalues`` (one per child, kept)."""
+        found = self._observations.get(labelvalues)
+        if found is None:
+            with self._fold_lock:
+                found = self._observations.get(labelvalues)
+                if found is None:
+                    found = Observations(self.labels(*labelvalues), self._fold_lock)
+                    self._observations[labelvalues] = found
+        return found
+
+    def collect(self) -> Iterable[Metric]:
+        with self._fold_lock:
+            for observations in self._observations.values():
+                observations._fold()
+            return super().collect()
 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
@@ -142,13 +248,13 @@ ARCHIVED = Counter(
     "Tasks archived after a failure: retries used up, skip-retry, past the deadline (gateway)",
     ["queue", "type"],
 )
-ENQUEUE_TO_START = Histogram(
+ENQUEUE_TO_START = FoldedHistogram(
     "conveyor_enqueue_to_start_seconds",
     "Seconds from a task's enqueue (or its due time, when later) to its lease (dispatcher)",
     ["queue"],
     buckets=_LATENCY_BUCKETS,
 )
-RUN_TIME = Histogram(
+RUN_TIME = FoldedHistogram(
     "conveyor_task_run_seconds",
     "Seconds from a gateway's accept of a delivery to the worker's Result (gateway)",
     ["queue"],
@@ -230,7 +336,8 @@ WEBHOOK_DELIVERIES = Counter(
     "skip_retry, release (the endpoint's answer), accepted (asynchronous), error (an "
     "answer that fails the attempt: 4xx, JSON-RPC error, invalid body), transport (no "
     "answer, a timeout or a 5xx: what the endpoint's breaker counts), canceled (aborted "
-    "in flight: lease lost, a callback came first, a drain)",
+    "in flight: lease lost, a callback came first, a drain), mixed (an aggregation group's "
+    "batch call whose members got different outcomes; a batch call counts once)",
     ["worker", "outcome"],
 )
 WEBHOOK_DELIVERY_SECONDS = Histogram(
@@ -276,15 +383,24 @@ QUEUE_OLDEST_DUE = Gauge(
 NATS_RECONNECTS = Counter("conveyor_nats_reconnects", "NATS reconnections of this process")
 
 
+#: The hot path's children of the enqueue counter, by raw queue and type.
+enqueued = Bound(ENQUEUED, QUEUE, TYPE)
+
+
 def record_enqueued(results: Iterable[EnqueueResult]) -> None:
     """Count the tasks ``results`` created (an existing id counts for nothing)."""
-    counts: dict[tuple[str, str], int] = {}
+    # By queue, then type: nothing allocated per task (no key tuple).
+    counts: dict[str, dict[str, int]] = {}
     for result in results:
         if result.created:
-            key = (result.task.queue, result.task.type)
-            counts[key] = counts.get(key, 0) + 1
-    for (queue, type_), n in counts.items():
-        ENQUEUED.labels(QUEUE(queue), TYPE(type_)).inc(n)
+            task = result.task
+            by_type = counts.get(task.queue)
+            if by_type is None:
+                by_type = counts[task.queue] = {}
+            by_type[task.type] = by_type.get(task.type, 0) + 1
+    for queue, by_type in counts.items():
+        for type_, n in by_type.items():
+            enqueued(queue, type_).inc(n)
 
 
 # ----------------------------------------------------------- scrape-time reads
