@@ -1,4 +1,4 @@
-"""Quickstart worker: runs `email.send` and `report.build` tasks.
+"""Quickstart worker: runs `email.send` and `report.build` tasks, and `digest.send` batches.
 
     uv run python examples/worker.py      # against `conveyor dev` on 127.0.0.1:50051
 
@@ -12,11 +12,12 @@ import os
 import time
 from typing import Any
 
-from conveyor import SkipRetry, TaskContext, Worker
+from conveyor import BatchContext, SkipRetry, TaskContext, Worker
 
 worker = Worker(
     os.environ.get("CONVEYOR_TARGET", "127.0.0.1:50051"),
-    queues={"emails": 3, "reports": 1},  # emails get three times the slots of reports
+    # emails get three times the slots of reports; digests come as whole groups
+    queues={"emails": 3, "reports": 1, "digests": 1},
     concurrency=8,
 )
 
@@ -40,6 +41,14 @@ def build_report(payload: dict[str, Any], ctx: TaskContext) -> str:
         time.sleep(0.01)  # stands in for real work
     print(f"report {payload['name']} built", flush=True)
     return f"{payload['name']}.pdf"
+
+
+@worker.batch_task("digest.send")
+async def send_digest(payloads: list[dict[str, Any]], batch: BatchContext) -> None:
+    """A batch handler: one call for a whole aggregation group (examples/groups.py);
+    returning None completes every member."""
+    events = ", ".join(p["event"] for p in payloads)
+    print(f"digest for {batch.group}: {len(batch)} events ({events})", flush=True)
 
 
 if __name__ == "__main__":

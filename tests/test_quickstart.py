@@ -102,6 +102,35 @@ def test_quickstart_runs_start_to_finish(tmp_path: Path) -> None:
             message="the demo cron entry fired",
         )
 
+        # The groups example: the groups wait, and `conveyor group stats` shows them; the
+        # full one (max size) reaches the worker's batch handler as one digest.
+        grouped = subprocess.run(
+            [sys.executable, "examples/groups.py"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert grouped.returncode == 0, grouped.stdout + grouped.stderr
+        stats = subprocess.run(
+            [sys.executable, "-m", "conveyor_cli", "group", "stats", "digests", "--json"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert stats.returncode == 0, stats.stdout + stats.stderr
+        assert '"user:grace"' in stats.stdout, stats.stdout
+        assert '"user:linus"' in stats.stdout, stats.stdout
+        wait_until_blocking(
+            lambda: "digest for user:ada: 5 events" in (tmp_path / "worker.log").read_text(),
+            within=60,
+            interval=POLL_INTERVAL,
+            message="the full group reached the batch handler",
+        )
+
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=30) == 0
         assert "email to user0@example.com" in (tmp_path / "worker.log").read_text()

@@ -16,7 +16,6 @@ from conveyor import (
     InvalidArgument,
     ResourceExhausted,
     TaskState,
-    Unimplemented,
     spec,
 )
 from conveyor_broker import Task, TaskListParams
@@ -90,9 +89,9 @@ async def test_bad_input_gets_clear_errors_and_loses_nothing(
             await client.enqueue(
                 "e2e.noop", {}, queue="bad", depends_on=["01ARZ3NDEKTSV4RRFFQ69G5FAV"]
             )
-        # An option whose feature is not built: refused, never stored to wait forever.
-        with pytest.raises(Unimplemented, match="group"):
-            await client.enqueue("e2e.noop", {}, queue="bad", group="digest")
+        # A group is delivered whole: a concurrency key per member has no meaning.
+        with pytest.raises(InvalidArgument, match="concurrency_key"):
+            await client.enqueue("e2e.noop", {}, queue="bad", group="digest", concurrency_key="k")
 
     async with grpc.aio.insecure_channel(stack.target) as channel:
         tasks: Any = service_pb2_grpc.TaskServiceStub

@@ -688,3 +688,79 @@ async def test_a_task_types_breaker_stops_failing_deliveries_and_a_probe_closes_
         await wait_until(closed, within=30, interval=POLL_INTERVAL, message="breaker closed")
         delivered = Counter(d.task_id for d in endpoint.deliveries if d.task_id in report_ids)
         assert max(delivered.values()) == 1  # a task waiting behind it was never delivered
+
+
+# ---------------------------------------------------------- aggregation groups
+
+
+async def test_webhook_groups_are_one_call_per_group_and_every_member_completes(
+    cluster: Cluster, store: PostgresBroker
+) -> None:
+    """A registration with batch types gets each due group of those types as one signed
+    ``conveyor.batch`` call carrying every member; the answer's per-member results finish
+    the members (a ``retry: false`` error archives its member); tasks of its other types
+    still come one call each."""
+    stack = await start_stack(cluster, env={"CONVEYOR_GROUP_TICK": "0.2"})
+
+    async def answer(delivery: Delivery) -> web.StreamResponse:
+        call = delivery.call
+        if call["method"] == "conveyor.task":
+            return await rpc("success")(delivery)
+        results: list[dict[str, Any]] = []
+        for task in call["params"]["tasks"]:
+            value = json.loads(base64.b64decode(task["payload"]))
+            if value["n"] == 2:
+                results.append({"task_id": task["task_id"], "error": "bounced", "retry": False})
+            else:
+                echo = base64.b64encode(encoded({"sent": value["n"]})).decode()
+                results.append({"task_id": task["task_id"], "result": echo})
+        reply = {"outcome": "success", "results": results}
+        return web.json_response({"jsonrpc": "2.0", "id": delivery.lease_id, "result": reply})
+
+    async with (
+        Endpoint(answer=answer) as endpoint,
+        AsyncAdminClient(stack.target) as admin,
+        AsyncClient(stack.target) as client,
+    ):
+        await register(
+            admin,
+            "batch-hook",
+            endpoint.url,
+            {"digests": 1},
+            batch_types=["digest.send", "digest.send"],
+        )
+        worker = await admin.get_webhook_worker("batch-hook")
+        assert worker.batch_types == ("digest.send",)
+        # Due at 3 members (or 30 s after the first joined: never, in this test).
+        await admin.set_group_config("digests", max_size=3, max_delay=30, grace_period=30)
+        groups: dict[str, list[str]] = {}
+        for user in ("user-1", "user-2"):
+            for n in range(3):
+                task = await client.enqueue(
+                    "digest.send", {"n": n, "user": user}, queue="digests", group=user
+                )
+                groups.setdefault(user, []).append(task.id)
+        single = await client.enqueue("invoice.charge", {"i": 1}, queue="digests")
+
+        await wait_state(admin, single.id, TaskState.COMPLETED)
+        for ids in groups.values():
+            await wait_tasks(admin, ids[:2], TaskState.COMPLETED)
+            [refused] = await wait_tasks(admin, ids[2:], TaskState.ARCHIVED)
+            assert refused.last_error == "bounced"
+            for n, task_id in enumerate(ids[:2]):
+                assert (await client.get_task(task_id)).result == {"sent": n}
+
+        batches = [d for d in endpoint.deliveries if d.call["method"] == "conveyor.batch"]
+        assert len(batches) == 2, [d.call["params"].get("group") for d in batches]
+        reference = StandardWebhook(SECRET)
+        for delivery in batches:
+            reference.verify(delivery.body, delivery.headers, json_parse=False)
+            assert header(delivery, "webhook-id") == delivery.lease_id
+            assert header(delivery, "Conveyor-Delivery") is None
+            params = delivery.call["params"]
+            assert (params["queue"], params["type"]) == ("digests", "digest.send")
+            assert sorted(t["task_id"] for t in params["tasks"]) == sorted(groups[params["group"]])
+            assert {t["attempt"] for t in params["tasks"]} == {1}
+        assert [d.task_id for d in endpoint.deliveries if d.call["method"] == "conveyor.task"] == [
+            single.id
+        ]

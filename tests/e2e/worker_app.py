@@ -25,6 +25,10 @@ Lifecycle types, whatever the mode, each driven by its payload (a JSON object):
 - ``e2e.sync_ignore``: a sync handler that ignores ``ctx.cancelled`` and sleeps
   ``payload["seconds"]`` (the slow, uncooperative handler).
 
+Aggregation-group batches of the type ``e2e.batch`` (a batch handler): records
+``batch <group> <member ids, comma-separated> <pid>`` when it starts, then, in mode
+``block``, waits until cancelled, else every member succeeds (``batchdone <group> <pid>``).
+
 Beyond ``start``/``done``, a handler that is cancelled records ``cancelled <task id> <pid>
 <reason>`` (spaces in the reason become ``_``), and a sync handler that returns records
 ``finished <task id> <pid> <cancelled flag>``.
@@ -39,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from conveyor import RetryAfter, SkipRetry, TaskContext, Worker
+from conveyor import BatchContext, RetryAfter, SkipRetry, TaskContext, Worker
 
 
 def main() -> None:
@@ -85,6 +89,14 @@ def main() -> None:
 
     for task_type in ("e2e.noop", "e2e.echo"):
         worker.task(task_type)(handle)
+
+    @worker.batch_task("e2e.batch")
+    async def batch(payloads: list[Any], ctx: BatchContext) -> None:
+        record(f"batch {ctx.group} {','.join(t.task_id for t in ctx.tasks)} {pid}")
+        if args.mode == "block":
+            await asyncio.Event().wait()
+        record(f"batchdone {ctx.group} {pid}")
+
     register_lifecycle_handlers(worker, record, pid)
     worker.run_forever()
 

@@ -62,6 +62,7 @@ PER_QUEUE = {
     "register": cluster_pb2.Register,
     "done": cluster_pb2.Done,
     "control": cluster_pb2.Control,
+    "groups": cluster_pb2.GroupsDue,
     "owner": None,
 }
 #: Every kind of subject a service subscribes to (the ``_INBOX`` replies have a test of
@@ -100,6 +101,7 @@ FUZZED_AS = {
     "register": "register",
     "done": "done",
     "control": "control",
+    "groups": "groups",
     "owner_changed": "owner",
     "cancel": "cancel",
     "promote": "promote",
@@ -205,6 +207,7 @@ def pointed(draw: st.DrawFn, kind: str, targets: Targets) -> bytes:
             labels=draw(st.dictionaries(text(), text(), max_size=3)),
             closing=draw(st.booleans()),
             returned=draw(_uint64s()),
+            batch_types=draw(st.lists(text(), max_size=3)),
         )
     elif kind == "done":
         message = cluster_pb2.Done(
@@ -212,10 +215,16 @@ def pointed(draw: st.DrawFn, kind: str, targets: Targets) -> bytes:
         )
     elif kind == "control":
         message = cluster_pb2.Control(queue=draw(queue), reason=draw(text()))
+    elif kind == "groups":
+        message = cluster_pb2.GroupsDue(queue=draw(queue))
+        for _ in range(draw(st.integers(0, 3))):
+            message.groups.add(group=draw(text()), size=draw(int32s()), max_size=draw(int32s()))
     elif kind == "cancel":
         message = cluster_pb2.CancelBroadcast(task_id=draw(text()), reason=draw(text()))
     elif kind == "dispatch":
         message = cluster_pb2.DispatchRequest(queue=draw(queue), dispatcher=draw(text()))
+        if draw(st.booleans()):
+            message.group = draw(text())  # an aggregation group's batch
         for _ in range(draw(st.integers(0, 3))):
             envelope = message.tasks.add()
             envelope.CopyFrom(draw(messages_of(task_pb2.TaskEnvelope)))

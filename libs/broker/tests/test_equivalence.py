@@ -172,6 +172,7 @@ class Hook:
     timeout_ms: int
     paused: bool
     secrets: tuple[str, ...]
+    batch_types: tuple[str, ...] = ()
 
     def build(self) -> WebhookWorkerSpec:
         return WebhookWorkerSpec(
@@ -182,6 +183,7 @@ class Hook:
             timeout=timedelta(milliseconds=self.timeout_ms),
             paused=self.paused,
             secrets=self.secrets,
+            batch_types=self.batch_types,
         )
 
 
@@ -389,6 +391,7 @@ hooks = st.builds(
     timeout_ms=st.sampled_from([1, 30_000] * 4 + [0]),
     paused=st.booleans(),
     secrets=st.sampled_from([(), ("s1",), ("s2", "s1")] * 3 + [("",)]),
+    batch_types=st.sampled_from([(), ("b.t",), ("b.t", "a.t", "b.t")] * 3 + [("",)]),
 )
 webhook_names = st.sampled_from(WEBHOOKS)
 crons = st.builds(

@@ -1,6 +1,6 @@
 """Postgres migrations: they produce the declared schema, apply once (also when run
-concurrently), honour a target, and what migrations 003 (purge_at) and 004 (dependency
-resolution) changed.
+concurrently), honour a target, and what migrations 003 (purge_at), 004 and 005
+(dependency resolution) and 011 (webhook batch types) changed.
 
 Each test works in a database or schema of its own, so none depends on another's rows.
 """
@@ -22,6 +22,7 @@ from conveyor_broker import (
     TaskNotFound,
     TaskState,
     TerminalPurgeParams,
+    WebhookWorkerSpec,
 )
 from conveyor_broker.postgres import PostgresBroker, latest_version, migrate, migration_status
 from conveyor_broker.postgres.migrations import declared_schema, load_migrations
@@ -373,5 +374,37 @@ async def test_migration_005_makes_edges_stored_before_it_resolvable(pg_dsn: str
             assert (await broker.resolve_dependents([running])).promoted == {"w": 1}
             assert (await broker.get_task(waits)).state == TaskState.PENDING
             assert (await broker.get_task(orphan)).state == TaskState.BLOCKED
+        finally:
+            await broker.close()
+
+
+async def test_migration_011_gives_stored_webhook_workers_no_batch_types(pg_dsn: str) -> None:
+    """A registration stored before 011 reads back unchanged, with no batch types, and an
+    upsert after it stores some."""
+    clock = FakeClock()
+    async with scratch_database(pg_dsn) as dsn:
+        assert await migrate(dsn, target=10) == list(range(1, 11))
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(
+                "INSERT INTO conveyor_webhook_workers (name, url, queues, concurrency, timeout,"
+                " secrets, created_at, updated_at) VALUES ('old', 'https://a.example.com/',"
+                """ '{"q": 2}', 4, interval '5 seconds', '{s1}', $1, $1)""",
+                clock.now(),
+            )
+            assert await migrate(dsn) == list(range(11, latest_version() + 1))
+        finally:
+            await conn.close()
+        broker = await PostgresBroker.connect(dsn, clock)
+        try:
+            old = await broker.get_webhook_worker("old")
+            assert old.batch_types == ()
+            assert (old.concurrency, old.secrets, dict(old.queues)) == (4, ("s1",), {"q": 2})
+            spec = WebhookWorkerSpec(
+                "old", old.url, old.queues, batch_types=("digest.send", "report.build")
+            )
+            stored = await broker.upsert_webhook_worker(spec)
+            assert stored.batch_types == ("digest.send", "report.build")
+            assert (await broker.get_webhook_worker("old")).batch_types == stored.batch_types
         finally:
             await broker.close()

@@ -36,9 +36,13 @@ class Recording:
 
     dispatched: list[list[str]] = field(default_factory=list)
     canceled: list[tuple[str, str, str]] = field(default_factory=list)
+    batches: list[service_pb2.BatchDispatch] = field(default_factory=list)
 
     def dispatch(self, tasks: Sequence[task_pb2.TaskEnvelope]) -> None:
         self.dispatched.append([env.id for env in tasks])
+
+    def dispatch_batch(self, batch: service_pb2.BatchDispatch) -> None:
+        self.batches.append(batch)
 
     def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
         self.canceled.append((task_id, lease_id, reason))

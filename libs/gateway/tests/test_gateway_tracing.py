@@ -38,6 +38,9 @@ class Recording:
     def dispatch(self, tasks: Sequence[task_pb2.TaskEnvelope]) -> None:
         self.envelopes += tasks
 
+    def dispatch_batch(self, batch: service_pb2.BatchDispatch) -> None:
+        pass
+
     def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
         pass
 

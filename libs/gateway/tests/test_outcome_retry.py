@@ -161,6 +161,9 @@ class _Silent:
     def dispatch(self, tasks: Any) -> None:
         pass
 
+    def dispatch_batch(self, batch: service_pb2.BatchDispatch) -> None:
+        pass
+
     def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
         pass
 

@@ -16,7 +16,7 @@ from conveyor_gateway.config import WorkerSpec
 from conveyor_gateway.credits import Credits
 from conveyor_gateway.holdings import Holdings
 from conveyor_gateway.turns import Turns
-from conveyor_protos.v1 import cluster_pb2, task_pb2
+from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.wire import task_to_envelope
 
@@ -153,6 +153,9 @@ class Recording:
 
     def dispatch(self, tasks: Sequence[task_pb2.TaskEnvelope]) -> None:
         self.dispatched.append([env.id for env in tasks])
+
+    def dispatch_batch(self, batch: service_pb2.BatchDispatch) -> None:
+        self.dispatched.append([env.id for env in batch.tasks])
 
     def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
         pass

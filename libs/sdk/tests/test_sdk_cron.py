@@ -15,7 +15,6 @@ from conveyor import (
     CronMisfire,
     InvalidArgument,
     TaskState,
-    Unimplemented,
     cron,
     spec,
 )
@@ -102,8 +101,10 @@ def test_errors_are_clear(target: str) -> None:
             admin.upsert_cron_entry("sdk-zone", "@daily", spec("t"), timezone="Nowhere/City")
         with pytest.raises(InvalidArgument, match="unique key"):
             admin.upsert_cron_entry("sdk-key", "@daily", spec("t", unique_key="k"))
-        with pytest.raises(Unimplemented, match="group"):
-            admin.upsert_cron_entry("sdk-group", "@daily", spec("t", group="g"))
+        with pytest.raises(InvalidArgument, match="concurrency_key"):
+            admin.upsert_cron_entry(
+                "sdk-group", "@daily", spec("t", group="g", concurrency_key="k")
+            )
         with pytest.raises(InvalidArgument, match="unique"):
             admin.apply_cron_entries([cron("dup", "@daily", "t"), cron("dup", "@hourly", "t")])
     with pytest.raises(InvalidArgument, match="misfire"):

@@ -13,7 +13,6 @@ from conveyor import (
     Client,
     GroupConfigNotFound,
     InvalidArgument,
-    Unimplemented,
 )
 
 from tests.e2e.harness import dev_server
@@ -61,16 +60,19 @@ def test_bad_input(target: str) -> None:
             admin.group_stats(limit=0)
 
 
-def test_group_option_is_still_refused(target: str) -> None:
-    with Client(target) as client, pytest.raises(Unimplemented):
-        client.enqueue("digest", {}, queue="sdk-digests", group="user:1")
+def test_a_grouped_task_waits_in_its_group(target: str) -> None:
+    with Client(target) as client:
+        first = client.enqueue("digest", {"n": 1}, queue="sdk-digests", group="user:1")
+        client.enqueue("digest", {"n": 2}, queue="sdk-digests", group="user:1")
+        assert client.get_task(first.id).state == "aggregating"
     with AdminClient(target) as admin:
-        assert admin.group_stats("sdk-digests") == []
+        (stats,) = admin.group_stats("sdk-digests")
+        assert (stats.group, stats.size) == ("user:1", 2)
 
 
 async def test_the_async_client_sees_the_same(target: str) -> None:
     async with AsyncAdminClient(target) as admin:
         stored = await admin.set_group_config("sdk-async", max_size=3)
         assert await admin.list_group_configs("sdk-async") == [stored]
-        assert await admin.group_stats() == []
+        assert await admin.group_stats("sdk-async") == []
         await admin.delete_group_config("sdk-async")

@@ -65,6 +65,7 @@ EXPORTED = {
     "AsyncClient",
     "AsyncEventStream",
     "BatchActionResult",
+    "BatchContext",
     "Breaker",
     "BreakerConfig",
     "BreakerConfigNotFound",

@@ -152,6 +152,7 @@ def test_the_public_type_has_no_secrets_and_no_protos() -> None:
         "paused",
         "created_at",
         "updated_at",
+        "batch_types",
     }
     for name in webhooks.__all__:
         obj = getattr(webhooks, name)
@@ -172,6 +173,7 @@ async def test_admin_webhook_methods_send_and_read(double: tuple[Double, str]) -
             timeout=timedelta(seconds=12.5),
             paused=True,
             secrets=["new", "old"],
+            batch_types=("digest.send", "report.build"),
         )
         assert worker == WebhookWorker(
             name="hooky",
@@ -182,6 +184,7 @@ async def test_admin_webhook_methods_send_and_read(double: tuple[Double, str]) -
             paused=True,
             created_at=T0,
             updated_at=T0 + timedelta(minutes=1),
+            batch_types=("digest.send", "report.build"),
         )
         # Defaults, a list of queue names (weight 1 each), secrets kept (none sent).
         await admin.upsert_webhook_worker("hooky", "https://hooks.example.com/x", ["a", "b"])
@@ -211,7 +214,9 @@ async def test_admin_webhook_methods_send_and_read(double: tuple[Double, str]) -
     )
     assert first.timeout.ToTimedelta() == timedelta(seconds=12.5)
     assert list(first.secrets) == ["new", "old"]
+    assert list(first.batch_types) == ["digest.send", "report.build"]
     second: svc.WebhookWorker = service.requests[1][1].worker
+    assert list(second.batch_types) == []
     assert (dict(second.queues), second.concurrency, second.paused) == ({"a": 1, "b": 1}, 10, False)
     assert second.timeout.ToTimedelta() == timedelta(seconds=30)
     assert list(second.secrets) == []
@@ -246,6 +251,8 @@ async def test_admin_webhook_errors(double: tuple[Double, str]) -> None:
             {"timeout": -1},
             {"timeout": 0},
             {"timeout": "30"},
+            {"batch_types": "digest.send"},
+            {"batch_types": ["digest.send", 3]},
         ]
         for options in bad:
             with pytest.raises(InvalidArgument):

@@ -1,4 +1,5 @@
-"""The Worker against a scripted WorkerService double on a real gRPC socket.
+"""The Worker against a scripted WorkerService double on a real gRPC socket (task
+handlers, then aggregation-group batch handlers at the end).
 
 The double plays the server side of docs/protocol.md: it records every frame the worker
 sends and lets each test push frames (Dispatch, Cancel) or end the stream with a status.
@@ -21,8 +22,10 @@ import grpc
 import grpc.aio
 import pytest
 from conveyor import (
+    BatchContext,
     FailedPrecondition,
     InvalidArgument,
+    JsonCodec,
     PermissionDenied,
     ReconnectBackoff,
     RetryAfter,
@@ -31,6 +34,8 @@ from conveyor import (
     Unauthenticated,
     Worker,
 )
+from conveyor._worker.batch import batch_outcomes, fit_batch
+from conveyor._worker.execution import make_result
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 from conveyor_testkit.polling import wait_until
@@ -792,3 +797,552 @@ async def test_the_result_limit_comes_from_welcome_unless_the_worker_sets_one(
     session.send(dispatch(envelope("T2")))
     (result,) = await session.results(1)
     assert result.outcome == svc.OUTCOME_SUCCESS
+
+
+# ===================================================== aggregation-group batches
+#
+# ``@worker.batch_task`` handlers: a BatchDispatch takes one slot, every member shares its
+# lease, a Cancel naming that lease stops the whole batch, and the answer is one
+# BatchResult with a Result per member; then the pure outcome rules (batch_outcomes,
+# fit_batch).
+
+
+def batch(
+    lease: str,
+    task_ids: list[str],
+    task_type: str = "t.digest",
+    *,
+    group: str = "user:1",
+    payloads: list[bytes] | None = None,
+    timeouts: list[float | None] | None = None,
+) -> svc.ServerFrame:
+    """A BatchDispatch frame: ``task_ids`` under the one lease ``lease``, payload
+    ``{"n": i}`` each unless ``payloads`` are given."""
+    tasks: list[pb.TaskEnvelope] = []
+    for i, task_id in enumerate(task_ids):
+        env = envelope(task_id, task_type, payloads[i] if payloads else b'{"n":%d}' % i)
+        env.lease_id = lease
+        env.group = group
+        timeout = timeouts[i] if timeouts else None
+        if timeout is not None:
+            env.timeout.CopyFrom(seconds(timeout))
+        tasks.append(env)
+    return svc.ServerFrame(
+        batch_dispatch=svc.BatchDispatch(queue="default", group=group, type=task_type, tasks=tasks)
+    )
+
+
+def cancel_frame(task_id: str, lease: str, reason: str = "lease lost") -> svc.ServerFrame:
+    return svc.ServerFrame(cancel=svc.Cancel(task_id=task_id, lease_id=lease, reason=reason))
+
+
+async def batch_result(session: ScriptedSession) -> list[svc.Result]:
+    """The Results of the next BatchResult frame."""
+    return list((await session.frame("batch_result")).batch_result.results)
+
+
+# ----------------------------------------------------------------- registration
+
+
+async def test_hello_lists_the_batch_types(harness: Harness) -> None:
+    worker = harness.worker()
+
+    @worker.task("t.single")
+    async def single(payload: Any, ctx: TaskContext) -> None:
+        return None
+
+    @worker.batch_task("t.b")
+    async def b(payloads: list[Any], batch: BatchContext) -> None:
+        return None
+
+    worker.register_batch("t.a", lambda payloads, batch: None)
+    assert worker.batch_types == ["t.a", "t.b"]
+    assert worker.task_types == ["t.single"]
+    assert worker.clone("127.0.0.1:1").batch_types == ["t.a", "t.b"]
+    harness.start(worker)
+    session = await harness.double.next_session()
+    assert list(session.hello.batch_types) == ["t.a", "t.b"]
+
+
+def test_registering_both_kinds_for_one_type_is_refused() -> None:
+    worker = Worker()
+
+    @worker.task("t.x")
+    async def x(payload: Any, ctx: TaskContext) -> None:
+        return None
+
+    with pytest.raises(ValueError, match="already has a task handler"):
+        worker.register_batch("t.x", lambda payloads, batch: None)
+
+    @worker.batch_task("t.y")
+    async def y(payloads: list[Any], batch: BatchContext) -> None:
+        return None
+
+    with pytest.raises(ValueError, match="already has a batch handler"):
+        worker.register("t.y", lambda payload, ctx: None)
+    with pytest.raises(ValueError, match="already has a batch handler"):
+        worker.register_batch("t.y", lambda payloads, batch: None)
+    assert worker.task_types == ["t.x"]
+    assert worker.batch_types == ["t.y"]
+
+
+def test_batch_types_are_held_to_the_hello_bounds() -> None:
+    worker = Worker()
+    with pytest.raises(InvalidArgument, match="1-256"):
+        worker.register_batch("", lambda payloads, batch: None)
+    with pytest.raises(InvalidArgument, match="1-256"):
+        worker.register_batch("t" * 257, lambda payloads, batch: None)
+    with pytest.raises(InvalidArgument, match="control character"):
+        worker.register_batch("t\n", lambda payloads, batch: None)
+    with pytest.raises(TypeError, match="not callable"):
+        worker.register_batch("t.z", "nope")  # type: ignore[arg-type]
+    for n in range(100):
+        worker.register_batch(f"t{n}", lambda payloads, batch: None)
+    with pytest.raises(InvalidArgument, match="at most 100 batch handlers"):
+        worker.register_batch("t100", lambda payloads, batch: None)
+
+
+# ------------------------------------------------------------------------ running
+
+
+async def test_a_batch_runs_once_and_sees_every_member(harness: Harness) -> None:
+    worker = harness.worker()
+    calls: list[tuple[list[Any], BatchContext]] = []
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> list[Any]:
+        calls.append((payloads, batch))
+        return [p["n"] * 10 for p in payloads]
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("LB", ["A", "B", "C"]))
+    results = await batch_result(session)
+    assert [(r.task_id, r.lease_id, r.outcome, r.result) for r in results] == [
+        ("A", "LB", svc.OUTCOME_SUCCESS, b"0"),
+        ("B", "LB", svc.OUTCOME_SUCCESS, b"10"),
+        ("C", "LB", svc.OUTCOME_SUCCESS, b"20"),
+    ]
+    ((payloads, ctx),) = calls
+    assert payloads == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert (ctx.queue, ctx.group, ctx.type, ctx.lease_id, len(ctx)) == (
+        "default",
+        "user:1",
+        "t.digest",
+        "LB",
+        3,
+    )
+    assert [t.task_id for t in ctx.tasks] == ["A", "B", "C"]
+    assert [t.id for t in ctx.tasks] == ["A", "B", "C"]
+    assert ctx.tasks[1].headers == {"h": "v"}
+    assert ctx.tasks[1].attempt == 1
+    assert ctx.tasks[1].group == "user:1"
+    assert not ctx.cancelled
+
+
+async def test_a_single_member_batch_is_still_answered_with_a_batch_result(
+    harness: Harness,
+) -> None:
+    worker = harness.worker()
+    worker.register_batch("t.digest", lambda payloads, batch: None)
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("LB", ["A"]))
+    (result,) = await batch_result(session)
+    assert (result.task_id, result.outcome, result.result) == ("A", svc.OUTCOME_SUCCESS, b"")
+
+
+async def test_a_batch_takes_one_slot_however_many_members(harness: Harness) -> None:
+    worker = harness.worker(concurrency=2)
+    gate = asyncio.Event()
+    started = asyncio.Event()
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> None:
+        started.set()
+        await gate.wait()
+
+    @worker.task("t.echo")
+    async def echo(payload: Any, ctx: TaskContext) -> str:
+        await gate.wait()
+        return "ok"
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("LB", [f"M{i}" for i in range(5)]))
+    await asyncio.wait_for(started.wait(), WAIT)
+    assert worker.running == 1
+    session.send(dispatch(envelope("S1")))  # the second slot
+    await wait_until(lambda: worker.running == 2, within=WAIT)
+    session.send(dispatch(envelope("S2")))  # beyond the concurrency
+    (released,) = await session.results(1)
+    assert (released.task_id, released.outcome) == ("S2", svc.OUTCOME_RELEASE)
+    session.send(batch("LB2", ["N0", "N1"]))  # a batch beyond it too
+    results = await batch_result(session)
+    assert [(r.task_id, r.lease_id, r.outcome) for r in results] == [
+        ("N0", "LB2", svc.OUTCOME_RELEASE),
+        ("N1", "LB2", svc.OUTCOME_RELEASE),
+    ]
+    gate.set()
+    results = await batch_result(session)
+    assert [r.task_id for r in results] == [f"M{i}" for i in range(5)]
+    assert all(r.outcome == svc.OUTCOME_SUCCESS for r in results)
+    await wait_until(lambda: worker.running == 0, within=WAIT)
+
+
+async def test_heartbeats_cover_a_held_batch(harness: Harness) -> None:
+    harness.double.heartbeat = 0.05
+    worker = harness.worker()
+    gate = asyncio.Event()
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> None:
+        await gate.wait()
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("LB", ["A", "B"]))
+    await wait_until(lambda: worker.running == 1, within=WAIT)
+    for _ in range(3):
+        await session.frame("heartbeat")
+    gate.set()
+    assert len(await batch_result(session)) == 2
+
+
+# ------------------------------------------------------------------------ outcomes
+
+
+async def test_per_member_outcomes_from_none_lists_dicts_and_exceptions(
+    harness: Harness,
+) -> None:
+    worker = harness.worker()
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> Any:
+        ids = [t.task_id for t in batch.tasks]
+        if batch.group == "none":
+            return None
+        if batch.group == "list":
+            return ["a", ValueError("bad"), SkipRetry("gone"), RetryAfter(2.5, "later"), None]
+        return {ids[0]: {"x": 1}, ids[2]: RuntimeError("nope")}
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+
+    session.send(batch("L1", ["N0", "N1"], group="none"))
+    results = await batch_result(session)
+    assert [(r.task_id, r.outcome, r.result) for r in results] == [
+        ("N0", svc.OUTCOME_SUCCESS, b""),
+        ("N1", svc.OUTCOME_SUCCESS, b""),
+    ]
+
+    session.send(batch("L2", ["A", "B", "C", "D", "E"], group="list"))
+    a, b, c, d, e = await batch_result(session)
+    assert (a.outcome, a.result) == (svc.OUTCOME_SUCCESS, b'"a"')
+    assert (b.outcome, b.error) == (svc.OUTCOME_FAILURE, "ValueError: bad")
+    assert not b.HasField("retry_after")
+    assert (c.outcome, c.error) == (svc.OUTCOME_SKIP_RETRY, "gone")
+    assert d.outcome == svc.OUTCOME_FAILURE
+    assert d.retry_after.ToTimedelta() == timedelta(seconds=2.5)
+    assert (e.outcome, e.result) == (svc.OUTCOME_SUCCESS, b"")
+    assert {r.lease_id for r in (a, b, c, d, e)} == {"L2"}
+
+    session.send(batch("L3", ["X", "Y", "Z"], group="dict"))
+    x, y, z = await batch_result(session)
+    assert (x.task_id, x.outcome, x.result) == ("X", svc.OUTCOME_SUCCESS, b'{"x":1}')
+    assert (y.task_id, y.outcome, y.result) == ("Y", svc.OUTCOME_SUCCESS, b"")  # left out
+    assert (z.task_id, z.outcome, z.error) == ("Z", svc.OUTCOME_FAILURE, "RuntimeError: nope")
+
+
+async def test_raising_fails_every_member(harness: Harness) -> None:
+    worker = harness.worker()
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> None:
+        if batch.group == "skip":
+            raise SkipRetry("bad batch")
+        if batch.group == "later":
+            raise RetryAfter(3, "busy")
+        raise ValueError("boom")
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("L1", ["A", "B"]))
+    results = await batch_result(session)
+    assert [(r.task_id, r.outcome, r.error) for r in results] == [
+        ("A", svc.OUTCOME_FAILURE, "ValueError: boom"),
+        ("B", svc.OUTCOME_FAILURE, "ValueError: boom"),
+    ]
+    session.send(batch("L2", ["C", "D"], group="skip"))
+    results = await batch_result(session)
+    assert [(r.outcome, r.error) for r in results] == [(svc.OUTCOME_SKIP_RETRY, "bad batch")] * 2
+    session.send(batch("L3", ["E", "F"], group="later"))
+    results = await batch_result(session)
+    assert all(r.outcome == svc.OUTCOME_FAILURE for r in results)
+    assert [r.retry_after.ToTimedelta() for r in results] == [timedelta(seconds=3)] * 2
+
+
+async def test_a_list_of_the_wrong_length_fails_every_member(harness: Harness) -> None:
+    worker = harness.worker()
+    worker.register_batch("t.digest", lambda payloads, batch: ["only one"])
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("LB", ["A", "B", "C"]))
+    results = await batch_result(session)
+    assert [r.task_id for r in results] == ["A", "B", "C"]
+    assert all(r.outcome == svc.OUTCOME_FAILURE for r in results)
+    assert results[0].error.startswith("batch handler returned 1 results for 3 tasks")
+
+
+async def test_an_undecodable_member_fails_and_the_rest_run(harness: Harness) -> None:
+    worker = harness.worker()
+    seen: list[list[str]] = []
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> list[Any]:
+        seen.append([t.task_id for t in batch.tasks])
+        return [p["n"] for p in payloads]
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("LB", ["A", "B", "C"], payloads=[b'{"n":1}', b"{not json", b'{"n":3}']))
+    a, b, c = await batch_result(session)
+    assert (a.task_id, a.outcome, a.result) == ("A", svc.OUTCOME_SUCCESS, b"1")
+    assert (b.task_id, b.outcome) == ("B", svc.OUTCOME_FAILURE)
+    assert b.error.startswith("cannot decode payload: ")
+    assert (c.task_id, c.outcome, c.result) == ("C", svc.OUTCOME_SUCCESS, b"3")
+    assert seen == [["A", "C"]]
+
+    session.send(batch("L2", ["D"], payloads=[b"{bad"]))  # nothing to run the handler for
+    (d,) = await batch_result(session)
+    assert d.error.startswith("cannot decode payload: ")
+    assert len(seen) == 1
+
+
+async def test_the_smallest_member_timeout_bounds_the_batch(harness: Harness) -> None:
+    worker = harness.worker()
+    cancelled = asyncio.Event()
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> None:
+        try:
+            await asyncio.sleep(WAIT)
+        except asyncio.CancelledError:
+            assert batch.cancel_reason == "timed out"
+            assert all(t.cancelled for t in batch.tasks)
+            cancelled.set()
+            raise
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("LB", ["A", "B", "C"], timeouts=[None, 0.05, 30.0]))
+    results = await batch_result(session)
+    assert [(r.outcome, r.error) for r in results] == [(svc.OUTCOME_FAILURE, "timed out")] * 3
+    assert cancelled.is_set()
+
+
+async def test_sync_batch_handlers_run_in_a_thread_and_see_cancellation(
+    harness: Harness,
+) -> None:
+    worker = harness.worker()
+    loop_thread = threading.get_ident()
+    seen: dict[str, Any] = {}
+    started = threading.Event()
+
+    @worker.batch_task("t.digest")
+    def digest(payloads: list[Any], batch: BatchContext) -> dict[str, Any]:
+        seen["thread"] = threading.get_ident()
+        if batch.group == "wait":
+            started.set()
+            seen["cancelled"] = batch.wait_cancelled(WAIT)
+            seen["reason"] = batch.cancel_reason
+        return {batch.tasks[0].task_id: "first"}
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("L1", ["A", "B"]))
+    a, b = await batch_result(session)
+    assert (a.result, b.result) == (b'"first"', b"")
+    assert seen["thread"] != loop_thread
+
+    session.send(batch("L2", ["C", "D"], group="wait"))
+    await asyncio.to_thread(started.wait, WAIT)
+    session.send(cancel_frame("D", "L2", reason="operator"))
+    await wait_until(lambda: worker.running == 0, within=WAIT)
+    assert seen["cancelled"] is True
+    assert seen["reason"] == "cancelled by the server: operator"
+    assert not [r for r in session.all_results() if r.lease_id == "L2"]
+
+
+# ----------------------------------------------------------------- cancel, drain
+
+
+async def test_a_cancel_naming_the_lease_stops_the_whole_batch(harness: Harness) -> None:
+    worker = harness.worker(concurrency=1)
+    started = asyncio.Event()
+    cancelled: list[BatchContext] = []
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(batch)
+            raise
+
+    @worker.task("t.echo")
+    async def echo(payload: Any, ctx: TaskContext) -> str:
+        return "ok"
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("LB", ["A", "B", "C"]))
+    await asyncio.wait_for(started.wait(), WAIT)
+    session.send(cancel_frame("B", "LB"))  # any member names the batch
+    await wait_until(lambda: bool(cancelled), within=WAIT)
+    (ctx,) = cancelled
+    assert ctx.cancelled
+    assert ctx.cancel_reason == "cancelled by the server: lease lost"
+    assert all(t.cancelled for t in ctx.tasks)
+    # The slot is free at once (the server freed it with the Cancel).
+    session.send(dispatch(envelope("E")))
+    (result,) = await session.results(1)
+    assert (result.task_id, result.outcome) == ("E", svc.OUTCOME_SUCCESS)
+    assert [r.task_id for r in session.all_results()] == ["E"]
+
+
+async def test_a_cancel_removes_a_batch_waiting_for_a_slot(harness: Harness) -> None:
+    worker = harness.worker(concurrency=1)
+    unwind = asyncio.Event()
+    ran: list[str] = []
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> None:
+        ran.append(batch.lease_id)
+        if batch.lease_id != "L1":
+            return
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await unwind.wait()  # a slow unwind, holding the local slot
+            raise
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("L1", ["A"]))
+    await wait_until(lambda: ran == ["L1"], within=WAIT)
+    session.send(cancel_frame("A", "L1"))
+    session.send(batch("L2", ["B", "C"]))  # within the session's count: it waits
+    session.send(cancel_frame("C", "L2"))
+    session.send(batch("L3", ["D"]))
+    runner = worker._runner
+    assert runner is not None
+    await wait_until(lambda: list(runner.waiting) == [("D", "L3")], within=WAIT)
+    assert ran == ["L1"]
+    assert runner.holding == {("D", "L3")}
+    unwind.set()
+    (d,) = await batch_result(session)
+    assert (d.task_id, d.outcome) == ("D", svc.OUTCOME_SUCCESS)
+    assert "L2" not in ran
+
+
+async def test_drain_releases_every_member_of_an_unfinished_batch(harness: Harness) -> None:
+    worker = harness.worker(concurrency=2, grace_period=0.2)
+    started = asyncio.Event()
+
+    @worker.batch_task("t.digest")
+    async def digest(payloads: list[Any], batch: BatchContext) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    run = harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("L1", ["A", "B", "C"]))
+    await asyncio.wait_for(started.wait(), WAIT)
+    worker.stop()
+    await session.frame("drain")
+    session.send(batch("L2", ["D", "E"]))  # on the wire as the Drain went out
+    late = await batch_result(session)
+    assert [(r.task_id, r.lease_id, r.outcome) for r in late] == [
+        ("D", "L2", svc.OUTCOME_RELEASE),
+        ("E", "L2", svc.OUTCOME_RELEASE),
+    ]
+    unfinished = await batch_result(session)  # after the grace period
+    assert [(r.task_id, r.lease_id, r.outcome) for r in unfinished] == [
+        ("A", "L1", svc.OUTCOME_RELEASE),
+        ("B", "L1", svc.OUTCOME_RELEASE),
+        ("C", "L1", svc.OUTCOME_RELEASE),
+    ]
+    await asyncio.wait_for(session.half_closed.wait(), WAIT)
+    await asyncio.wait_for(run, WAIT)
+
+
+async def test_a_batch_of_a_type_without_a_batch_handler_fails_its_members(
+    harness: Harness,
+) -> None:
+    worker = harness.worker()
+
+    @worker.task("t.digest")  # a task handler is not a batch handler
+    async def digest(payload: Any, ctx: TaskContext) -> None:
+        return None
+
+    harness.start(worker)
+    session = await harness.double.next_session()
+    session.send(batch("LB", ["A", "B"]))
+    results = await batch_result(session)
+    assert [(r.task_id, r.lease_id, r.outcome, r.error) for r in results] == [
+        ("A", "LB", svc.OUTCOME_FAILURE, "this worker does not accept batches of type t.digest"),
+        ("B", "LB", svc.OUTCOME_FAILURE, "this worker does not accept batches of type t.digest"),
+    ]
+    assert worker.running == 0
+
+
+# -------------------------------------------------------------------- pure rules
+
+
+def test_outcomes_refuse_unknown_keys_and_other_values() -> None:
+    codec = JsonCodec()
+    ids = ["A", "B"]
+    unknown = batch_outcomes({"A": 1, "Z": 2}, ids, "L", codec, 1024)
+    assert all(r.outcome == svc.OUTCOME_FAILURE for r in unknown)
+    assert unknown[0].error == (
+        "batch handler returned results for 1 keys that are not task ids of the batch: 'Z'"
+    )
+    other = batch_outcomes("text", ids, "L", codec, 1024)
+    assert all(r.outcome == svc.OUTCOME_FAILURE for r in other)
+    assert other[0].error.endswith("it returned str")
+    as_tuple = batch_outcomes((1, 2), ids, "L", codec, 1024)
+    assert [r.result for r in as_tuple] == [b"1", b"2"]
+
+
+def test_outcomes_fail_a_member_whose_result_does_not_encode_or_fit() -> None:
+    codec = JsonCodec()
+    results = batch_outcomes([object(), "x" * 50, "ok"], ["A", "B", "C"], "L", codec, 20)
+    assert results[0].outcome == svc.OUTCOME_FAILURE
+    assert results[0].error.startswith("cannot encode result: ")
+    assert (results[1].outcome, results[1].error) == (
+        svc.OUTCOME_FAILURE,
+        "result is 52 bytes; the limit is 20",
+    )
+    assert (results[2].outcome, results[2].result) == (svc.OUTCOME_SUCCESS, b'"ok"')
+
+
+def test_results_that_do_not_fit_one_frame_are_cut_in_member_order() -> None:
+    big = b"x" * 400
+    results = [
+        make_result(f"T{i}", "L", svc.OUTCOME_SUCCESS, result=big if i < 3 else b"")
+        for i in range(5)
+    ]
+    assert fit_batch(results, 10_000) is results
+    cut = fit_batch(results, 900)
+    assert [r.task_id for r in cut] == [f"T{i}" for i in range(5)]
+    assert [r.outcome for r in cut] == [
+        svc.OUTCOME_SUCCESS,
+        svc.OUTCOME_FAILURE,
+        svc.OUTCOME_FAILURE,
+        svc.OUTCOME_SUCCESS,
+        svc.OUTCOME_SUCCESS,
+    ]
+    assert "over the limit of 900" in cut[1].error
+    assert sum(r.ByteSize() + 4 for r in cut) <= 900

@@ -162,13 +162,17 @@ async def test_trigger_enqueues_now_and_wakes_the_queue(
             grpc.StatusCode.INVALID_ARGUMENT,
             "set by the server",
         ),
-        # Options whose feature is not built are refused as for any task.
+        # A task template is checked as any task is.
         (
             entry(
-                task=task_pb2.NewTask(queue="q", type="t", options=task_pb2.TaskOptions(group="g"))
+                task=task_pb2.NewTask(
+                    queue="q",
+                    type="t",
+                    options=task_pb2.TaskOptions(group="g", concurrency_key="k"),
+                )
             ),
-            grpc.StatusCode.UNIMPLEMENTED,
-            "group",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "concurrency_key",
         ),
     ],
     ids=[

@@ -87,6 +87,7 @@ def wire_worker(
     timeout: float | None = 12.5,
     paused: bool = False,
     secrets: tuple[str, ...] = (NEW_SECRET, OLD_SECRET),
+    batch_types: tuple[str, ...] = (),
 ) -> service_pb2.WebhookWorker:
     message = service_pb2.WebhookWorker(
         name=name,
@@ -95,6 +96,7 @@ def wire_worker(
         concurrency=concurrency,
         paused=paused,
         secrets=list(secrets),
+        batch_types=list(batch_types),
     )
     if timeout is not None:
         message.timeout.FromTimedelta(timedelta(seconds=timeout))
@@ -193,6 +195,24 @@ async def test_unset_concurrency_and_timeout_take_the_defaults(admin: Any) -> No
     assert made.worker.timeout.ToTimedelta() == timedelta(seconds=30)
 
 
+async def test_batch_types_round_trip_once_each_and_an_upsert_replaces_them(
+    admin: Any, broker: Broker
+) -> None:
+    made = await admin.UpsertWebhookWorker(
+        upsert(wire_worker(batch_types=("digest.send", "report.build", "digest.send")))
+    )
+    assert list(made.worker.batch_types) == ["digest.send", "report.build"]
+    assert (await broker.get_webhook_worker(NAME)).batch_types == ("digest.send", "report.build")
+    got = await admin.GetWebhookWorker(service_pb2.GetWebhookWorkerRequest(name=NAME))
+    assert got.worker == made.worker
+    listed = await admin.ListWebhookWorkers(service_pb2.ListWebhookWorkersRequest())
+    assert [list(w.batch_types) for w in listed.workers] == [["digest.send", "report.build"]]
+    # An upsert without them clears them (every field but the secrets is replaced).
+    edited = await admin.UpsertWebhookWorker(upsert(wire_worker(secrets=())))
+    assert list(edited.worker.batch_types) == []
+    assert (await broker.get_webhook_worker(NAME)).batch_types == ()
+
+
 BAD_WORKERS: dict[str, Callable[[], service_pb2.WebhookWorker]] = {
     "empty-name": lambda: wire_worker(""),
     "bad-name": lambda: wire_worker("no spaces"),
@@ -226,6 +246,10 @@ BAD_WORKERS: dict[str, Callable[[], service_pb2.WebhookWorker]] = {
     "unspecified-url": lambda: wire_worker(url="http://0.0.0.0:9/"),
     "name-resolving-to-loopback": lambda: wire_worker(url="https://loopback.test/hook"),
     "name-resolving-to-private-among-public": lambda: wire_worker(url="https://mixed.test/"),
+    "empty-batch-type": lambda: wire_worker(batch_types=("digest.send", "")),
+    "batch-type-too-long": lambda: wire_worker(batch_types=("t" * 257,)),
+    "control-in-batch-type": lambda: wire_worker(batch_types=("digest\tsend",)),
+    "too-many-batch-types": lambda: wire_worker(batch_types=tuple(f"t{i}" for i in range(101))),
 }
 #: What names resolve to in these tests (any other name does not resolve).
 DNS = {

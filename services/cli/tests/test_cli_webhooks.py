@@ -221,3 +221,51 @@ def test_short_secrets_and_forbidden_urls_are_refused_loopback_allowed_in_dev(
         local = set_(url, SECRET_NEW)
         assert local.exit_code == 0, local.output
     assert run("webhook", "delete", "cli-guarded", target=target).exit_code == 0
+
+
+def test_batch_types_are_set_shown_and_replaced(target: str) -> None:
+    args = ("webhook", "set", "cli-batch", "--url", "https://a.example.com/", "--queue", "cli-b")
+    made = run(
+        *args,
+        "--batch-type",
+        "digest.send",
+        "--batch-type",
+        "report.build",
+        "--batch-type",
+        "digest.send",
+        "--paused",
+        "--json",
+        target=target,
+    )
+    assert made.exit_code == 0, made.output
+    assert json.loads(made.output)["batch_types"] == ["digest.send", "report.build"]
+    shown = run("webhook", "get", "cli-batch", target=target)
+    assert shown.exit_code == 0, shown.output
+    assert "batch types" in shown.output
+    assert "digest.send,report.build" in shown.output
+    got = json.loads(run("webhook", "get", "cli-batch", "--json", target=target).output)
+    assert got["batch_types"] == ["digest.send", "report.build"]
+    listed = json.loads(run("webhook", "list", "--json", target=target).output)
+    [mine] = [w for w in listed if w["name"] == "cli-batch"]
+    assert mine["batch_types"] == ["digest.send", "report.build"]
+    table = run("webhook", "list", target=target)
+    assert table.exit_code == 0, table.output
+    assert "cli-batch" in table.output
+    assert "batch" in table.output  # the column (its header wraps in a narrow terminal)
+
+    # Every field is replaced: a set without --batch-type clears them.
+    cleared = run(*args, "--paused", "--json", target=target)
+    assert cleared.exit_code == 0, cleared.output
+    assert json.loads(cleared.output)["batch_types"] == []
+
+    bad = run(*args, "--batch-type", "x" * 257, "--paused", target=target)
+    assert bad.exit_code == 1
+    assert bad.output.startswith("Error:")
+    assert "invalid webhook batch type" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1
+    empty = run(*args, "--batch-type", "", "--paused", target=target)
+    assert empty.exit_code == 1
+    assert "invalid webhook batch type" in empty.output
+    got = json.loads(run("webhook", "get", "cli-batch", "--json", target=target).output)
+    assert got["batch_types"] == []
+    assert run("webhook", "delete", "cli-batch", target=target).exit_code == 0

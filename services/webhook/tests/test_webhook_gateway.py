@@ -12,11 +12,12 @@ from __future__ import annotations
 import base64
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 import pytest
 from aiohttp import web
-from conveyor_broker import Broker, FakeClock, NewTask, Task, TaskState
+from conveyor_broker import Broker, FakeClock, GroupConfig, NewTask, Task, TaskState
 from conveyor_broker.ids import new_id
 from conveyor_gateway import AckBatcher, GatewayConfig, WakePublisher
 from conveyor_protos.v1 import cluster_pb2, service_pb2
@@ -183,6 +184,111 @@ async def test_an_unreachable_endpoint_fails_the_attempt(rig: Rig) -> None:
 
     error = (await failed_attempt(rig, await rig.submit())).last_error or ""
     assert error.startswith("could not reach the endpoint"), error
+    assert gateway.breaker.failures == 1
+
+
+# ------------------------------------------------------- aggregation groups
+
+# These rest on the server core of aggregation-group delivery (issue 14): the dispatcher
+# leasing a due group whole, the Gateway holding it as one batch (Gateway.on_batch_result).
+
+
+async def hand_due_groups(rig: Rig) -> None:
+    """The sweeper's part (maintenance's group pass): hand every due group of the rig's
+    queue to its dispatcher (nothing when none is due)."""
+    due = await rig.broker.due_groups()
+    hints = [
+        cluster_pb2.DueGroupHint(group=g.group, size=g.size, max_size=g.max_size)
+        for g in due
+        if g.queue == rig.queue
+    ]
+    if hints:
+        await rig.bus.publish(cluster_pb2.GroupsDue(queue=rig.queue, groups=hints))
+        await rig.bus.nc.flush()
+
+
+async def sweep_until(rig: Rig, done: Callable[[], Awaitable[bool]]) -> None:
+    """Hand the due groups over again at every poll (the sweeper's tick: a hint the
+    dispatcher could not act on yet is sent again) until ``done()``."""
+
+    async def swept() -> bool:
+        await hand_due_groups(rig)
+        return await done()
+
+    await wait_until(swept, interval=0.05)
+
+
+def members_in(rig: Rig, ids: list[str], state: TaskState) -> Callable[[], Awaitable[bool]]:
+    async def reached() -> bool:
+        return all([await rig.state_of(task_id) == state for task_id in ids])
+
+    return reached
+
+
+async def test_a_due_group_is_one_call_and_every_member_completes(rig: Rig) -> None:
+    async def answer(delivery: Delivery) -> web.StreamResponse:
+        if delivery.call["method"] == "conveyor.task":
+            return await rpc("success")(delivery)
+        tasks = delivery.call["params"]["tasks"]
+        # Each member's payload back as its result; the last one refused for good.
+        results: list[dict[str, object]] = [
+            {"task_id": t["task_id"], "result": t["payload"]}
+            for t in tasks
+            if t["task_id"] != ids[-1]
+        ]
+        results.append({"task_id": ids[-1], "error": "bounced", "retry": False})
+        reply = {"outcome": "success", "results": results}
+        return web.json_response({"jsonrpc": "2.0", "id": delivery.lease_id, "result": reply})
+
+    ids: list[str] = []
+    rig.endpoint.answer = answer
+    await rig.broker.set_group_config(GroupConfig(rig.queue, max_size=3))
+    gateway = await rig.start_gateway(batch_types=("digest.send",))
+    for n in range(3):
+        payload = f'{{"n": {n}}}'.encode()
+        ids.append(await rig.submit(type="digest.send", group="user-42", payload=payload))
+    # A task of a type the endpoint takes one at a time goes on as a single call.
+    single = await rig.submit(type="invoice.charge")
+    await rig.wait_state(single, TaskState.COMPLETED)
+
+    await sweep_until(rig, members_in(rig, ids[:-1], TaskState.COMPLETED))
+    await rig.wait_state(ids[-1], TaskState.ARCHIVED)
+    batches = [d for d in rig.endpoint.deliveries if d.call["method"] == "conveyor.batch"]
+    [call] = batches
+    params = call.call["params"]
+    assert (params["queue"], params["group"], params["type"]) == (
+        rig.queue,
+        "user-42",
+        "digest.send",
+    )
+    assert sorted(t["task_id"] for t in params["tasks"]) == sorted(ids)
+    assert call.headers["webhook-id"] == call.lease_id
+    for n, task_id in enumerate(ids[:-1]):
+        assert (await rig.broker.get_task(task_id)).result == f'{{"n": {n}}}'.encode()
+    assert (await rig.broker.get_task(ids[-1])).last_error == "bounced"
+    await wait_until(lambda: gateway.gateway.in_flight == 0)
+
+
+@memory_only
+async def test_a_failed_group_call_fails_every_member(rig: Rig) -> None:
+    rig.endpoint.answer = status(503)
+    await rig.broker.set_group_config(GroupConfig(rig.queue, max_size=2))
+    gateway = await rig.start_gateway(batch_types=("digest.send",))
+    ids = [await rig.submit(type="digest.send", group="g") for _ in range(2)]
+
+    async def failed() -> bool:
+        return all([(await rig.broker.get_task(task_id)).retried == 1 for task_id in ids])
+
+    await sweep_until(rig, failed)
+    for task_id in ids:
+        task = await rig.broker.get_task(task_id)
+        # A failed member waits in its group again (delivered with it after its backoff).
+        assert task.state == TaskState.AGGREGATING
+        assert task.last_error == "endpoint answered HTTP 503"
+        assert task.available_at > rig.clock.now()  # the server's backoff
+    [call] = rig.endpoint.deliveries
+    assert call.call["method"] == "conveyor.batch"
+    # One call, one failure for the breaker.
     assert gateway.breaker.failures == 1
 
 

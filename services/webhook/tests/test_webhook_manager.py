@@ -127,6 +127,24 @@ async def test_changed_queues_restart_the_gateway(rig: Rig) -> None:
     await rig.wait_state(task_id, TaskState.COMPLETED)
 
 
+@memory_only
+async def test_changed_batch_types_restart_the_gateway_which_announces_them(rig: Rig) -> None:
+    manager, old = await rig.start(batch_types=("digest.send",))
+    assert old.gateway.spec.batch_types == ("digest.send",)
+
+    await rig.register(batch_types=("report.build", "digest.send"))
+    await manager.reconcile()
+    await manager.settled()
+    new = await rig.running(manager)
+    assert new.id != old.id
+    assert old.gateway.closed
+    assert set(new.gateway.spec.batch_types) == {"report.build", "digest.send"}
+    # The same types in another order change nothing.
+    await rig.register(batch_types=("digest.send", "report.build"))
+    await manager.reconcile()
+    assert manager.gateways[NAME] is new
+
+
 def closed(gateway: WebhookGateway) -> bool:
     return gateway.gateway.closed
 

@@ -696,8 +696,10 @@ class EncryptedBroker(Broker):
     async def _due_groups(self, limit: int) -> list[DueGroup]:
         return await self._inner._due_groups(limit)
 
-    async def _lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
-        return await self._leased(await self._inner._lease_group(queue, group, limit, ttl))
+    async def _lease_group(
+        self, queue: str, group: str, limit: int, ttl: timedelta, holder: str
+    ) -> list[Task]:
+        return await self._leased(await self._inner._lease_group(queue, group, limit, ttl, holder))
 
     # ------------------------------------------------------ concurrency limits
 

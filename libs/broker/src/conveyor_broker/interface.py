@@ -136,6 +136,7 @@ from conveyor_broker.validation import (
     check_webhook_name,
     check_webhook_worker,
     clean_error,
+    unique_batch_types,
 )
 
 logger = logging.getLogger(__name__)
@@ -864,11 +865,16 @@ class Broker(abc.ABC):
         """Create or replace the registration ``spec.name`` and return it as stored.
 
         ``created_at`` is kept on replace; ``updated_at = now``. Empty ``spec.secrets``
-        keeps the stored secrets (none on create). Raises InvalidTask for bad input (see
-        :func:`conveyor_broker.validation.check_webhook_worker`); nothing changes then.
+        keeps the stored secrets (none on create). ``spec.batch_types`` replace the stored
+        ones, each stored once (the first occurrence's order). Raises InvalidTask for bad
+        input (see :func:`conveyor_broker.validation.check_webhook_worker`); nothing
+        changes then.
         """
         self._check_open()
         check_webhook_worker(spec)
+        batch_types = unique_batch_types(spec.batch_types)
+        if batch_types != spec.batch_types:
+            spec = replace(spec, batch_types=batch_types)
         return await self._upsert_webhook_worker(spec)
 
     async def get_webhook_worker(self, name: str) -> WebhookWorker:
@@ -955,18 +961,24 @@ class Broker(abc.ABC):
         check_limit(limit, upper=MAX_BATCH)
         return await self._due_groups(limit)
 
-    async def lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
+    async def lease_group(
+        self, queue: str, group: str, limit: int, ttl: timedelta, holder: str = ""
+    ) -> list[Task]:
         """Lease up to ``limit`` AGGREGATING members of ``group`` in ``queue`` (those due,
         ``available_at <= now``, and not past their ``expires_at``), the earliest ``created_at`` first (then id), as one
         delivery: each becomes ACTIVE under the same new ``lease_id``, with
         ``lease_expires_at = now + ttl``, ``started_at = now`` and ``progress`` None.
-        Concurrent callers never receive the same member. Outcomes stay per task."""
+        Concurrent callers never receive the same member. Outcomes stay per task.
+        ``holder`` names who holds the lease, as :meth:`lease`'s ``holders`` do ("":
+        nobody)."""
         self._check_open()
         check_queue(queue)
         check_group_name(group)
         check_limit(limit, upper=MAX_BATCH)
         check_lease_ttl(ttl)
-        return await self._lease_group(queue, group, limit, ttl)
+        if holder:
+            check_holder(holder)
+        return await self._lease_group(queue, group, limit, ttl, holder)
 
     # -------------------------------------------------------------- rate limits
 
@@ -1502,7 +1514,7 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _lease_group(
-        self, queue: str, group: str, limit: int, ttl: timedelta
+        self, queue: str, group: str, limit: int, ttl: timedelta, holder: str
     ) -> list[Task]: ...
 
     @abc.abstractmethod

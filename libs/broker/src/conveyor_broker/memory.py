@@ -900,6 +900,7 @@ class MemoryBroker(Broker):
                 secrets=secrets,
                 created_at=now if stored is None else stored.created_at,
                 updated_at=now,
+                batch_types=tuple(spec.batch_types),
             )
             self._webhooks[spec.name] = worker
             return worker
@@ -989,7 +990,9 @@ class MemoryBroker(Broker):
             due.sort(key=lambda pair: (pair[0], pair[1].queue, pair[1].group))
             return [found for _, found in due[:limit]]
 
-    async def _lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
+    async def _lease_group(
+        self, queue: str, group: str, limit: int, ttl: timedelta, holder: str
+    ) -> list[Task]:
         async with self._locked() as now:
             members = [
                 self._table[task_id]
@@ -1012,6 +1015,7 @@ class MemoryBroker(Broker):
                         started_at=now,
                         progress=None,
                         updated_at=now,
+                        holder=holder or None,
                     ),
                     task,
                 )

@@ -405,7 +405,9 @@ class WebhookWorkerSpec:
 
     ``secrets`` are the signing secrets, newest first. An upsert with no secrets keeps
     the stored ones (secrets are write-only: reads never show them to operators, so an
-    edit must not have to repeat them).
+    edit must not have to repeat them). ``batch_types`` are the task types the endpoint
+    takes as whole aggregation groups (one call per due group); an upsert replaces them,
+    stored once each in the order given.
     """
 
     name: str
@@ -415,6 +417,7 @@ class WebhookWorkerSpec:
     timeout: timedelta = timedelta(seconds=30)
     paused: bool = False
     secrets: tuple[str, ...] = ()
+    batch_types: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,6 +433,8 @@ class WebhookWorker:
     secrets: tuple[str, ...]
     created_at: datetime
     updated_at: datetime
+    #: The task types the endpoint takes as whole aggregation groups (no duplicates).
+    batch_types: tuple[str, ...] = ()
 
 
 class CronMisfire(StrEnum):

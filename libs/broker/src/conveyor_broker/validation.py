@@ -185,6 +185,9 @@ def check_new_task(task: NewTask, *, max_payload: int = MAX_PAYLOAD) -> None:
         if not isinstance(key_value, str) or not 0 < len(key_value) <= MAX_KEY_LEN:
             raise InvalidTask(f"{name} must be 1-{MAX_KEY_LEN} characters")
         check_text(name, key_value)
+    if task.group is not None and task.concurrency_key is not None:
+        # A group is leased whole, as one delivery: a key's slot per task has no meaning.
+        raise InvalidTask("a task in an aggregation group cannot have a concurrency_key")
     if len(task.depends_on) > MAX_DEPENDENCIES:
         raise InvalidTask(
             f"a task depends on at most {MAX_DEPENDENCIES} tasks, got {len(task.depends_on)}"
@@ -267,6 +270,9 @@ WHSEC_PREFIX = "whsec_"
 MAX_WEBHOOK_URL_LEN = 2048
 MAX_WEBHOOK_TIMEOUT = timedelta(hours=1)
 MAX_QUEUE_WEIGHT = 1000
+#: The most task types a webhook registration takes as aggregation groups (as many as a
+#: stream worker's Hello may list).
+MAX_WEBHOOK_BATCH_TYPES = 100
 
 
 def check_webhook_name(name: str) -> None:
@@ -302,7 +308,33 @@ def check_webhook_worker(spec: WebhookWorkerSpec) -> None:
         raise InvalidTask(f"webhook concurrency must be 1..{MAX_WEBHOOK_CONCURRENCY}")
     if not timedelta(0) < spec.timeout <= MAX_WEBHOOK_TIMEOUT:
         raise InvalidTask(f"webhook timeout must be > 0 and at most {MAX_WEBHOOK_TIMEOUT}")
+    check_webhook_batch_types(spec.batch_types)
     check_stored_secrets(spec.secrets)
+
+
+def check_webhook_batch_types(batch_types: Sequence[str]) -> None:
+    """Raise InvalidTask unless ``batch_types`` can be a registration's batch types: at
+    most :data:`MAX_WEBHOOK_BATCH_TYPES`, each a valid task type (1-256 characters, no
+    control characters). Duplicates are allowed here: a broker stores each type once."""
+    if isinstance(batch_types, str):
+        raise InvalidTask("webhook batch types must be a list of task types, not one string")
+    if len(batch_types) > MAX_WEBHOOK_BATCH_TYPES:
+        raise InvalidTask(
+            f"a webhook worker has at most {MAX_WEBHOOK_BATCH_TYPES} batch types, "
+            f"got {len(batch_types)}"
+        )
+    for batch_type in batch_types:
+        if not isinstance(batch_type, str) or not 0 < len(batch_type) <= MAX_TYPE_LEN:
+            raise InvalidTask(
+                f"invalid webhook batch type {str(batch_type)[:80]!r}: a task type of "
+                f"1-{MAX_TYPE_LEN} characters"
+            )
+        check_text("webhook batch type", batch_type)
+
+
+def unique_batch_types(batch_types: Sequence[str]) -> tuple[str, ...]:
+    """``batch_types`` with each type once, in the order of first appearance."""
+    return tuple(dict.fromkeys(batch_types))
 
 
 def check_stored_secrets(secrets: Sequence[str]) -> None:

@@ -28,11 +28,12 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine
+from dataclasses import replace
 from typing import Any
 
 from conveyor_broker.ids import is_ulid
 from conveyor_broker.validation import MAX_WEBHOOK_CONCURRENCY
-from conveyor_protos.v1 import cluster_pb2, task_pb2
+from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.tracing import tracing_enabled
 from nats.aio.subscription import Subscription
@@ -288,6 +289,8 @@ class Credits:
         call for the whole offer). Returns the accepted ids; the dispatcher releases the
         rest."""
         queue = request.queue
+        if request.group:
+            return self._accept_batch(request)
         room = self.free(queue)
         accepted: list[str] = []
         envelopes: list[task_pb2.TaskEnvelope] = []
@@ -357,6 +360,82 @@ class Credits:
             self._turn_taken(request, queue, len(accepted))
         return accepted
 
+    def _accept_batch(self, request: cluster_pb2.DispatchRequest) -> list[str]:
+        """Take an aggregation group's batch whole, for one slot, or none of it: its
+        members must be well formed, of one type the worker takes as batches, of this
+        queue and under one lease no other delivery here holds."""
+        queue, envs = request.queue, request.tasks
+        refusal = self._batch_refusal(request)
+        if refusal is not None:
+            logger.warning(
+                "gateway.batch_refused gateway=%s queue=%s group=%s tasks=%d reason=%s",
+                self._id,
+                queue,
+                request.group,
+                len(envs),
+                refusal,
+            )
+            return []
+        if self.free(queue) <= 0:
+            if self._shared and queue in self.capacity and not (self.closed or self.draining):
+                self.turns.wait(queue)
+            return []
+        type_ = envs[0].type
+        probe = False
+        if self.breakers is not None:
+            admitted, probe = self.breakers.admit(queue, type_)
+            if not admitted:
+                logger.debug(
+                    "gateway.type_blocked gateway=%s group=%s type=%s",
+                    self._id,
+                    request.group,
+                    type_,
+                )
+                return []
+        holdings = self._holdings
+        for env in envs:
+            stale = holdings.lease_of.get(env.id)
+            if stale is not None:
+                # Leased again (with its group): the old run must stop.
+                old = holdings.take(stale)
+                if old is not None:
+                    self._transport.cancel(old.task_id, old.lease_id, REDELIVERED_REASON)
+        try:
+            held = holdings.hold_batch(envs, queue, request.group)
+        except (ValueError, OverflowError) as exc:
+            logger.warning(
+                "gateway.bad_envelope gateway=%s group=%r error=%r", self._id, request.group, exc
+            )
+            return []
+        if probe:
+            holdings.by_lease[held.lease_id] = replace(held, probe=True)
+        self._transport.dispatch_batch(
+            service_pb2.BatchDispatch(queue=queue, group=request.group, type=type_, tasks=envs)
+        )
+        if self._shared:
+            self.turns.take(queue, 1)
+            self.turns.stop_waiting(queue)
+        return [env.id for env in envs]
+
+    def _batch_refusal(self, request: cluster_pb2.DispatchRequest) -> str | None:
+        """Why a batch offer is malformed or not for this worker; None when it is fine."""
+        envs = request.tasks
+        if not envs:
+            return "empty"
+        lease_id, type_ = envs[0].lease_id, envs[0].type
+        if type_ not in self._spec.batch_types:
+            return "type_not_taken_as_batch"
+        if not lease_id or lease_id in self._held:
+            return "bad_lease"
+        ids: set[str] = set()
+        for env in envs:
+            if not is_ulid(env.id) or env.id in ids or env.lease_id != lease_id:
+                return "bad_envelope"
+            if env.type != type_ or (env.queue and env.queue != request.queue):
+                return "mixed_batch"
+            ids.add(env.id)
+        return None
+
     def _turn_taken(self, request: cluster_pb2.DispatchRequest, queue: str, taken: int) -> None:
         """While the queues share the room: ``queue`` used its reservations, and waits
         for a turn when its offer did not fit, or when it was served and its dispatcher
@@ -407,6 +486,7 @@ class Credits:
             returned=self.done.returned(queue),
             holder=self._holder,
             blocked_types=self.blocked(queue),
+            batch_types=self._spec.batch_types,
         )
 
     async def register(self, queue: str, *, closing: bool = False) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection, Container, Coroutine, Iterable
+from collections.abc import Collection, Container, Coroutine, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: Why a worker is told to drop a task whose lease the broker says is lost.
 LEASE_LOST_REASON = "lease lost"
+#: The error of a batch member its BatchResult gave no outcome.
+MISSING_FROM_BATCH = "no outcome for this member in the batch result"
 
 
 class Gateway:
@@ -186,7 +188,7 @@ class Gateway:
         if self._watch is not None:
             self._watch.cancel()
         await self._credits.stop()
-        held = self._holdings.clear()
+        held = [t for h in self._holdings.clear() for t in h.tasks]
         outcomes = await asyncio.gather(
             *(self._broker.release(h.task_id, h.lease_id) for h in held), return_exceptions=True
         )
@@ -342,6 +344,67 @@ class Gateway:
         if acks:
             self._spawn(traced(self._outcomes.ack_all(acks), ack_spans))
 
+    def on_batch_result(self, results: Sequence[service_pb2.Result]) -> None:
+        """Apply the worker's BatchResult: one Result per member of a batch it holds, all
+        under the batch's lease. The batch's slot frees at once; each member's outcome is
+        applied as a single task's would be (successes acked together), and a member the
+        results leave out fails (:data:`MISSING_FROM_BATCH`); results under another lease
+        are logged and ignored. Results whose lease is no batch held here are single
+        tasks' Results sent together (:meth:`on_results`)."""
+        held = next(
+            (h for h in (self._held.get(r.lease_id) for r in results) if h and h.members), None
+        )
+        lease_id = held.lease_id if held is not None else ""
+        if held is None:
+            # Several single tasks' Results in one frame (what a BatchResult carries when
+            # it answers no batch).
+            self.on_results(results)
+            return
+        if any(result.lease_id != lease_id for result in results):
+            logger.warning(
+                "gateway.batch_result_mixes_leases gateway=%s lease=%s results=%d",
+                self.id,
+                lease_id,
+                len(results),
+            )
+            results = [result for result in results if result.lease_id == lease_id]
+        by_task: dict[str, service_pb2.Result] = {}
+        for result in results:
+            if is_well_formed(result):
+                by_task.setdefault(result.task_id, result)
+        self._free(held.lease_id)
+        metrics.run_time(held.queue).observe(time.monotonic() - held.started)
+        max_result = self._config.max_result
+        acks: list[tuple[Held, AckItem]] = []
+        failed = False
+        for member in held.members:
+            answer = by_task.get(member.task_id)
+            result = (
+                answer
+                if answer is not None
+                else service_pb2.Result(
+                    task_id=member.task_id,
+                    lease_id=member.lease_id,
+                    outcome=service_pb2.OUTCOME_FAILURE,
+                    error=MISSING_FROM_BATCH,
+                )
+            )
+            if result.outcome == service_pb2.OUTCOME_SUCCESS and len(result.result) <= max_result:
+                acks.append(
+                    (member, AckItem(member.task_id, member.lease_id, result.result or None))
+                )
+                continue
+            if result.outcome != service_pb2.OUTCOME_RELEASE:
+                failed = True
+            self._spawn(self._outcomes.complete(member, result))
+        if self.breakers is not None:
+            # The batch is one attempt of its type for the breakers.
+            self._record(
+                held, service_pb2.OUTCOME_FAILURE if failed else service_pb2.OUTCOME_SUCCESS
+            )
+        if acks:
+            self._spawn(self._outcomes.ack_all(acks))
+
     def _record(self, held: Held, outcome: int) -> None:
         """Count an attempt's end for its type's breaker (a release counts for nothing)."""
         assert self.breakers is not None
@@ -362,7 +425,8 @@ class Gateway:
             )
             return None
         held = self._held.get(result.lease_id)
-        if held is None or held.task_id != result.task_id:
+        if held is None or held.task_id != result.task_id or held.members:
+            # (A batch is answered by one BatchResult, never by a Result.)
             logger.info(
                 "gateway.result_for_unknown_lease gateway=%s task=%s lease=%s",
                 self.id,
@@ -410,17 +474,17 @@ class Gateway:
             if held is None:
                 continue
             try:
-                task = await self._broker.get_task(held.task_id)
-            except TaskNotFound:
-                task = None
+                # A batch is still ours while any member is (one canceled by an operator
+                # loses only its own outcome).
+                live = await self._live_member(held)
             except Exception as exc:
                 logger.warning("gateway.lease_check_failed gateway=%s error=%r", self.id, exc)
                 return dropped
             if self._held.get(lease_id) is not held:
                 continue  # its Result came meanwhile
-            if task is not None and task.state is TaskState.ACTIVE and task.lease_id == lease_id:
-                if task.lease_expires_at is not None:
-                    self._holdings.expires[lease_id] = task.lease_expires_at
+            if live is not None:
+                if live.lease_expires_at is not None:
+                    self._holdings.expires[lease_id] = live.lease_expires_at
                 continue
             if self._lose(lease_id) is not None:
                 dropped += 1
@@ -431,6 +495,18 @@ class Gateway:
                     lease_id,
                 )
         return dropped
+
+    async def _live_member(self, held: Held) -> Task | None:
+        """The first task of ``held`` (a batch's members in order) still ACTIVE under its
+        lease in the broker, or None."""
+        for member in held.tasks:
+            try:
+                task = await self._broker.get_task(member.task_id)
+            except TaskNotFound:
+                continue
+            if task.state is TaskState.ACTIVE and task.lease_id == held.lease_id:
+                return task
+        return None
 
     async def _watch_leases(self) -> None:
         while True:
@@ -468,7 +544,8 @@ class Gateway:
             bound.cancel_reason,
         )
         self._transport.cancel(held.task_id, held.lease_id, bound.cancel_reason)
-        self._spawn(self._outcomes.give_up(held, bound))
+        for task in held.tasks:
+            self._spawn(self._outcomes.give_up(task, bound))
 
     # -------------------------------------------------------------- cancel
 
@@ -476,6 +553,18 @@ class Gateway:
         """Tell the worker to stop ``task_id`` if this gateway holds it; refund its slot."""
         lease_id = self._holdings.lease_of.get(task_id)
         if lease_id is None:
+            return False
+        batch = self._held.get(lease_id)
+        if batch is not None and batch.members:
+            # One member of a batch: the batch runs on for the others, and this member's
+            # outcome will find its lease gone.
+            logger.info(
+                "gateway.batch_member_canceled gateway=%s task=%s group=%s reason=%s",
+                self.id,
+                task_id,
+                batch.group,
+                reason,
+            )
             return False
         held = self._free(lease_id)
         if held is None:
@@ -557,7 +646,8 @@ class Gateway:
             held.task_id,
             lease_id,
         )
-        await self._outcomes.abandon(held, error)
+        for task in held.tasks:
+            await self._outcomes.abandon(task, error)
         return True
 
     def forget(self, lease_id: str) -> bool:
@@ -582,7 +672,7 @@ class Gateway:
         if not is_well_formed(result):
             raise ValueError("a result needs a task id, a lease id and a final outcome")
         held = self._held.get(result.lease_id)
-        if held is not None and held.task_id == result.task_id:
+        if held is not None and held.task_id == result.task_id and not held.members:
             traces = self._traces
             span = traces.answered(held.lease_id, result.outcome) if traces.spans else None
             self._free(held.lease_id)

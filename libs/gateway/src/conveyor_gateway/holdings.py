@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from conveyor_broker import Task
@@ -26,7 +26,11 @@ from conveyor_gateway.tracing import DeliveryTraces
 class Held:
     """One delivery: its task, lease and queue, the retries before this attempt, the
     task's deadline (None: none), whether it has a concurrency key, its type ("" when
-    unknown), and whether it is a half-open circuit breaker's probe."""
+    unknown), and whether it is a half-open circuit breaker's probe.
+
+    An aggregation group's batch is one delivery too: one lease and one slot for all its
+    members. Its ``members`` are a delivery apiece (the lease shared), the first of them
+    also named by ``task_id``, ``type`` and ``retried``; a single task has none."""
 
     task_id: str
     lease_id: str
@@ -38,6 +42,27 @@ class Held:
     probe: bool = False
     #: When this gateway took the delivery (``time.monotonic``), for the run-time metric.
     started: float = field(default_factory=time.monotonic, compare=False)
+    #: A batch's members (empty: a single task).
+    members: tuple[Held, ...] = field(default=(), compare=False)
+    #: A batch's group ("" for a single task).
+    group: str = ""
+
+    @property
+    def tasks(self) -> tuple[Held, ...]:
+        """The deliveries an outcome applies to: a batch's members, else itself."""
+        return self.members or (self,)
+
+
+def _member(env: task_pb2.TaskEnvelope, queue: str) -> Held:
+    return Held(
+        env.id,
+        env.lease_id,
+        queue,
+        max(0, env.attempt - 1),
+        wire.from_timestamp(env.deadline) if env.HasField("deadline") else None,
+        keyed=bool(env.concurrency_key),
+        type=env.type,
+    )
 
 
 class Holdings:
@@ -97,6 +122,30 @@ class Holdings:
         if bounded:
             self.timers.arm(held.lease_id, timeout, deadline)
 
+    def hold_batch(self, envs: Sequence[task_pb2.TaskEnvelope], queue: str, group: str) -> Held:
+        """Hold an aggregation group's batch ``envs`` (every one under the same lease) of
+        ``queue`` as one delivery; its attempt is bounded by the smallest timeout and the
+        earliest deadline of its members. Returns the batch."""
+        members = tuple(_member(env, queue) for env in envs)
+        first = members[0]
+        timeouts = [envelope_bounds(env)[0] for env in envs if env.HasField("timeout")]
+        deadlines = [m.deadline for m in members if m.deadline is not None]
+        timeout = min((t for t in timeouts if t is not None), default=None)
+        deadline = min(deadlines, default=None)
+        held = replace(first, deadline=deadline, members=members, group=group)
+        lease_id = held.lease_id
+        if lease_id not in self.by_lease:
+            metrics.HELD.add(1)
+        self.by_lease[lease_id] = held
+        for member in members:
+            self.lease_of[member.task_id] = lease_id
+        self.per_queue[queue] += 1
+        if envs[0].HasField("lease_expires_at"):
+            self.expires[lease_id] = wire.from_timestamp(envs[0].lease_expires_at)
+        if timeout is not None or deadline is not None:
+            self.timers.arm(lease_id, timeout, deadline)
+        return held
+
     def hold_task(self, task: Task, lease_id: str) -> Held:
         """Hold ``task``, an attempt that started elsewhere under ``lease_id``; its bound is
         armed with what is left of its timeout (a bound at once when nothing is) and its
@@ -137,8 +186,10 @@ class Holdings:
             self.timers.disarm(lease_id)
         if self.traces.spans:
             self.traces.drop(lease_id)
-        if self.lease_of.get(held.task_id) == lease_id:
-            del self.lease_of[held.task_id]
+        lease_of = self.lease_of
+        for task in held.tasks:
+            if lease_of.get(task.task_id) == lease_id:
+                del lease_of[task.task_id]
         per_queue = self.per_queue
         per_queue[held.queue] -= 1
         if per_queue[held.queue] <= 0:

@@ -9,7 +9,7 @@ and tells the worker to cancel that run).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Container, Coroutine
+from collections.abc import Callable, Collection, Container, Coroutine, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -71,10 +71,12 @@ class LeaseExtension:
         started = self._clock.now()
         try:
             skips = self._skips
+            # A batch's lease is every member's: each is extended.
             refs = [
-                LeaseRef(h.task_id, h.lease_id)
+                LeaseRef(t.task_id, t.lease_id)
                 for h in self._held.values()
                 if h.lease_id not in skips
+                for t in h.tasks
             ]
             if not refs:
                 return
@@ -84,9 +86,11 @@ class LeaseExtension:
             return
         finally:
             self._extending = False
-        gone = {ref.lease_id for ref in lost}
         held = self._held
-        kept = [r.lease_id for r in refs if r.lease_id not in gone and r.lease_id in held]
+        gone = _gone(lost, held)
+        kept = list(
+            dict.fromkeys(r.lease_id for r in refs if r.lease_id not in gone and r.lease_id in held)
+        )
         until = started + self._ttl
         expires = self._expires
         for lease_id in kept:
@@ -94,8 +98,8 @@ class LeaseExtension:
                 expires[lease_id] = until
         if kept and self._on_extended is not None:
             self._on_extended(kept, until)
-        for ref in lost:
-            dropped = self._lose(ref.lease_id)
+        for lease_id in gone:
+            dropped = self._lose(lease_id)
             if dropped is None:
                 continue  # completed meanwhile
             logger.info(
@@ -111,16 +115,30 @@ class LeaseExtension:
         held = self._held.get(lease_id)
         if held is None or held.task_id != task_id:
             return None
-        try:
-            expires = await self._broker.extend_lease(task_id, lease_id, self._ttl)
-        except LeaseLost:
-            self._lose(lease_id)
-            raise
+        if held.members:
+            expires = await self._extend_batch(held)
+        else:
+            try:
+                expires = await self._broker.extend_lease(task_id, lease_id, self._ttl)
+            except LeaseLost:
+                self._lose(lease_id)
+                raise
         if self._held.get(lease_id) is held:
             self._expires[lease_id] = expires
         if self._on_extended is not None and self._held.get(lease_id) is held:
             self._on_extended((lease_id,), expires)
         return expires
+
+    async def _extend_batch(self, held: Held) -> datetime:
+        """Extend every member's lease of the batch ``held``; the new expiry. LeaseLost
+        (the batch dropped) once no member's lease is left."""
+        until = self._clock.now() + self._ttl
+        refs = [LeaseRef(t.task_id, t.lease_id) for t in held.members]
+        lost = await self._broker.extend_leases(refs, self._ttl)
+        if held.lease_id in _gone(lost, {held.lease_id: held}):
+            self._lose(held.lease_id)
+            raise LeaseLost(held.task_id, held.lease_id)
+        return until
 
     def expired(self, now: datetime, grace: timedelta) -> list[str]:
         """The held leases (but the skipped) that ran out more than ``grace`` ago as far
@@ -156,3 +174,18 @@ class LeaseExtension:
             logger.info("gateway.progress_lease_lost gateway=%s task=%s", self._id, held.task_id)
         except Exception:
             logger.exception("gateway.progress_failed gateway=%s task=%s", self._id, held.task_id)
+
+
+def _gone(lost: Iterable[LeaseRef], held: Mapping[str, Held]) -> set[str]:
+    """The held leases that ``lost`` (an extension's answer) says are gone: a single
+    task's lease when its task's is, a batch's once every member's is (a member canceled
+    by an operator loses only its own outcome; the batch runs on for the others)."""
+    lost_tasks: dict[str, set[str]] = {}
+    for ref in lost:
+        lost_tasks.setdefault(ref.lease_id, set()).add(ref.task_id)
+    gone: set[str] = set()
+    for lease_id, tasks in lost_tasks.items():
+        h = held.get(lease_id)
+        if h is None or not h.members or all(t.task_id in tasks for t in h.members):
+            gone.add(lease_id)
+    return gone

@@ -118,8 +118,9 @@ class Outcomes:
         self._wakes = wakes
         self._config = config
         self._on_backlog = on_backlog
-        #: The deliveries whose outcome is being retried, by lease id.
-        self._pending: dict[str, Held] = {}
+        #: The deliveries whose outcome is being retried, by task and lease id (a batch's
+        #: members share their lease).
+        self._pending: dict[tuple[str, str], Held] = {}
         #: The retry loops running (kept apart from the gateway's tasks: a gateway may
         #: close while its outcomes are still being retried; they end when the process
         #: does, the leases of what is left then expiring).
@@ -132,9 +133,9 @@ class Outcomes:
         """Outcomes whose commit failed and that are being retried."""
         return len(self._pending)
 
-    def pending(self, lease_id: str) -> bool:
-        """True while the outcome of the delivery under ``lease_id`` is being retried."""
-        return lease_id in self._pending
+    def pending(self, task_id: str, lease_id: str) -> bool:
+        """True while the outcome of ``task_id`` under ``lease_id`` is being retried."""
+        return (task_id, lease_id) in self._pending
 
     async def apply(self, held: Held, result: service_pb2.Result) -> None:
         """Apply ``result`` to the delivery ``held``; LeaseLost when its lease is lost."""
@@ -170,10 +171,10 @@ class Outcomes:
         """Ack successes together (one ack round trip for a frame's worth), logging each
         lost lease; when the broker fails, the acks are retried in the background until
         they commit or their leases are gone."""
-        items = {held.lease_id: item for held, item in acks}
+        items = {(held.task_id, held.lease_id): item for held, item in acks}
 
         async def ack(batch: list[Held]) -> list[Held]:
-            acked = await self._acks.ack_many([items[h.lease_id] for h in batch])
+            acked = await self._acks.ack_many([items[h.task_id, h.lease_id] for h in batch])
             _count(metrics.completed, [h for h, ok in zip(batch, acked, strict=True) if ok])
             return [h for h, ok in zip(batch, acked, strict=True) if not ok]
 
@@ -238,12 +239,12 @@ class Outcomes:
 
     def _hold(self, batch: Sequence[Held]) -> None:
         for held in batch:
-            self._pending[held.lease_id] = held
+            self._pending[held.task_id, held.lease_id] = held
         self._backlog_changed()
 
     def _drop(self, batch: Sequence[Held]) -> None:
         for held in batch:
-            self._pending.pop(held.lease_id, None)
+            self._pending.pop((held.task_id, held.lease_id), None)
         self._backlog_changed()
 
     def _backlog_changed(self) -> None:
@@ -320,8 +321,8 @@ class Outcomes:
                 exc,
             )
             return None
-        gone = {ref.lease_id for ref in lost}
-        dropped = [h for h in batch if h.lease_id in gone]
+        gone = {(ref.task_id, ref.lease_id) for ref in lost}
+        dropped = [h for h in batch if (h.task_id, h.lease_id) in gone]
         for held in dropped:
             self._lease_lost(held)
         return dropped

@@ -5,7 +5,8 @@ of a prefix. Call sites hand it ``cluster_pb2`` messages and get decoded ones ba
 subject (and queue group) of each message type, its serialization and what to do with
 bytes that do not decode live here, once:
 
-- ``Wake``, ``Register``, ``Done``, ``Control`` go on their queue's subjects (the message's
+- ``Wake``, ``Register``, ``Done``, ``Control``, ``GroupsDue`` go on their queue's subjects
+  (the message's
   ``queue`` field names the queue); ``CancelBroadcast`` on ``cancel``, ``Resolve`` on
   ``resolve`` (queue group ``resolvers``), ``HolderBeat`` on ``holder.beat`` and
   ``DispatcherBeat`` on ``dispatcher.beat``: :meth:`Bus.publish`, :meth:`Bus.subscribe`.
@@ -73,6 +74,7 @@ _Wake = cluster_pb2.Wake
 _Register = cluster_pb2.Register
 _Done = cluster_pb2.Done
 _Control = cluster_pb2.Control
+_GroupsDue = cluster_pb2.GroupsDue
 _CancelBroadcast = cluster_pb2.CancelBroadcast
 _Resolve = cluster_pb2.Resolve
 _HolderBeat = cluster_pb2.HolderBeat
@@ -84,6 +86,7 @@ Published: TypeAlias = (
     | _Register
     | _Done
     | _Control
+    | _GroupsDue
     | _CancelBroadcast
     | _Resolve
     | _HolderBeat
@@ -96,6 +99,7 @@ M = TypeVar(
     _Register,
     _Done,
     _Control,
+    _GroupsDue,
     _CancelBroadcast,
     _Resolve,
     _HolderBeat,
@@ -196,6 +200,7 @@ class Bus:
             _Register: _around_queue(register),
             _Done: _around_queue(done),
             _Control: _around_queue(control),
+            _GroupsDue: _around_queue(subjects.groups),
             _CancelBroadcast: (cancel, None),
             _Resolve: (resolve, None),
             _HolderBeat: (holder_beat, None),
@@ -207,6 +212,7 @@ class Bus:
             _Register: register,
             _Done: done,
             _Control: control,
+            _GroupsDue: subjects.groups,
         }
         self._fixed: dict[type[Published], tuple[str, str]] = {
             _CancelBroadcast: (cancel, ""),

@@ -517,6 +517,13 @@ class MaintenanceSettings(ServiceSettings):
         "delayed task that falls due runs one at once)",
     )
     reap_tick: float = Field(1.0, gt=0, description="Seconds between reaper passes")
+    group_tick: float = Field(
+        0.5,
+        gt=0,
+        description="Seconds between group sweeper passes (aggregation groups past their "
+        "size, max delay or grace period are handed to their queue's dispatcher): a due "
+        "group waits at most this long",
+    )
     depth_tick: float = Field(
         10.0,
         gt=0,

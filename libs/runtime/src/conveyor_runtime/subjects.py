@@ -32,6 +32,10 @@ class Subjects:
         """``Done``: credit refill after completions."""
         return f"{self.prefix}.q.{queue}.done"
 
+    def groups(self, queue: str) -> str:
+        """``GroupsDue``: aggregation groups of ``queue`` the sweeper found due."""
+        return f"{self.prefix}.q.{queue}.groups"
+
     def control(self, queue: str) -> str:
         """``Control``: pause/resume or limits changed; reload from the broker."""
         return f"{self.prefix}.q.{queue}.control"

@@ -15,6 +15,10 @@ a delivery's signature, call back for asynchronous deliveries).
     async def send(payload, ctx):
         ...
 
+    @worker.batch_task("digest.send")      # an aggregation group's tasks, together
+    async def digest(payloads, batch):
+        ...
+
     worker.run_forever()
 """
 
@@ -88,7 +92,7 @@ from conveyor._types import (
     spec,
 )
 from conveyor._version import __version__
-from conveyor._worker.context import TaskContext
+from conveyor._worker.context import BatchContext, TaskContext
 from conveyor._worker.dependencies import DependencyResult
 from conveyor._worker.reconnect import ReconnectBackoff
 from conveyor._worker.worker import Worker
@@ -100,6 +104,7 @@ __all__ = [
     "AsyncClient",
     "AsyncEventStream",
     "BatchActionResult",
+    "BatchContext",
     "Breaker",
     "BreakerConfig",
     "BreakerConfigNotFound",

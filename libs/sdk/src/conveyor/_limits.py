@@ -29,6 +29,8 @@ MAX_LABEL_KEY_LEN = 64
 MAX_LABEL_VALUE_LEN = 256
 MAX_WORKER_ID_LEN = 256
 MAX_VERSION_LEN = 64
+#: Hello: the most task types one worker takes as aggregation-group batches.
+MAX_BATCH_TYPES = 100
 
 
 def is_queue_name(name: object) -> bool:

@@ -532,12 +532,14 @@ class AdminService(service_pb2_grpc.AdminServiceServicer):
         except Exception as exc:
             await abort_for_error(context, exc)
         logger.info(
-            "admin.webhook_upserted name=%s queues=%s concurrency=%d paused=%s secrets=%d",
+            "admin.webhook_upserted name=%s queues=%s concurrency=%d paused=%s secrets=%d "
+            "batch_types=%d",
             worker.name,
             ",".join(sorted(worker.queues)),
             worker.concurrency,
             worker.paused,
             len(worker.secrets),
+            len(worker.batch_types),
         )
         return service_pb2.UpsertWebhookWorkerResponse(worker=wire.webhook_worker_to_proto(worker))
 

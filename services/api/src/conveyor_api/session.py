@@ -293,6 +293,10 @@ class FrameWriter:
         for chunk in frame_chunks(tasks):
             self.send(service_pb2.ServerFrame(dispatches=service_pb2.Dispatches(tasks=chunk)))
 
+    def dispatch_batch(self, batch: service_pb2.BatchDispatch) -> None:
+        """Queue a BatchDispatch frame (the worker listed its type in batch_types)."""
+        self.send(service_pb2.ServerFrame(batch_dispatch=batch))
+
     def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
         """Queue a Cancel frame."""
         cancel = service_pb2.Cancel(task_id=task_id, lease_id=lease_id, reason=reason)
@@ -575,7 +579,7 @@ def _hand_over(gateway: Gateway, frame: service_pb2.WorkerFrame) -> None:
     if kind == "result":
         gateway.on_results((frame.result,))
     elif kind == "batch_result":
-        gateway.on_results(frame.batch_result.results)
+        gateway.on_batch_result(frame.batch_result.results)
     elif kind == "heartbeat":
         gateway.on_heartbeat()
     elif kind == "progress":

@@ -28,11 +28,17 @@ def _seconds(worker: WebhookWorker) -> str:
     return f"{worker.timeout.total_seconds():g}s"
 
 
+def _batch_types(worker: WebhookWorker) -> str:
+    return ",".join(worker.batch_types)
+
+
 def webhook_table(workers: Sequence[WebhookWorker]) -> None:
     """A table of webhook workers, one per row (secrets are never shown: never returned)."""
     table = Table(show_edge=False)
-    for column in ("name", "url", "queues", "concurrency", "timeout", "paused", "updated"):
-        table.add_column(column)
+    columns = ("name", "url", "queues", "concurrency", "timeout", "batch types", "paused")
+    for column in (*columns, "updated"):
+        # The name whole, however narrow the terminal: it is what the other commands take.
+        table.add_column(column, no_wrap=column == "name")
     for w in workers:
         table.add_row(
             w.name,
@@ -40,6 +46,7 @@ def webhook_table(workers: Sequence[WebhookWorker]) -> None:
             _queues(w.queues),
             str(w.concurrency),
             _seconds(w),
+            _batch_types(w),
             "yes" if w.paused else "",
             _when(w.updated_at),
         )
@@ -56,6 +63,7 @@ def webhook_detail(worker: WebhookWorker) -> None:
     table.add_row("queues", _queues(worker.queues))
     table.add_row("concurrency", str(worker.concurrency))
     table.add_row("timeout", _seconds(worker))
+    table.add_row("batch types", _batch_types(worker) or "-")
     table.add_row("paused", "yes" if worker.paused else "no")
     table.add_row("created", _when(worker.created_at))
     table.add_row("updated", _when(worker.updated_at))
@@ -129,6 +137,14 @@ def webhook_get(name: str, target: str, token: str | None, as_json: bool) -> Non
     "first; repeat for more (env CONVEYOR_WEBHOOK_SECRETS, space-separated, keeps them out "
     "of the process list). None: keep the stored ones",
 )
+@click.option(
+    "--batch-type",
+    "batch_types",
+    multiple=True,
+    metavar="TYPE",
+    help="A task type the endpoint takes as whole aggregation groups (one call carries "
+    "every member of a due group); repeat for more",
+)
 @click.option("--paused", is_flag=True, help="Register it paused (no deliveries)")
 @connection_options
 def webhook_set(
@@ -138,6 +154,7 @@ def webhook_set(
     concurrency: int,
     timeout: float,
     secrets: tuple[str, ...],
+    batch_types: tuple[str, ...],
     paused: bool,
     target: str,
     token: str | None,
@@ -145,8 +162,9 @@ def webhook_set(
 ) -> None:
     """Create or replace the webhook worker NAME.
 
-    Every field is replaced (an omitted option takes its default, so --paused must be
-    repeated to keep a worker paused); without --secret the stored secrets are kept. To
+    Every field is replaced (an omitted option takes its default, so --paused and every
+    --batch-type must be repeated to keep them); without --secret the stored secrets are
+    kept. To
     rotate, give the new secret first and the old one after it, then drop the old one
     once deliveries signed with it are done.
     """
@@ -160,6 +178,7 @@ def webhook_set(
             timeout=timeout,
             paused=paused,
             secrets=secrets,
+            batch_types=batch_types,
         )
     if as_json:
         emit_json(worker)

@@ -43,6 +43,8 @@ class GatewayCredits:
     #: Task types the gateway takes none of for now (its circuit breakers), as of its
     #: last Register or reply.
     blocked: frozenset[str] = frozenset()
+    #: Task types the gateway takes as whole aggregation groups (Register.batch_types).
+    batch_types: frozenset[str] = frozenset()
 
 
 class CreditBook:
@@ -80,6 +82,7 @@ class CreditBook:
         returned: int = 0,
         holder: str = "",
         blocked: frozenset[str] = frozenset(),
+        batch_types: frozenset[str] = frozenset(),
     ) -> GatewayCredits:
         """Record (or refresh) a registration: credits = capacity - in_flight (at least 0),
         plus the slots of Dones already counted that this snapshot predates."""
@@ -95,6 +98,7 @@ class CreditBook:
             returned=max(counted, returned),
             holder=holder,
             blocked=blocked,
+            batch_types=batch_types,
         )
         self._gateways[gateway] = entry
         self._note_blocked(entry)
@@ -201,6 +205,46 @@ class CreditBook:
         for gateway in self.take_slots(n):
             shares[gateway] = shares.get(gateway, 0) + 1
         return shares
+
+    def batch_capable(self) -> bool:
+        """True when some gateway with a free slot takes aggregation batches."""
+        return any(g.credits > 0 and g.batch_types for g in self._gateways.values())
+
+    def take_any_batch_slot(self) -> str | None:
+        """One slot of the gateway taking any aggregation batches with the most credits
+        (then the first by name), its credit taken; None when none has room."""
+        best: GatewayCredits | None = None
+        for entry in self._gateways.values():
+            if entry.credits <= 0 or not entry.batch_types:
+                continue
+            if best is None or (entry.credits, best.gateway) > (best.credits, entry.gateway):
+                best = entry
+        if best is None:
+            return None
+        best.credits -= 1
+        return best.gateway
+
+    def take_batch_slot(self, task_type: str, *, but: Iterable[str] = ()) -> str | None:
+        """One slot for an aggregation batch of ``task_type``: of the gateways that take
+        that type as batches and do not block it, the one with the most credits (then
+        the first by name), not one of ``but``; its credit is taken. None when none has
+        room."""
+        skip = set(but)
+        best: GatewayCredits | None = None
+        for entry in self._gateways.values():
+            if (
+                entry.credits <= 0
+                or task_type not in entry.batch_types
+                or task_type in entry.blocked
+                or entry.gateway in skip
+            ):
+                continue
+            if best is None or (entry.credits, best.gateway) > (best.credits, entry.gateway):
+                best = entry
+        if best is None:
+            return None
+        best.credits -= 1
+        return best.gateway
 
     def take_slots(self, n: int) -> list[str]:
         """:meth:`take`, slot by slot: the gateway of each slot, in the order they were

@@ -164,6 +164,7 @@ class Dispatcher:
             await bus.subscribe(cluster_pb2.Register, self._on_register),
             await bus.subscribe(cluster_pb2.Done, self._on_done),
             await bus.subscribe(cluster_pb2.Control, self._on_control),
+            await bus.subscribe(cluster_pb2.GroupsDue, self._on_groups_due),
             await bus.subscribe_owner_changed(self._on_owner),
         ]
         await self._nc.flush()
@@ -264,6 +265,13 @@ class Dispatcher:
         qd = self._queues.get(done.queue)
         if qd is not None:
             qd.done(done)
+
+    def _on_groups_due(self, due: cluster_pb2.GroupsDue) -> None:
+        qd = self._queues.get(due.queue)
+        if qd is not None:
+            qd.groups_due(due)
+        elif self.demand.served(due.queue, self._now()) and self._valid(due.queue):
+            self._want(due.queue, None)  # as a wake: the next sweep hints the new owner
 
     def _on_control(self, control: cluster_pb2.Control) -> None:
         qd = self._queues.get(control.queue)

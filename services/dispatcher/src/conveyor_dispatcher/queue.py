@@ -20,7 +20,7 @@ from datetime import timedelta
 import nats.errors
 from conveyor_broker.clock import Clock, SystemClock
 from conveyor_broker.errors import LeaseLost
-from conveyor_broker.interface import Broker
+from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.types import Breaker, BreakerScope, BreakerStatus, RateLimit, Task
 from conveyor_protos.v1 import cluster_pb2, task_pb2
 from conveyor_runtime import metrics
@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 #: Seconds a cycle waits after a broker error before it retries (if anything asked it to).
 ERROR_BACKOFF = 0.5
+#: Seconds the task type a group's members had is trusted without a new lease.
+GROUP_TYPE_TTL = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +93,16 @@ class QueueDispatcher:
         self._last_active = asyncio.get_running_loop().time()
         #: When the running cycle's current round began (loop time); None between cycles.
         self._round_since: float | None = None
+        #: Aggregation groups the sweeper found due, waiting for a lease: group -> the most
+        #: members one delivery takes.
+        self._due_groups: dict[str, int] = {}
+        #: The task type each group's members had when last leased, and when (loop time):
+        #: a group whose type no gateway takes as batches is not leased again only to be
+        #: released, for GROUP_TYPE_TTL.
+        self._group_types: dict[str, tuple[str, float]] = {}
+        self._group_cycle: asyncio.Task[None] | None = None
+        #: Batches delivered (for logs and tests).
+        self.batches = 0
         # Counters, for logs and tests.
         self.wakes = 0
         self.dispatched = 0
@@ -158,6 +170,7 @@ class QueueDispatcher:
             returned=msg.returned,
             holder=msg.holder,
             blocked=frozenset(msg.blocked_types),
+            batch_types=frozenset(msg.batch_types),
         )
         self._last_active = self._now()
         if not known:
@@ -175,6 +188,14 @@ class QueueDispatcher:
         """A gateway gave ``n`` slots back (tasks finished, canceled or lost)."""
         if self.book.refill(msg.gateway, msg.n, msg.returned):
             self._kick()
+
+    def groups_due(self, msg: cluster_pb2.GroupsDue) -> None:
+        """The sweeper found these groups due: lease each whole and offer it as one batch
+        (see :meth:`_fire`), one group at a time, in the order given."""
+        for hint in msg.groups:
+            if hint.group and hint.max_size > 0:
+                self._due_groups[hint.group] = min(hint.max_size, MAX_BATCH)
+        self._kick_groups()
 
     async def reload(self) -> None:
         """Control: reload the pause flag, the rate limit and the queue-wide breakers.
@@ -221,14 +242,16 @@ class QueueDispatcher:
         did not send comes back when its lease expires (the reaper)."""
         self._closed = True
         self._disarm()
-        if self._cycle is not None:
-            self._cycle.cancel()
+        for cycle in (self._cycle, self._group_cycle):
+            if cycle is not None:
+                cycle.cancel()
 
     async def wait_closed(self) -> None:
-        """Wait for the cycle in flight, if any, to end."""
-        if self._cycle is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(self._cycle)
+        """Wait for the cycles in flight (tasks, groups), if any, to end."""
+        for cycle in (self._cycle, self._group_cycle):
+            if cycle is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(cycle)
 
     def expire_registrations(self) -> list[str]:
         """Forget gateways that stopped re-registering."""
@@ -266,6 +289,155 @@ class QueueDispatcher:
 
     def _stopped(self) -> bool:
         return self._closed or self._paused
+
+    # ---------------------------------------------------------- groups
+
+    def _kick_groups(self) -> None:
+        if not self._due_groups or self._stopped():
+            self._due_groups.clear()
+            return
+        if self._group_cycle is not None and not self._group_cycle.done():
+            return  # the running cycle takes the new ones too
+        self._group_cycle = asyncio.create_task(self._run_groups(), name=f"groups-{self.queue}")
+
+    async def _run_groups(self) -> None:
+        try:
+            while self._due_groups and not self._stopped() and self.book.batch_capable():
+                group = next(iter(self._due_groups))
+                max_size = self._due_groups.pop(group)
+                await self._fire(group, max_size)
+        except Exception:
+            logger.exception("dispatcher.groups_failed queue=%s", self.queue)
+        finally:
+            # What no gateway could take now waits for the next sweep's hint.
+            self._due_groups.clear()
+
+    async def _fire(self, group: str, max_size: int) -> None:
+        """Lease the due members of ``group`` (at most ``max_size``) under one lease and
+        offer them as one batch, for one slot, to a gateway that takes their type as
+        batches. Members of another type than the first go back (they come in a batch
+        of their own next time: a group is expected to hold one type); so do those past
+        what one NATS message carries, and everything when no gateway takes the batch."""
+        known, learned_at = self._group_types.get(group, (None, 0.0))
+        if known is not None and self._now() - learned_at > GROUP_TYPE_TTL:
+            known = None  # (the group may hold another type by now)
+        # The slot is taken before the lease, so that the members are leased in the name
+        # of the process that will hold them (first lease: a gateway taking any batch).
+        gateway = (
+            self.book.take_batch_slot(known)
+            if known is not None
+            else self.book.take_any_batch_slot()
+        )
+        if gateway is None:
+            return
+        holder = self.book.holder_of(gateway)
+        try:
+            tasks = await self._broker.lease_group(
+                self.queue, group, max_size, self._config.lease_ttl, holder=holder
+            )
+        except Exception as exc:
+            if gateway is not None:
+                self.book.refund([gateway])
+            logger.warning(
+                "dispatcher.lease_group_failed queue=%s group=%s error=%r", self.queue, group, exc
+            )
+            return
+        if not tasks:
+            self.book.refund([gateway])
+            return
+        self._last_active = self._now()
+        task_type = tasks[0].type
+        self._group_types.pop(group, None)
+        self._group_types[group] = (task_type, self._now())
+        if len(self._group_types) > MAX_BATCH:
+            self._group_types.pop(next(iter(self._group_types)))
+        batch = [t for t in tasks if t.type == task_type]
+        back = [t for t in tasks if t.type != task_type]
+        entry = self.book.get(gateway)
+        if entry is None or task_type not in entry.batch_types or task_type in entry.blocked:
+            # Not this gateway's type after all: another one that takes it, if any.
+            self.book.refund([gateway])
+            gateway = self.book.take_batch_slot(task_type)
+        if gateway is None or self._stopped() or task_type in self._breakers:
+            if gateway is not None:
+                self.book.refund([gateway])
+            await self._release(tasks)
+            return
+        envelopes = [task_to_envelope(task) for task in batch]
+        fit = fit_batch(envelopes, self._bus.max_payload)
+        back += batch[fit:]
+        batch, envelopes = batch[:fit], envelopes[:fit]
+        if back:
+            logger.info(
+                "dispatcher.batch_trimmed queue=%s group=%s kept=%d back=%d",
+                self.queue,
+                group,
+                len(batch),
+                len(back),
+            )
+            await self._release(back)
+        if not batch:
+            self.book.refund([gateway])
+            return
+        left = await self._send_batch(gateway, group, batch, envelopes)
+        if left:
+            await self._release(left)
+            return
+        self.batches += 1
+        self.dispatched += len(batch)
+        self._count_dispatch(
+            [(t, e) for t, e in zip(batch, envelopes, strict=True)], [], len(batch)
+        )
+        logger.debug(
+            "dispatcher.batch queue=%s group=%s gateway=%s members=%d",
+            self.queue,
+            group,
+            gateway,
+            len(batch),
+        )
+
+    async def _send_batch(
+        self,
+        gateway: str,
+        group: str,
+        batch: Sequence[Task],
+        envelopes: Sequence[task_pb2.TaskEnvelope],
+    ) -> list[Task]:
+        """Offer one batch to ``gateway``; the tasks to give back (all, or none)."""
+        metrics.offers(self.queue).inc()
+        request = cluster_pb2.DispatchRequest(
+            queue=self.queue,
+            dispatcher=self._config.instance_id,
+            tasks=envelopes,
+            group=group,
+        )
+        try:
+            reply = await self._bus.dispatch(gateway, request, within=self._config.dispatch_timeout)
+        except nats.errors.NoRespondersError:
+            self.book.forget(gateway)
+            return list(batch)
+        except Exception as exc:
+            logger.warning(
+                "dispatcher.batch_dispatch_failed queue=%s gateway=%s error=%r",
+                self.queue,
+                gateway,
+                exc,
+            )
+            self.book.block(gateway)
+            return list(batch)
+        self.book.set_credits(
+            gateway,
+            reply.credits,
+            returned=reply.returned,
+            blocked=frozenset(reply.blocked_types),
+        )
+        accepted = set(reply.accepted)
+        if all(task.id in accepted for task in batch):
+            return []
+        logger.info(
+            "dispatcher.batch_refused queue=%s group=%s gateway=%s", self.queue, group, gateway
+        )
+        return list(batch)
 
     async def _run(self) -> None:
         try:
@@ -752,6 +924,20 @@ def assign(
         plan.setdefault(slots[index], []).append(item)
     left = [slots[index] for index in rest[len(unmatched) :]]
     return plan, left
+
+
+def fit_batch(envelopes: Sequence[task_pb2.TaskEnvelope], max_message: int) -> int:
+    """How many of a batch's ``envelopes``, from the first, fit one DispatchRequest of
+    ``max_message`` bytes (the server's ``max_payload``; 0: unknown, all fit)."""
+    if max_message <= 0:
+        return len(envelopes)
+    room = max_message - _REQUEST_OVERHEAD
+    used = 0
+    for n, envelope in enumerate(envelopes):
+        used += _size(envelope)
+        if used > room:
+            return n
+    return len(envelopes)
 
 
 def fit_offer(

@@ -29,6 +29,11 @@ skipped one only delays work.
 - resolver, as ``Resolve`` messages arrive: the dependents of ended tasks are promoted,
   canceled or left blocked, and promoted queues woken (see
   :mod:`conveyor_maintenance.resolver`).
+- groups, every ``group_tick``: the aggregation groups past their config's size, max
+  delay or grace period (:meth:`~conveyor_broker.interface.Broker.due_groups`) are
+  handed to their queues' dispatchers in one ``GroupsDue`` per queue; the owner leases
+  each group whole and offers it to a worker as one batch. A hint: a group still due at
+  the next pass is sent again.
 - storage, every ``storage_tick`` (unless ``storage_upkeep`` is off): the broker's
   storage upkeep (for Postgres, an ANALYZE or VACUUM of the task table when a burst has
   left its statistics or indexes behind). Its own role and loop, so a long VACUUM never
@@ -82,6 +87,7 @@ _tracer = tracer(__name__)
 SCHEDULER = "scheduler"
 REAPER = "reaper"
 STORAGE = "storage"
+GROUPS = "groups"
 #: Most promote rounds in one scheduler pass (each takes up to sweep_limit tasks).
 MAX_PROMOTE_ROUNDS = 10
 #: Least seconds between the end of one scheduler pass and a pass a promote hint asks for.
@@ -158,7 +164,7 @@ class Maintenance:
         #: Holder -> when its last NATS beat arrived (loop time); since when we listen.
         self._heard: dict[str, float] = {}
         self._listening_since: float | None = None
-        self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0}
+        self.passes: dict[str, int] = {SCHEDULER: 0, REAPER: 0, STORAGE: 0, GROUPS: 0}
         #: When the reaper leader last refreshed the queue depth gauges (loop time).
         self._depth_at = float("-inf")
         #: The queue labels whose depth and oldest due gauges this instance set.
@@ -224,6 +230,10 @@ class Maintenance:
                 name="maintenance-reaper",
             ),
             asyncio.create_task(self.resolver.run(self._keeper), name="maintenance-resolver"),
+            asyncio.create_task(
+                self._lead(GROUPS, self.settings.group_tick, self.group_pass),
+                name="maintenance-groups",
+            ),
         ]
         if self.settings.storage_upkeep:
             self._loops.append(
@@ -447,6 +457,24 @@ class Maintenance:
                 entry.name, expected, plan.next_run_at, None
             )
         return result, plan.missed
+
+    async def group_pass(self) -> dict[str, int]:
+        """Hand every due aggregation group to its queue's dispatcher (a ``GroupsDue`` per
+        queue); the due groups per queue."""
+        due = await self._broker.due_groups(self._limit)
+        by_queue: dict[str, list[cluster_pb2.DueGroupHint]] = {}
+        for group in due:
+            by_queue.setdefault(group.queue, []).append(
+                cluster_pb2.DueGroupHint(
+                    group=group.group, size=group.size, max_size=group.max_size
+                )
+            )
+        for queue, hints in by_queue.items():
+            if not QUEUE_RE.fullmatch(queue):
+                logger.warning("maintenance.invalid_queue_name_skipped queue=%r", queue)
+                continue
+            await self.bus.publish(cluster_pb2.GroupsDue(queue=queue, groups=hints))
+        return {queue: len(hints) for queue, hints in by_queue.items()}
 
     async def storage_pass(self) -> StorageUpkeep:
         """The broker's storage upkeep (see Broker.upkeep_storage)."""

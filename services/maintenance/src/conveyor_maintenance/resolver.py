@@ -23,6 +23,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
+from conveyor_broker.ids import is_ulid
 from conveyor_broker.interface import MAX_BATCH, Broker
 from conveyor_broker.types import Resolution
 from conveyor_protos.v1 import cluster_pb2
@@ -109,7 +110,9 @@ class DependencyResolver:
 
     def _on_resolve(self, message: cluster_pb2.Resolve) -> None:
         if self._leading:
-            self._work.update(dict.fromkeys(message.task_ids))
+            # An id that is no ULID names no task, and the broker would refuse the whole
+            # call it came in (again at every retry): only a broken sender makes one.
+            self._work.update(dict.fromkeys(i for i in message.task_ids if is_ulid(i)))
             self._ready.set()
 
     async def run(self, keeper: LeaseKeeper) -> None:

@@ -74,6 +74,7 @@ class Wiring:
             labels={"webhook": worker.name},
             worker_id=f"webhook:{worker.name}",
             sdk_version=f"conveyor-webhook/{__version__}",
+            batch_types=tuple(worker.batch_types),
         )
         return Gateway(
             f"wh-{worker.name}-{new_id(now)}",

@@ -10,8 +10,16 @@ this class is its :class:`~conveyor_gateway.transport.Transport` and its callbac
   becomes a Result fed to the Gateway like a stream Result; ``accepted`` parks the
   delivery instead (asynchronous mode, :mod:`conveyor_webhook.parking`), or fails the
   attempt when no callback address is configured (the endpoint could never report).
+- An aggregation group's batch (``dispatch_batch``, for the registration's
+  ``batch_types``) becomes one signed HTTP delivery of every member under the batch's one
+  lease (:func:`~conveyor_webhook.delivery.batch_body`); its answer becomes one Result
+  per member, fed to the Gateway as one batch result (:func:`batch_results`). A failed
+  request fails every member alike, and counts for the breaker (and the metrics) as one
+  delivery. Batches are synchronous only: ``accepted`` fails every member
+  (:data:`~conveyor_webhook.response.ASYNC_BATCH_ERROR`).
 - A cancel (lease lost, attempt overran, admin cancel) cancels that task's HTTP request
-  if it is still in flight, and stops watching it if it was parked.
+  (a batch's, for its lease) if it is still in flight, and stops watching it if it was
+  parked.
 - While any synchronous delivery is open, the Gateway's heartbeat runs every
   ``lease_ttl / 3``; it skips parked deliveries, whose leases only the endpoint's
   Heartbeat callbacks extend. A parked delivery whose last known lease expiry passes is
@@ -28,7 +36,8 @@ this class is its :class:`~conveyor_gateway.transport.Transport` and its callbac
   a broker call (their endpoint is still working on them; their callbacks go on being
   answered), waits for open synchronous ones, then releases whatever is still held.
 - Metrics, by registration name (``worker``): every delivery's outcome
-  (``conveyor_webhook_deliveries_total``, see :func:`delivery_outcome`) and how long its
+  (``conveyor_webhook_deliveries_total``, see :func:`delivery_outcome` and
+  :func:`batch_outcome`: a batch counts once) and how long its
   endpoint took (``conveyor_webhook_delivery_seconds``); the breaker's state while the
   gateway serves (``conveyor_webhook_breaker_state``) and its openings and closings.
 """
@@ -38,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -60,25 +69,37 @@ from conveyor_webhook.callbacks import (
     set_retry_after,
 )
 from conveyor_webhook.config import WebhookConfig, Wiring
-from conveyor_webhook.delivery import delivery_body, delivery_headers
+from conveyor_webhook.delivery import batch_body, delivery_body, delivery_headers
 from conveyor_webhook.http import forbidden, open_session, signed_by
 from conveyor_webhook.parking import ParkedDeliveries
 from conveyor_webhook.response import (
+    MISSING_MEMBER_ERROR,
     OUTCOMES,
     Accepted,
+    BatchReply,
     Broken,
     Finished,
     Reply,
+    parse_batch_response,
     parse_response,
     transport_failure,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WebhookConfig", "WebhookGateway", "as_result", "delivery_outcome"]
+__all__ = [
+    "WebhookConfig",
+    "WebhookGateway",
+    "as_result",
+    "batch_outcome",
+    "batch_results",
+    "delivery_outcome",
+]
 
 #: Room in a response body beyond the base64 of the largest result.
 RESPONSE_HEADROOM = 64 * 1024
+#: The largest answer to a batch call taken, whatever its members' results add up to.
+MAX_BATCH_RESPONSE = 64 * 1024 * 1024
 #: How long past a registration's timeout a drain waits for open deliveries' answers.
 DRAIN_GRACE = 1.0
 #: The last error of an attempt whose endpoint answered "accepted" with nowhere to report.
@@ -112,6 +133,34 @@ def delivery_outcome(reply: Reply) -> str:
     if isinstance(reply, Accepted):
         return "accepted"
     return "transport" if reply.transport else "error"
+
+
+def batch_outcome(reply: BatchReply) -> str:
+    """The ``outcome`` label of a batch delivery that got ``reply``: as for a single
+    delivery (:func:`delivery_outcome`) when every member got the same final outcome (or
+    the call failed), ``mixed`` when the members' outcomes differ."""
+    if isinstance(reply, Broken):
+        return delivery_outcome(reply)
+    labels = {delivery_outcome(finished) for finished in reply.outcomes.values()}
+    return labels.pop() if len(labels) == 1 else "mixed"
+
+
+def batch_results(
+    reply: BatchReply, tasks: Sequence[task_pb2.TaskEnvelope], lease_id: str
+) -> list[service_pb2.Result]:
+    """One Result per member of ``tasks`` (in order, all under the batch's ``lease_id``)
+    for the batch answer ``reply``: each member's own outcome, or the one failure of all
+    (FAILURE, the server's backoff)."""
+    results = []
+    for env in tasks:
+        answer: Finished | Broken
+        if isinstance(reply, Broken):
+            answer = reply
+        else:
+            found = reply.outcomes.get(env.id)
+            answer = found if found is not None else Broken(MISSING_MEMBER_ERROR)
+        results.append(as_result(answer, env.id, lease_id))
+    return results
 
 
 def as_result(reply: Finished | Broken, task_id: str, lease_id: str) -> service_pb2.Result:
@@ -226,7 +275,8 @@ class WebhookGateway:
     def refresh(self, worker: WebhookWorker) -> None:
         """Take a changed url, timeout or secrets in place (for deliveries from now on).
 
-        Queues and concurrency cannot change in place: the manager restarts the gateway.
+        Queues, concurrency and batch types cannot change in place: the manager restarts
+        the gateway.
         """
         if not worker.secrets:
             raise ValueError(f"webhook worker {worker.name!r} has no secret to sign with")
@@ -298,6 +348,25 @@ class WebhookGateway:
         for env in tasks:
             self._open(env)
 
+    def dispatch_batch(self, batch: service_pb2.BatchDispatch) -> None:
+        """(Transport) Deliver aggregation group ``batch`` (every member under one lease,
+        held by the Gateway as one delivery) in one HTTP request; its answer goes back as
+        one batch result (a Result per member)."""
+        if not batch.tasks:
+            logger.warning(
+                "webhook.empty_batch worker=%s queue=%s group=%s",
+                self.name,
+                batch.queue,
+                batch.group,
+            )
+            return
+        lease_id = batch.tasks[0].lease_id
+
+        def crashed(error: Broken) -> None:
+            self.gateway.on_batch_result(batch_results(error, batch.tasks, lease_id))
+
+        self._track(lease_id, batch.tasks[0].id, self._deliver_batch(batch, lease_id), crashed)
+
     def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
         """(Transport) The Gateway holds ``lease_id`` no more: abort its HTTP request if
         it is still in flight, and stop watching it if it was parked."""
@@ -314,8 +383,21 @@ class WebhookGateway:
             )
 
     def _open(self, env: task_pb2.TaskEnvelope) -> None:
-        lease_id = env.lease_id
-        task = asyncio.get_running_loop().create_task(self._deliver(env))
+        def crashed(error: Broken) -> None:
+            self.gateway.on_results((as_result(error, env.id, env.lease_id),))
+
+        self._track(env.lease_id, env.id, self._deliver(env), crashed)
+
+    def _track(
+        self,
+        lease_id: str,
+        task_id: str,
+        delivery: Coroutine[Any, Any, None],
+        crashed: Callable[[Broken], None],
+    ) -> None:
+        """Run ``delivery`` as the open delivery of ``lease_id`` (of task ``task_id``, a
+        batch's first member); should it crash, ``crashed`` fails its attempt."""
+        task = asyncio.get_running_loop().create_task(delivery)
         self._deliveries[lease_id] = task
 
         def closed(done: asyncio.Task[None]) -> None:
@@ -325,13 +407,12 @@ class WebhookGateway:
                 logger.error(
                     "webhook.delivery_crashed worker=%s task=%s",
                     self.name,
-                    env.id,
+                    task_id,
                     exc_info=done.exception(),
                 )
                 # Fail the attempt rather than hold (and keep extending) its lease.
-                crashed = Broken(f"webhook delivery failed: {done.exception()!r}")
                 if not self.gateway.closed:
-                    self.gateway.on_results((as_result(crashed, env.id, lease_id),))
+                    crashed(Broken(f"webhook delivery failed: {done.exception()!r}"))
             # Unless it is parked now, nothing about it is left to know (what the
             # heartbeat told of its lease included).
             parked = lease_id in self._parked and self.gateway.holds_lease(lease_id)
@@ -375,25 +456,82 @@ class WebhookGateway:
             )
         self.gateway.on_results((as_result(reply_, env.id, env.lease_id),))
 
+    async def _deliver_batch(self, batch: service_pb2.BatchDispatch, lease_id: str) -> None:
+        sent = self._loop_time()
+        ticket = self.breaker.ticket(sent)
+        try:
+            reply_ = await self._post_batch(batch, lease_id, self.worker)
+        except asyncio.CancelledError:
+            self._count("canceled", sent)
+            raise
+        self._count(batch_outcome(reply_), sent)
+        self._record(reply_, ticket)
+        if isinstance(reply_, Broken):
+            logger.info(
+                "webhook.batch_failed worker=%s queue=%s group=%s tasks=%d error=%s",
+                self.name,
+                batch.queue,
+                batch.group,
+                len(batch.tasks),
+                reply_.error,
+            )
+        self.gateway.on_batch_result(batch_results(reply_, batch.tasks, lease_id))
+
     async def _post(self, env: task_pb2.TaskEnvelope, worker: WebhookWorker) -> Reply:
-        http = self._http
-        if http is None or http.closed:
-            return Broken("the webhook gateway is not running")
         secret = worker.secrets[0]
         body, _ = delivery_body(
             env, worker=worker.name, secret=secret, callback=self._config.callback_address
         )
+        answer = await self._send(
+            worker, body, env.lease_id, task_id=env.id, task_headers=env.headers
+        )
+        if isinstance(answer, Broken):
+            return answer
+        status, raw = answer
+        return parse_response(status, raw, env.lease_id)
+
+    async def _post_batch(
+        self, batch: service_pb2.BatchDispatch, lease_id: str, worker: WebhookWorker
+    ) -> BatchReply:
+        body = batch_body(batch)
+        # Room for every member's largest result.
+        limit = min(self._max_body * len(batch.tasks), max(MAX_BATCH_RESPONSE, self._max_body))
+        answer = await self._send(
+            worker, body, lease_id, task_id=None, task_headers=batch.tasks[0].headers, limit=limit
+        )
+        if isinstance(answer, Broken):
+            return answer
+        status, raw = answer
+        return parse_batch_response(status, raw, lease_id, [env.id for env in batch.tasks])
+
+    async def _send(
+        self,
+        worker: WebhookWorker,
+        body: bytes,
+        delivery_id: str,
+        *,
+        task_id: str | None,
+        task_headers: Mapping[str, str],
+        limit: int | None = None,
+    ) -> tuple[int, bytes] | Broken:
+        """POST ``body`` to the endpoint as delivery ``delivery_id`` (the lease id: new for
+        every attempt, never sent twice), signed with the newest secret; the answer's
+        status and body (at most ``limit`` bytes, default the single delivery's limit),
+        or the Broken of a request that got none."""
+        http = self._http
+        if http is None or http.closed:
+            return Broken("the webhook gateway is not running")
+        secret = worker.secrets[0]
+        limit = self._max_body if limit is None else limit
         # Signature timestamps are wall time: the endpoint checks them against its clock.
-        # The headers are signed again once a connection is ready (signed_by). The
-        # delivery id is the lease id: new for every attempt, never sent twice.
-        delivery_id = env.lease_id
+        # The headers are signed again once a connection is ready (signed_by).
         headers = delivery_headers(
             body,
-            task_id=env.id,
+            task_id=task_id,
             delivery_id=delivery_id,
             secret=secret,
             timestamp=int(time.time()),
-            task_headers=env.headers,
+            task_headers=task_headers,
         )
         timeout = worker.timeout.total_seconds()
         try:
@@ -403,26 +541,26 @@ class WebhookGateway:
                         worker.url, data=body, headers=headers, allow_redirects=False
                     ) as response:
                         status = response.status
-                        raw = await self._read(response)
+                        raw = await self._read(response, limit)
         except TimeoutError:
             return transport_failure(f"endpoint did not answer within {timeout:g} s")
         except ResponseTooLarge:
-            return Broken(f"endpoint response is larger than {self._max_body} bytes")
+            return Broken(f"endpoint response is larger than {limit} bytes")
         except (aiohttp.ClientError, OSError) as exc:
             if forbidden(exc):
                 # The same text whatever the address: nothing about what listens there.
                 return transport_failure(FORBIDDEN_ADDRESS)
             return transport_failure(f"could not reach the endpoint: {exc or type(exc).__name__}")
-        return parse_response(status, raw, env.lease_id)
+        return status, raw
 
-    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
-        if response.content_length is not None and response.content_length > self._max_body:
+    async def _read(self, response: aiohttp.ClientResponse, limit: int) -> bytes:
+        if response.content_length is not None and response.content_length > limit:
             raise ResponseTooLarge
         chunks: list[bytes] = []
         size = 0
         while chunk := await response.content.readany():
             size += len(chunk)
-            if size > self._max_body:
+            if size > limit:
                 raise ResponseTooLarge
             chunks.append(chunk)
         return b"".join(chunks)
@@ -438,7 +576,7 @@ class WebhookGateway:
 
     # -------------------------------------------------------- circuit breaker
 
-    def _record(self, reply_: Reply, ticket: Ticket) -> None:
+    def _record(self, reply_: Reply | BatchReply, ticket: Ticket) -> None:
         now = self._loop_time()
         before = self.breaker.state(now)
         if isinstance(reply_, Broken) and reply_.transport:

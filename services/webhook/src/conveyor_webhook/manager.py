@@ -7,8 +7,8 @@ registrations and converges onto them.
 
 - An active registration (not paused, with at least one secret) with no gateway gets one.
 - A changed url, timeout or secret list is taken by the running gateway in place.
-- Changed queues or concurrency restart it: drain the old gateway, then start a new one
-  (a new gateway id).
+- Changed queues, concurrency or batch types restart it: drain the old gateway, then
+  start a new one (a new gateway id).
 - A registration paused, deleted or left without a secret has its gateway drained.
 - Secrets are stored sealed (:mod:`conveyor_runtime.webhook_secrets`); the manager opens
   them with the keyring of its settings and hands its gateways the opened ones. One whose
@@ -86,8 +86,13 @@ def is_active(worker: WebhookWorker) -> bool:
 
 
 def needs_restart(running: WebhookWorker, stored: WebhookWorker) -> bool:
-    """True when a running gateway cannot take ``stored`` in place (queues, concurrency)."""
-    return dict(running.queues) != dict(stored.queues) or running.concurrency != stored.concurrency
+    """True when a running gateway cannot take ``stored`` in place (queues, concurrency,
+    batch types: what its registrations announce)."""
+    return (
+        dict(running.queues) != dict(stored.queues)
+        or running.concurrency != stored.concurrency
+        or set(running.batch_types) != set(stored.batch_types)
+    )
 
 
 @dataclass(slots=True)

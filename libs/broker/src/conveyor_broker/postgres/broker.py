@@ -897,6 +897,7 @@ class PostgresBroker(Broker):
             bool(spec.paused),
             list(spec.secrets),
             now,
+            list(spec.batch_types),
         )
         assert row is not None  # an upsert always returns its row
         return webhook_worker_from_row(row)
@@ -980,9 +981,13 @@ class PostgresBroker(Broker):
             due.append(DueGroup(stats.queue, stats.group, stats.size, why, config.max_size))
         return due
 
-    async def _lease_group(self, queue: str, group: str, limit: int, ttl: timedelta) -> list[Task]:
+    async def _lease_group(
+        self, queue: str, group: str, limit: int, ttl: timedelta, holder: str
+    ) -> list[Task]:
         now = self._clock.now()
-        rows = await self._fetch(LEASE_GROUP, queue, group, limit, now, new_id(now), now + ttl)
+        rows = await self._fetch(
+            LEASE_GROUP, queue, group, limit, now, new_id(now), now + ttl, holder
+        )
         leased = sorted((task_from_row(row) for row in rows), key=lambda t: (t.created_at, t.id))
         self._emit(self._event(task, TaskState.AGGREGATING, now) for task in leased)
         return leased

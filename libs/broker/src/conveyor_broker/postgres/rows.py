@@ -264,6 +264,7 @@ def webhook_worker_from_row(row: asyncpg.Record) -> WebhookWorker:
         secrets,
         created_at,
         updated_at,
+        batch_types,
     ) = row[:WEBHOOK_FIELD_COUNT]
     loaded: dict[str, int] = json.loads(queues)
     return WebhookWorker(
@@ -277,6 +278,7 @@ def webhook_worker_from_row(row: asyncpg.Record) -> WebhookWorker:
         secrets=tuple(secrets),
         created_at=created_at,
         updated_at=updated_at,
+        batch_types=tuple(batch_types),
     )
 
 

@@ -177,6 +177,8 @@ CREATE TABLE conveyor_webhook_workers (
     secrets     text[] NOT NULL DEFAULT '{}',
     created_at  timestamptz NOT NULL,
     updated_at  timestamptz NOT NULL,
+    -- Task types taken as whole aggregation groups (one call per group), each once.
+    batch_types text[] NOT NULL DEFAULT '{}',
     CONSTRAINT conveyor_webhook_workers_pkey PRIMARY KEY (name),
     CONSTRAINT conveyor_webhook_workers_queues_check CHECK (
         jsonb_typeof(queues) = 'object' AND queues <> '{}'::jsonb),

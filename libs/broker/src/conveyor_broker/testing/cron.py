@@ -90,7 +90,6 @@ class CronTests:
             timeout=timedelta(seconds=90, microseconds=5),
             retention=timedelta(hours=1),
             group="g",
-            concurrency_key="ck",
         )
         created = await broker.upsert_cron_entry(
             cron_spec(timezone="Europe/Paris", task=task, misfire=CronMisfire.SKIP)

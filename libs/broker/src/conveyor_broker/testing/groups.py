@@ -192,8 +192,9 @@ class GroupTests:
         other_queue = await join(broker, "g", queue="other")
         broker.set_event_sink(events.append)
         now = clock.advance(timedelta(seconds=1))
-        leased = await broker.lease_group(QUEUE, "g", 2, TTL)
+        leased = await broker.lease_group(QUEUE, "g", 2, TTL, holder="api-1")
         assert [t.id for t in leased] == ids[:2]
+        assert {t.holder for t in leased} == {"api-1"}
         assert {t.lease_id for t in leased} == {leased[0].lease_id}
         assert leased[0].lease_id is not None
         for task in leased:

@@ -15,10 +15,13 @@ from conveyor_broker.types import WebhookWorker, WebhookWorkerSpec
 from conveyor_broker.validation import (
     MAX_QUEUE_WEIGHT,
     MAX_STORED_SECRET_LEN,
+    MAX_TYPE_LEN,
+    MAX_WEBHOOK_BATCH_TYPES,
     MAX_WEBHOOK_CONCURRENCY,
     MAX_WEBHOOK_SECRETS,
     MAX_WEBHOOK_TIMEOUT,
     MAX_WEBHOOK_URL_LEN,
+    unique_batch_types,
 )
 
 NAME = "billing"
@@ -44,6 +47,7 @@ def assert_matches(worker: WebhookWorker, spec: WebhookWorkerSpec) -> None:
     assert worker.concurrency == spec.concurrency
     assert worker.timeout == spec.timeout
     assert worker.paused == spec.paused
+    assert worker.batch_types == unique_batch_types(spec.batch_types)
 
 
 _Bad = Callable[[WebhookWorkerSpec], WebhookWorkerSpec]
@@ -79,6 +83,13 @@ BAD_SPECS: dict[str, _Bad] = {
     ),
     "empty-secret": lambda s: replace(s, secrets=("s3cret", "")),
     "secret-too-long": lambda s: replace(s, secrets=("x" * (MAX_STORED_SECRET_LEN + 1),)),
+    "empty-batch-type": lambda s: replace(s, batch_types=("digest.send", "")),
+    "batch-type-too-long": lambda s: replace(s, batch_types=("t" * (MAX_TYPE_LEN + 1),)),
+    "batch-type-control": lambda s: replace(s, batch_types=("digest\nsend",)),
+    "batch-type-nul": lambda s: replace(s, batch_types=("digest\x00",)),
+    "too-many-batch-types": lambda s: replace(
+        s, batch_types=tuple(f"t{i}" for i in range(MAX_WEBHOOK_BATCH_TYPES + 1))
+    ),
 }
 
 
@@ -109,6 +120,34 @@ class WebhookTests:
         assert created.paused is False
         assert created.secrets == ()
         assert await broker.get_webhook_worker(NAME) == created
+
+    async def test_batch_types_round_trip(self, broker: Broker, clock: FakeClock) -> None:
+        spec = webhook_spec(batch_types=("digest.send", "report.build"))
+        created = await broker.upsert_webhook_worker(spec)
+        assert created.batch_types == ("digest.send", "report.build")
+        assert await broker.get_webhook_worker(NAME) == created
+        assert await broker.list_webhook_workers() == [created]
+        # Pausing keeps them; an upsert replaces them (none: none).
+        clock.advance(STEP)
+        paused = await broker.set_webhook_worker_paused(NAME, True)
+        assert paused.batch_types == created.batch_types
+        replaced = await broker.upsert_webhook_worker(webhook_spec(batch_types=("other",)))
+        assert replaced.batch_types == ("other",)
+        cleared = await broker.upsert_webhook_worker(webhook_spec(secrets=()))
+        assert cleared.batch_types == ()
+        assert (await broker.get_webhook_worker(NAME)).batch_types == ()
+
+    async def test_batch_types_are_stored_once_in_order(self, broker: Broker) -> None:
+        spec = webhook_spec(batch_types=("b.t", "a.t", "b.t", "c.t", "a.t"))
+        created = await broker.upsert_webhook_worker(spec)
+        assert created.batch_types == ("b.t", "a.t", "c.t")
+        assert (await broker.get_webhook_worker(NAME)).batch_types == ("b.t", "a.t", "c.t")
+
+    async def test_extreme_batch_types_are_stored(self, broker: Broker) -> None:
+        types = tuple(f"{i:03d}" + "é" * (MAX_TYPE_LEN - 3) for i in range(MAX_WEBHOOK_BATCH_TYPES))
+        created = await broker.upsert_webhook_worker(webhook_spec(batch_types=types))
+        assert created.batch_types == types
+        assert (await broker.get_webhook_worker(NAME)).batch_types == types
 
     async def test_create_paused(self, broker: Broker) -> None:
         created = await broker.upsert_webhook_worker(webhook_spec(paused=True))

@@ -23,6 +23,7 @@ from conveyor_broker.validation import (
     check_webhook_name,
     check_webhook_secret,
     check_webhook_worker,
+    unique_batch_types,
 )
 from conveyor_protos.v1 import service_pb2
 
@@ -73,6 +74,7 @@ def webhook_worker_to_proto(worker: WebhookWorker) -> service_pb2.WebhookWorker:
         concurrency=worker.concurrency,
         timeout=duration(worker.timeout),
         paused=worker.paused,
+        batch_types=worker.batch_types,
     )
     set_timestamp(message.created_at, worker.created_at)
     set_timestamp(message.updated_at, worker.updated_at)
@@ -83,9 +85,10 @@ def webhook_spec_from_proto(message: service_pb2.WebhookWorker) -> WebhookWorker
     """An operator's registration as the broker's spec, checked.
 
     ``concurrency`` 0 and an unset ``timeout`` take the defaults (10, 30 s); no secrets
-    keeps the stored ones. The secrets are as the operator gave them (plaintext, each
-    checked by :func:`~conveyor_broker.validation.check_webhook_secret`): the caller seals
-    them before the broker stores them. Raises InvalidTask describing the first problem.
+    keeps the stored ones; ``batch_types`` are kept once each, in order. The secrets are
+    as the operator gave them (plaintext, each checked by
+    :func:`~conveyor_broker.validation.check_webhook_secret`): the caller seals them
+    before the broker stores them. Raises InvalidTask describing the first problem.
     """
     check_webhook_name(message.name)
     timeout = DEFAULT_WEBHOOK_SPEC.timeout
@@ -102,6 +105,7 @@ def webhook_spec_from_proto(message: service_pb2.WebhookWorker) -> WebhookWorker
         timeout=timeout,
         paused=message.paused,
         secrets=tuple(message.secrets),
+        batch_types=unique_batch_types(message.batch_types),
     )
     check_webhook_worker(spec)
     for secret in spec.secrets:

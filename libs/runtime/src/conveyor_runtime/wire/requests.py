@@ -90,9 +90,7 @@ def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDef
 
 #: Task options the wire carries whose feature this server does not provide yet, and what
 #: a task using one would do if it were stored: nothing, ever.
-UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = (
-    ("group", "aggregation groups are not dispatched yet: the task would stay aggregating forever"),
-)
+UNSUPPORTED_OPTIONS: tuple[tuple[str, str], ...] = ()
 
 
 def check_supported(task: NewTask) -> None:

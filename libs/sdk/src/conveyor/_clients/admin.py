@@ -396,6 +396,7 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
         timeout: DurationLike = 30.0,  # noqa: ASYNC109 (a registration field, not a wait)
         paused: bool = False,
         secrets: Iterable[str] = (),
+        batch_types: Iterable[str] = (),
     ) -> WebhookWorker:
         """Register (or replace) the webhook worker ``name``: the server POSTs tasks of
         ``queues`` (name -> weight, or a list of names) to ``url``, at most
@@ -406,7 +407,9 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
         in-flight deliveries are done. Each holds at least 32 bytes of key: ``whsec_`` and
         the base64 of 32 random bytes (``conveyor webhook new-secret``), or a text of at
         least 32 bytes; the server stores them encrypted. No secrets keeps the stored ones
-        (a registration gets no deliveries until it has one). Every other field is
+        (a registration gets no deliveries until it has one). ``batch_types``: the task
+        types the endpoint takes as whole aggregation groups, one JSON-RPC call
+        (``conveyor.batch``) carrying every member of a due group. Every other field is
         replaced. Returns the stored registration (never its secrets);
         :class:`InvalidArgument` for bad input (a short secret, a URL that points at a
         loopback, private, link-local or other non-public address),
@@ -420,6 +423,7 @@ class AsyncAdminClient(AdminBase, AsyncRpcClient):
             timeout=timeout,
             paused=paused,
             secrets=secrets,
+            batch_types=batch_types,
         )
         response = await self._webhook(
             "UpsertWebhookWorker", request, svc.UpsertWebhookWorkerResponse, name

@@ -360,6 +360,7 @@ class AdminClient(AdminBase, SyncRpcClient):
         timeout: DurationLike = 30.0,
         paused: bool = False,
         secrets: Iterable[str] = (),
+        batch_types: Iterable[str] = (),
     ) -> WebhookWorker:
         """Register (or replace) the webhook worker ``name``: the server POSTs tasks of
         ``queues`` (name -> weight, or a list of names) to ``url``, at most
@@ -370,7 +371,9 @@ class AdminClient(AdminBase, SyncRpcClient):
         in-flight deliveries are done. Each holds at least 32 bytes of key: ``whsec_`` and
         the base64 of 32 random bytes (``conveyor webhook new-secret``), or a text of at
         least 32 bytes; the server stores them encrypted. No secrets keeps the stored ones
-        (a registration gets no deliveries until it has one). Every other field is
+        (a registration gets no deliveries until it has one). ``batch_types``: the task
+        types the endpoint takes as whole aggregation groups, one JSON-RPC call
+        (``conveyor.batch``) carrying every member of a due group. Every other field is
         replaced. Returns the stored registration (never its secrets);
         :class:`InvalidArgument` for bad input (a short secret, a URL that points at a
         loopback, private, link-local or other non-public address),
@@ -384,6 +387,7 @@ class AdminClient(AdminBase, SyncRpcClient):
             timeout=timeout,
             paused=paused,
             secrets=secrets,
+            batch_types=batch_types,
         )
         response = self._webhook(
             "UpsertWebhookWorker", request, svc.UpsertWebhookWorkerResponse, name

@@ -259,7 +259,9 @@ class WebhookWorker:
     weight) to ``url``, at most ``concurrency`` at once, each answered within ``timeout``.
 
     Its signing secrets are write-only: the server never returns them, so they are not
-    here. ``paused`` registrations get no deliveries. Timestamps are timezone-aware (UTC).
+    here. ``paused`` registrations get no deliveries. ``batch_types`` are the task types
+    the endpoint takes as whole aggregation groups (one call carries every member of a
+    due group). Timestamps are timezone-aware (UTC).
     """
 
     name: str
@@ -270,6 +272,7 @@ class WebhookWorker:
     paused: bool
     created_at: datetime | None
     updated_at: datetime | None
+    batch_types: tuple[str, ...] = ()
 
 
 class CronMisfire(StrEnum):

@@ -276,11 +276,17 @@ def webhook_request(
     timeout: DurationLike,
     paused: bool,
     secrets: Iterable[str],
+    batch_types: Iterable[str] = (),
 ) -> svc.UpsertWebhookWorkerRequest:
     """An UpsertWebhookWorker request. The SDK checks types; the server checks values
     (and answers InvalidArgument naming the problem)."""
     if isinstance(secrets, str):
         raise InvalidArgument("secrets must be a collection of strings, not one string")
+    if isinstance(batch_types, str):
+        raise InvalidArgument("batch_types must be a collection of strings, not one string")
+    type_list = list(batch_types)
+    if not all(isinstance(batch_type, str) for batch_type in type_list):
+        raise InvalidArgument("batch_types must be strings")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise InvalidArgument(f"concurrency must be an int >= 1, got {concurrency!r}")
     delta = to_timedelta("timeout", timeout)
@@ -298,6 +304,7 @@ def webhook_request(
             timeout=duration_to_wire(delta),
             paused=bool(paused),
             secrets=secret_list,
+            batch_types=type_list,
         )
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgument(f"invalid webhook worker: {exc}") from None
@@ -315,6 +322,7 @@ def webhook_from_wire(message: svc.WebhookWorker) -> WebhookWorker:
         paused=message.paused,
         created_at=timestamp_from_wire(message, "created_at"),
         updated_at=timestamp_from_wire(message, "updated_at"),
+        batch_types=tuple(message.batch_types),
     )
 
 

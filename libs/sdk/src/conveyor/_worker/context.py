@@ -21,10 +21,10 @@ _EVENT_LOCK = threading.Lock()
 class TaskContext:
     """The second argument of every handler: the delivery being run.
 
-    Attributes (read-only): ``task_id``, ``queue``, ``type``, ``attempt`` (1 for the first
-    run), ``max_retry``, ``headers``, ``timeout`` (this attempt's bound, or None),
-    ``deadline`` (the task's absolute deadline, or None), ``enqueued_at``, ``group`` and
-    ``concurrency_key`` (None when unset).
+    Attributes (read-only): ``task_id`` (also ``id``), ``queue``, ``type``, ``attempt``
+    (1 for the first run), ``max_retry``, ``headers``, ``timeout`` (this attempt's bound,
+    or None), ``deadline`` (the task's absolute deadline, or None), ``enqueued_at``,
+    ``group`` and ``concurrency_key`` (None when unset).
 
     Cancellation is cooperative. An async handler is cancelled with asyncio cancellation;
     a sync handler (run in a thread) should poll :attr:`cancelled` or block in
@@ -99,6 +99,11 @@ class TaskContext:
         self._cancel_reason: str | None = None
         self._read_dependencies = read_dependencies
         self._dependencies: list[DependencyResult] | None = None
+
+    @property
+    def id(self) -> str:
+        """The task's id: the same as :attr:`task_id`."""
+        return self.task_id
 
     @property
     def cancelled(self) -> bool:
@@ -196,4 +201,82 @@ class TaskContext:
         return (
             f"TaskContext(task_id={self.task_id!r}, type={self.type!r}, "
             f"queue={self.queue!r}, attempt={self.attempt})"
+        )
+
+
+class BatchContext:
+    """The second argument of every batch handler: an aggregation group's batch.
+
+    A batch handler (registered with :meth:`Worker.batch_task`) runs once for a whole
+    batch; its first argument holds the members' decoded payloads, and ``tasks`` a
+    :class:`TaskContext` per member in the same order (``batch.tasks[i].task_id``,
+    ``.headers``, ``.attempt``...). ``len(batch)`` is the number of members the handler
+    runs for.
+
+    Attributes (read-only): ``queue``, ``group`` (the aggregation group), ``type``,
+    ``lease_id`` (the one lease every member shares) and ``tasks``.
+
+    Cancellation is cooperative and covers the whole batch (a server Cancel naming the
+    batch's lease, its timeout, the worker's shutdown): an async handler is cancelled
+    with asyncio cancellation; a sync handler should poll :attr:`cancelled` or block in
+    :meth:`wait_cancelled`. Every member's context is cancelled along with it.
+    """
+
+    __slots__ = (
+        "_cancel_reason",
+        "_cancelled",
+        "_cancelled_event",
+        "group",
+        "lease_id",
+        "queue",
+        "tasks",
+        "type",
+    )
+
+    def __init__(
+        self, *, queue: str, group: str, type: str, lease_id: str, tasks: list[TaskContext]
+    ) -> None:
+        self.queue = queue
+        self.group = group
+        self.type = type
+        self.lease_id = lease_id
+        self.tasks = tasks
+        self._cancelled = False
+        self._cancelled_event = threading.Event()
+        self._cancel_reason: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the batch was cancelled (server Cancel, timeout, deadline or
+        shutdown). Safe to read from any thread."""
+        return self._cancelled
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why the batch was cancelled, or None while it was not."""
+        return self._cancel_reason
+
+    def wait_cancelled(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until the batch is cancelled or ``timeout`` seconds
+        pass. Returns :attr:`cancelled`. Meant for sync handlers; an async handler must
+        not call it (it would block the event loop)."""
+        return self._cancelled_event.wait(timeout)
+
+    def _cancel(self, reason: str) -> None:
+        with _EVENT_LOCK:
+            if self._cancelled:
+                return
+            self._cancel_reason = reason
+            self._cancelled = True
+            self._cancelled_event.set()
+        for task in self.tasks:
+            task._cancel(reason)
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchContext(type={self.type!r}, queue={self.queue!r}, group={self.group!r}, "
+            f"tasks={len(self.tasks)})"
         )

@@ -49,12 +49,16 @@ class Registration:
     @classmethod
     def of(cls, type: str, fn: Handler) -> Registration:
         """Register ``fn`` for ``type``, telling async handlers from sync ones."""
-        if not callable(fn):
-            raise TypeError(f"handler for {type!r} is not callable: {fn!r}")
-        # Callable objects count as async when their __call__ is a coroutine function.
-        call = inspect.getattr_static(fn, "__call__", None)
-        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
-        return cls(type=type, fn=fn, is_async=is_async)
+        return cls(type=type, fn=fn, is_async=is_async_handler(type, fn))
+
+
+def is_async_handler(type: str, fn: object) -> bool:
+    """True when ``fn`` (the handler of ``type``) is a coroutine function, or an object
+    whose ``__call__`` is one; TypeError when it is not callable at all."""
+    if not callable(fn):
+        raise TypeError(f"handler for {type!r} is not callable: {fn!r}")
+    call = inspect.getattr_static(fn, "__call__", None)
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -116,6 +120,24 @@ def result_for_exception(task_id: str, lease_id: str, exc: BaseException) -> svc
         error=describe_exception(exc),
         retry_after=retry_after_of(exc),
     )
+
+
+def success_result(
+    task_id: str, lease_id: str, value: Any, codec: Codec, max_result: int
+) -> svc.Result:
+    """The Result of a handler that returned ``value``: SUCCESS with the encoded value,
+    or FAILURE when the codec cannot encode it or it is over ``max_result`` bytes."""
+    try:
+        data = encode_value(codec, value)
+    except Exception as exc:
+        error = f"cannot encode result: {describe_exception(exc)}"
+        return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=truncate(error))
+    if len(data) > max_result:
+        # A frame past the server's receive limit would end the whole session (and the
+        # task would come back for ever): fail the attempt with the reason instead.
+        error = f"result is {len(data)} bytes; the limit is {max_result}"
+        return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=error)
+    return make_result(task_id, lease_id, svc.OUTCOME_SUCCESS, result=data)
 
 
 def time_limit(timeout: timedelta | None, deadline: datetime | None, now: datetime) -> float | None:
@@ -239,6 +261,10 @@ class Execution:
 
         return await read_dependencies(fetch, self._codec)
 
+    def has_task(self, task_id: str) -> bool:
+        """True when this is a delivery of task ``task_id``."""
+        return self.envelope.id == task_id
+
     @property
     def finished(self) -> bool:
         """True once the task is done and any handler thread has returned."""
@@ -349,18 +375,7 @@ class Execution:
                 self._timer.cancel()
         if self.timed_out:  # the handler swallowed the cancellation and returned anyway
             return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=TIMED_OUT)
-        try:
-            data = encode_value(codec, value)
-        except Exception as exc:
-            error = f"cannot encode result: {describe_exception(exc)}"
-            return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=truncate(error))
-        limit = self.origin.max_result
-        if len(data) > limit:
-            # A frame past the server's receive limit would end the whole session (and
-            # the task would come back for ever): fail the attempt with the reason instead.
-            error = f"result is {len(data)} bytes; the limit is {limit}"
-            return make_result(task_id, lease_id, svc.OUTCOME_FAILURE, error=error)
-        return make_result(task_id, lease_id, svc.OUTCOME_SUCCESS, result=data)
+        return success_result(task_id, lease_id, value, codec, self.origin.max_result)
 
     async def _invoke(self, payload: Any, pool: concurrent.futures.Executor) -> Any:
         fn = self.registration.fn

@@ -2,7 +2,9 @@
 
 Results that become ready at the same moment (in the same event-loop tick, or while the
 previous write was still in flight) leave as one BatchResult frame; a lone Result leaves as
-a plain Result frame. Progress updates of one task collapse to the latest value.
+a plain Result frame. The answer to an aggregation group's BatchDispatch always leaves as
+a BatchResult frame of its own, never cut nor joined with other Results. Progress updates
+of one task collapse to the latest value.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Outbox:
     def __init__(self) -> None:
         self._progress: dict[tuple[str, str], bytes] = {}
         self._results: list[svc.Result] = []
+        self._batches: list[svc.WorkerFrame] = []
         self._control: list[svc.WorkerFrame] = []
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
@@ -82,13 +85,21 @@ class Outbox:
     @property
     def pending(self) -> bool:
         """True when something waits to be written."""
-        return bool(self._progress or self._results or self._control)
+        return bool(self._progress or self._results or self._batches or self._control)
 
     def put_result(self, result: svc.Result) -> None:
         """Queue one Result; it joins whatever else is ready when the writer wakes."""
         if self._closed:
             return
         self._results.append(result)
+        self._wake()
+
+    def put_batch(self, results: list[svc.Result]) -> None:
+        """Queue the one BatchResult frame answering a BatchDispatch (``results``: a
+        Result per member), as a frame of its own."""
+        if self._closed:
+            return
+        self._batches.append(svc.WorkerFrame(batch_result=svc.BatchResult(results=results)))
         self._wake()
 
     def put_progress(self, task_id: str, lease_id: str, data: bytes) -> None:
@@ -115,15 +126,18 @@ class Outbox:
         await self._ready.wait()
 
     def drain(self) -> list[svc.WorkerFrame]:
-        """Take every waiting frame, in write order: progress, results, control."""
+        """Take every waiting frame, in write order: progress, results, the answers to
+        batches, control."""
         frames = [
             svc.WorkerFrame(progress=svc.Progress(task_id=t, lease_id=lease, progress=data))
             for (t, lease), data in self._progress.items()
         ]
         frames += result_frames(self._results)
+        frames += self._batches
         frames += self._control
         self._progress = {}
         self._results = []
+        self._batches = []
         self._control = []
         self._ready.clear()
         if not frames:

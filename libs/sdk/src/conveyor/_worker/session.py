@@ -1,7 +1,7 @@
 """One WorkerService.Session stream: handshake, frames in and out, graceful close.
 
 A :class:`SessionRunner` lives for one stream. It reads ServerFrames (Dispatch,
-Dispatches, Cancel, Ping), runs the deliveries it takes on in the worker's
+Dispatches, BatchDispatch, Cancel, Ping), runs the deliveries it takes on in the worker's
 :class:`~conveyor._worker.slots.Slots`, writes Results, Progress and Heartbeats through an
 :class:`~conveyor._worker.outbox.Outbox`, and raises :class:`SessionEnded` when the stream
 ends on its own.
@@ -26,6 +26,7 @@ from conveyor._channel import Endpoint, auth_metadata
 from conveyor._errors import Unavailable, error_from_rpc
 from conveyor._version import __version__
 from conveyor._wire_time import duration_from_wire
+from conveyor._worker.batch import BatchRegistration
 from conveyor._worker.execution import DEFAULT_MAX_RESULT, Registration, make_result
 from conveyor._worker.outbox import Outbox
 from conveyor._worker.slots import Slots
@@ -56,6 +57,9 @@ DEFAULT_HEARTBEAT = timedelta(seconds=10)
 #: at once, so a lone result never waits.
 WRITE_INTERVAL = 0.001
 _HEARTBEAT = svc.WorkerFrame(heartbeat=svc.Heartbeat())
+
+#: A delivery waiting for a local slot: a task and its handler, or a batch and its.
+Waiting = tuple[pb.TaskEnvelope, Registration] | tuple[svc.BatchDispatch, BatchRegistration]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,20 +109,29 @@ def _status_of(exc: BaseException) -> tuple[str, str] | None:
 
 
 class SessionRunner:
-    """Runs one session of a worker, whose ``handlers`` run in its ``slots``.
+    """Runs one session of a worker, whose ``handlers`` (and ``batch_handlers``, for
+    BatchDispatch) run in its ``slots``.
 
     Hello always offers the worker's whole concurrency. Handlers of an earlier session
     may still be running (their results are dropped, but they hold real slots): a
     dispatch that arrives while every local slot is taken, yet within what this session
     was offered, waits here, leased and heartbeated, and starts as soon as a slot frees.
     Only a dispatch beyond the session's offer (a misbehaving server) is given back.
+
+    A BatchDispatch counts as one delivery (one slot), whatever its number of members,
+    and is answered with one BatchResult frame.
     """
 
     def __init__(
-        self, settings: SessionSettings, handlers: Mapping[str, Registration], slots: Slots
+        self,
+        settings: SessionSettings,
+        handlers: Mapping[str, Registration],
+        slots: Slots,
+        batch_handlers: Mapping[str, BatchRegistration] | None = None,
     ) -> None:
         self.settings = settings
         self.handlers = handlers
+        self.batch_handlers: Mapping[str, BatchRegistration] = batch_handlers or {}
         self.slots = slots
         self.outbox = Outbox()
         self.session_id: str | None = None
@@ -131,9 +144,11 @@ class SessionRunner:
         #: The most deliveries this session holds: the Hello's concurrency, changed by
         #: :meth:`credit`.
         self.concurrency = settings.concurrency
-        #: Deliveries taken on while every slot was busy, oldest first.
-        self.waiting: dict[tuple[str, str], tuple[pb.TaskEnvelope, Registration]] = {}
-        #: Deliveries of this session not answered yet (running here, or waiting).
+        #: Deliveries taken on while every slot was busy, oldest first (a batch by its
+        #: first member's task id and its lease id).
+        self.waiting: dict[tuple[str, str], Waiting] = {}
+        #: Deliveries of this session not answered yet (running here, or waiting); a
+        #: batch is one.
         self.holding: set[tuple[str, str]] = set()
         self._call: grpc.aio.StreamStreamCall[svc.WorkerFrame, svc.ServerFrame] | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -150,7 +165,7 @@ class SessionRunner:
             sdk_name=SDK_NAME,
             sdk_version=__version__,
             min_server_version=settings.min_server_version,
-            batch_types=[],
+            batch_types=sorted(self.batch_handlers),
             worker_id=settings.worker_id,
             accepts_dispatches=True,
         )
@@ -414,34 +429,138 @@ class SessionRunner:
         slots = self.slots
         while self.waiting and not slots.full:
             key = next(iter(self.waiting))
-            envelope, registration = self.waiting.pop(key)
+            waiting = self.waiting.pop(key)
             if slots.stopping:
-                self.send(make_result(*key, svc.OUTCOME_RELEASE))
+                self._release_waiting(key, waiting)
+            elif isinstance(waiting[0], svc.BatchDispatch):
+                batch, batch_registration = waiting
+                assert isinstance(batch_registration, BatchRegistration)
+                slots.start_batch(batch, batch_registration, self)
             else:
+                envelope, registration = waiting
+                assert isinstance(registration, Registration)
                 slots.start(envelope, registration, self)
 
     def release_waiting(self) -> None:
         """Give back every dispatch still waiting for a slot."""
         for key in list(self.waiting):
-            del self.waiting[key]
+            self._release_waiting(key, self.waiting.pop(key))
+
+    def _release_waiting(self, key: tuple[str, str], waiting: Waiting) -> None:
+        item = waiting[0]
+        if isinstance(item, svc.BatchDispatch):
+            self._answer_batch(key, item, svc.OUTCOME_RELEASE)
+        else:
             self.send(make_result(*key, svc.OUTCOME_RELEASE))
 
     def on_batch_dispatch(self, batch: svc.BatchDispatch) -> None:
-        """This SDK declares no batch types; a BatchDispatch anyway fails its tasks."""
-        logger.warning(
-            "worker.batch_dispatch_unsupported type=%s n=%d", batch.type, len(batch.tasks)
-        )
-        for envelope in batch.tasks:
+        """Run an aggregation group's batch with its type's batch handler (one slot for
+        all its members), hold it until a slot frees, or answer every member at once
+        when it cannot run here: RELEASE (beyond the concurrency, or shutting down), or
+        FAILURE when the worker has no batch handler for its type."""
+        envelopes = [e for e in batch.tasks if e.id and e.lease_id]
+        if len(envelopes) < len(batch.tasks):
+            logger.warning(
+                "worker.batch_dispatch_malformed type=%s unanswerable=%d",
+                batch.type,
+                len(batch.tasks) - len(envelopes),
+            )
+        if not envelopes:
+            return
+        if self.outbox.closed:
+            logger.info("worker.dispatch_after_close task_id=%s", envelopes[0].id)
+            return
+        lease_id = envelopes[0].lease_id
+        if any(e.lease_id != lease_id for e in envelopes):
+            # Not a batch the server sends: answer each member under its own lease.
+            logger.warning("worker.batch_dispatch_mixed_leases type=%s", batch.type)
+            for envelope in envelopes:
+                error = "malformed batch: its tasks are not under one lease"
+                self.send(
+                    make_result(envelope.id, envelope.lease_id, svc.OUTCOME_FAILURE, error=error)
+                )
+            return
+        if len(envelopes) < len(batch.tasks):
+            batch = svc.BatchDispatch(
+                queue=batch.queue, group=batch.group, type=batch.type, tasks=envelopes
+            )
+        key = (envelopes[0].id, lease_id)
+        if self.slots.stopping:
+            self._answer_batch(key, batch, svc.OUTCOME_RELEASE)
+            return
+        if (
+            self.slots.get(key) is not None
+            or self.slots.get_batch(lease_id) is not None
+            or key in self.waiting
+        ):
+            logger.warning("worker.dispatch_duplicate task_id=%s lease_id=%s", *key)
+            return
+        if len(self.holding) >= self.concurrency:
+            logger.warning(
+                "worker.dispatch_over_capacity task_id=%s held=%d concurrency=%d",
+                key[0],
+                len(self.holding),
+                self.concurrency,
+            )
+            self._answer_batch(key, batch, svc.OUTCOME_RELEASE)
+            return
+        registration = self.batch_handlers.get(batch.type)
+        if registration is None:
+            logger.warning(
+                "worker.batch_dispatch_unsupported type=%s n=%d", batch.type, len(envelopes)
+            )
             error = f"this worker does not accept batches of type {batch.type}"
-            self.send(make_result(envelope.id, envelope.lease_id, svc.OUTCOME_FAILURE, error=error))
+            self._answer_batch(key, batch, svc.OUTCOME_FAILURE, error=error)
+            return
+        self.holding.add(key)
+        if self.slots.full:
+            logger.info("worker.dispatch_waiting task_id=%s tasks=%d", key[0], len(envelopes))
+            self.waiting[key] = (batch, registration)
+        else:
+            self.slots.start_batch(batch, registration, self)
+
+    def _answer_batch(
+        self,
+        key: tuple[str, str],
+        batch: svc.BatchDispatch,
+        outcome: svc.Outcome,
+        *,
+        error: str = "",
+    ) -> None:
+        """Answer every member of ``batch`` with ``outcome``, in one BatchResult."""
+        results = [make_result(e.id, e.lease_id, outcome, error=error) for e in batch.tasks]
+        self.send_batch(key, results)
+
+    def _waiting_key(self, cancel: svc.Cancel) -> tuple[str, str] | None:
+        """The waiting delivery a Cancel names: a task by its key, a batch by its lease
+        (the Cancel names any one of its members)."""
+        key = (cancel.task_id, cancel.lease_id)
+        if key in self.waiting:
+            return key
+        if not cancel.lease_id:
+            return None
+        return next(
+            (
+                k
+                for k, (item, _) in self.waiting.items()
+                if k[1] == cancel.lease_id and isinstance(item, svc.BatchDispatch)
+            ),
+            None,
+        )
 
     def on_cancel(self, cancel: svc.Cancel) -> None:
-        """Cancel the handler of a lost lease; its Result is never sent."""
+        """Cancel the handler of a lost lease; its Result is never sent. A Cancel naming
+        a batch's lease cancels the whole batch, whichever member it names."""
         self.holding.discard((cancel.task_id, cancel.lease_id))
-        if self.waiting.pop((cancel.task_id, cancel.lease_id), None) is not None:
+        waiting = self._waiting_key(cancel)
+        if waiting is not None:
+            del self.waiting[waiting]
+            self.holding.discard(waiting)
             logger.info("worker.cancel_waiting task_id=%s", cancel.task_id)
             return
         execution = self.slots.get((cancel.task_id, cancel.lease_id))
+        if execution is None and cancel.lease_id:
+            execution = self.slots.get_batch(cancel.lease_id)
         if execution is None and not cancel.lease_id:
             execution = self.slots.find(cancel.task_id)
         if execution is None or execution.origin is not self:
@@ -463,6 +582,13 @@ class SessionRunner:
         self.holding.discard((result.task_id, result.lease_id))
         if self.live:
             self.outbox.put_result(result)
+
+    def send_batch(self, key: tuple[str, str], results: list[svc.Result]) -> None:
+        """Queue the BatchResult answering the batch ``key`` (its first member's task id
+        and its lease id), unless it can no longer be written."""
+        self.holding.discard(key)
+        if self.live:
+            self.outbox.put_batch(results)
 
     async def dependency_results(
         self, task_id: str, lease_id: str, cursor: str

@@ -9,10 +9,15 @@ import contextlib
 from collections.abc import Callable
 from datetime import timedelta
 
+from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 
 from conveyor._payload import Codec
+from conveyor._worker.batch import BatchExecution, BatchOrigin, BatchRegistration
 from conveyor._worker.execution import Execution, Origin, Registration
+
+#: What takes a slot: one delivery, or one aggregation-group batch (however many members).
+Running = Execution | BatchExecution
 
 
 class Slots:
@@ -20,7 +25,8 @@ class Slots:
 
     A delivery holds its slot from :meth:`start` until its handler and any handler thread
     are done, even when the session it came on has ended meanwhile: the handlers of a
-    broken session keep running, and the next session only gets the free slots.
+    broken session keep running, and the next session only gets the free slots. A batch
+    (a BatchDispatch) takes one slot for all its members.
     ``on_free`` is called each time a slot frees.
 
     Once :meth:`stop` was called the worker is stopping: its sessions take nothing new,
@@ -39,7 +45,9 @@ class Slots:
         self._codec = codec
         self._pool = pool
         self._on_free = on_free
-        self._executions: dict[tuple[str, str], Execution] = {}
+        self._executions: dict[tuple[str, str], Running] = {}
+        #: The running batches, by their shared lease id.
+        self._batches: dict[str, BatchExecution] = {}
         self._changed = asyncio.Event()
         self._stop = asyncio.Event()
         #: True once :meth:`stop` was called.
@@ -60,16 +68,22 @@ class Slots:
         """True when no slot is free."""
         return len(self._executions) >= self.concurrency
 
-    def get(self, key: tuple[str, str]) -> Execution | None:
-        """The running delivery ``key`` (task id, lease id), if any."""
+    def get(self, key: tuple[str, str]) -> Running | None:
+        """The running delivery ``key`` (task id, lease id), if any (a batch by its first
+        member's task id)."""
         return self._executions.get(key)
 
-    def find(self, task_id: str) -> Execution | None:
-        """A running delivery of task ``task_id``, whatever its lease."""
-        return next((e for e in self._executions.values() if e.envelope.id == task_id), None)
+    def get_batch(self, lease_id: str) -> BatchExecution | None:
+        """The running batch under ``lease_id``, if any."""
+        return self._batches.get(lease_id)
 
-    def executions(self) -> list[Execution]:
-        """Every running delivery."""
+    def find(self, task_id: str) -> Running | None:
+        """A running delivery of task ``task_id`` (or a batch holding it), whatever its
+        lease."""
+        return next((e for e in self._executions.values() if e.has_task(task_id)), None)
+
+    def executions(self) -> list[Running]:
+        """Every running delivery and batch."""
         return list(self._executions.values())
 
     def start(self, envelope: pb.TaskEnvelope, registration: Registration, origin: Origin) -> None:
@@ -79,10 +93,22 @@ class Slots:
         self._executions[execution.key] = execution
         execution.start(self._pool, self._finished)
 
-    def _finished(self, execution: Execution) -> None:
+    def start_batch(
+        self, batch: svc.BatchDispatch, registration: BatchRegistration, origin: BatchOrigin
+    ) -> None:
+        """Run a batch that came on session ``origin`` with ``registration``'s handler; it
+        takes one slot (the caller checked that one is free)."""
+        execution = BatchExecution(batch, registration, origin, self._codec)
+        self._executions[execution.key] = execution
+        self._batches[execution.lease_id] = execution
+        execution.start(self._pool, self._finished)
+
+    def _finished(self, execution: Running) -> None:
         if self._executions.get(execution.key) is not execution:
             return
         del self._executions[execution.key]
+        if isinstance(execution, BatchExecution):
+            self._batches.pop(execution.lease_id, None)
         self._notify()
         self._on_free()
 

@@ -21,9 +21,11 @@ from typing import Any, TypeVar
 from conveyor._channel import DEFAULT_TARGET, TlsFile, endpoint
 from conveyor._errors import InvalidArgument, error_from_status
 from conveyor._limits import (
+    MAX_BATCH_TYPES,
     MAX_CONCURRENCY,
     MAX_HELLO_QUEUES,
     MAX_QUEUE_WEIGHT,
+    MAX_TYPE_LEN,
     MAX_VERSION_LEN,
     MAX_WORKER_ID_LEN,
     check_labels,
@@ -32,6 +34,7 @@ from conveyor._limits import (
 )
 from conveyor._payload import Codec, JsonCodec
 from conveyor._types import DurationLike, to_timedelta
+from conveyor._worker.batch import BatchHandler, BatchRegistration
 from conveyor._worker.execution import Handler, Registration
 from conveyor._worker.reconnect import ReconnectBackoff
 from conveyor._worker.session import FATAL_CODES, SessionEnded, SessionRunner, SessionSettings
@@ -43,6 +46,7 @@ logger = logging.getLogger("conveyor.worker")
 _UNWIND_TIMEOUT = 5.0
 
 H = TypeVar("H", bound=Handler)
+B = TypeVar("B", bound=BatchHandler)
 
 
 def _queue_weights(queues: Mapping[str, int] | Iterable[str]) -> dict[str, int]:
@@ -103,6 +107,9 @@ class Worker:
     ``retry_after`` attribute) retries after that delay; any other exception fails the
     attempt (retried with the server's backoff until ``max_retry`` is exhausted). Plain
     ``def`` handlers run in a thread pool (a thread per handler running at once).
+
+    Tasks of an aggregation group come as one batch to a handler registered with
+    :meth:`batch_task` (see there for what its return value means for each member).
     """
 
     def __init__(
@@ -166,6 +173,7 @@ class Worker:
         self.max_result_size = max_result_size
         self._token = token
         self._handlers: dict[str, Registration] = {}
+        self._batch_handlers: dict[str, BatchRegistration] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_early = False
         #: The slots of the current (or last) run.
@@ -195,7 +203,67 @@ class Worker:
             raise InvalidArgument("task type must be a non-empty string")
         if type in self._handlers:
             raise ValueError(f"task type {type!r} already has a handler")
+        if type in self._batch_handlers:
+            raise ValueError(
+                f"task type {type!r} already has a batch handler: a type has one or the other"
+            )
         self._handlers[type] = Registration.of(type, fn)
+
+    def batch_task(self, type: str) -> Callable[[B], B]:
+        """Decorator registering the batch handler of task type ``type``: the tasks of
+        an aggregation group (enqueued with ``group=``) come to it together, as one batch,
+        once their group is due (see the queue's group configs).
+
+        The handler is ``async def f(payloads, batch)`` (run on the event loop) or
+        ``def f(payloads, batch)`` (run in a thread), called once per batch: ``payloads``
+        is the list of the members' decoded payloads, in member order, and ``batch`` a
+        :class:`BatchContext` (``batch.tasks[i]`` is the :class:`TaskContext` of
+        ``payloads[i]``). A batch takes one of the worker's slots, however many members
+        it has. What the handler returns decides each member's outcome:
+
+        - None: every member succeeds, with no result;
+        - a list (or tuple) with one item per payload, in the same order, or a dict
+          keyed by task id: an item that is an ``Exception`` instance fails that member
+          just as raising it from a task handler would (:class:`SkipRetry` archives it,
+          :class:`RetryAfter` retries it after its delay, anything else retries it with
+          the server's backoff); any other item is that member's result (encoded by the
+          worker's codec). A member a dict leaves out succeeds with no result;
+        - a list of another length, a dict with keys that are no task of the batch, or
+          any other value: every member fails with an error saying so.
+
+        Raising fails every member the way that exception fails a task. The batch's
+        time bound is the smallest of its members' timeouts and their earliest deadline:
+        past it the handler is cancelled and every member fails with "timed out". A
+        member whose payload does not decode fails on its own ("cannot decode payload:
+        ...") and the handler runs for the others. The function is returned unchanged.
+
+        A type has a task handler or a batch handler, not both (ValueError).
+        """
+
+        def register(fn: B) -> B:
+            self.register_batch(type, fn)
+            return fn
+
+        return register
+
+    def register_batch(self, type: str, fn: BatchHandler) -> None:
+        """Register ``fn`` as the batch handler of ``type`` (the non-decorator form of
+        :meth:`batch_task`). Raises ValueError if ``type`` already has a handler of
+        either kind, :class:`InvalidArgument` for a type the server would refuse in the
+        worker's Hello (1-256 characters, no control characters, at most 100 batch
+        types)."""
+        if not isinstance(type, str) or not 0 < len(type) <= MAX_TYPE_LEN:
+            raise InvalidArgument(f"task type must be a string of 1-{MAX_TYPE_LEN} characters")
+        check_text("task type", type)
+        if type in self._batch_handlers:
+            raise ValueError(f"task type {type!r} already has a batch handler")
+        if type in self._handlers:
+            raise ValueError(
+                f"task type {type!r} already has a task handler: a type has one or the other"
+            )
+        if len(self._batch_handlers) >= MAX_BATCH_TYPES:
+            raise InvalidArgument(f"a worker has at most {MAX_BATCH_TYPES} batch handlers")
+        self._batch_handlers[type] = BatchRegistration.of(type, fn)
 
     def clone(self, target: str, *, token: str | None = None, **options: Any) -> Worker:
         """A new worker with this one's handlers and options, for the server at
@@ -217,12 +285,19 @@ class Worker:
         settings.update(options)
         twin = Worker(target, token=token, **settings)
         twin._handlers = dict(self._handlers)
+        twin._batch_handlers = dict(self._batch_handlers)
         return twin
 
     @property
     def task_types(self) -> list[str]:
-        """The task types this worker has handlers for."""
+        """The task types this worker has task handlers for (see :attr:`batch_types`)."""
         return sorted(self._handlers)
+
+    @property
+    def batch_types(self) -> list[str]:
+        """The task types this worker has batch handlers for (its Hello's
+        ``batch_types``)."""
+        return sorted(self._batch_handlers)
 
     @property
     def running(self) -> int:
@@ -319,14 +394,15 @@ class Worker:
         installed = self._install_signals(loop) if handle_signals else []
         if self._stop_early:
             self._request_stop(force=False)
-        if not self._handlers:
+        if not self._handlers and not self._batch_handlers:
             logger.warning("worker.no_handlers worker_id=%s", self.worker_id)
         logger.info(
-            "worker.start worker_id=%s queues=%s concurrency=%d types=%s",
+            "worker.start worker_id=%s queues=%s concurrency=%d types=%s batch_types=%s",
             self.worker_id,
             self.queues,
             self.concurrency,
             ",".join(self.task_types),
+            ",".join(self.batch_types),
         )
         try:
             await self._serve(slots)
@@ -388,7 +464,9 @@ class Worker:
                 await slots.wait_changed(None)
             if slots.stopping:
                 return
-            runner = SessionRunner(self._session_settings(), self._handlers, slots)
+            runner = SessionRunner(
+                self._session_settings(), self._handlers, slots, self._batch_handlers
+            )
             self._runner = runner
             try:
                 await runner.run()

@@ -76,7 +76,7 @@ LIMIT $5
 """
 
 #: Lease up to $3 members of group $2 of queue $1 due at now $4 under lease id $5 until
-#: $6.
+#: $6, held by $7 ('': nobody).
 LEASE_GROUP = f"""
 WITH members AS (
     SELECT id FROM conveyor_tasks
@@ -88,7 +88,7 @@ WITH members AS (
 )
 UPDATE conveyor_tasks t
 SET state = 'active', lease_id = $5, lease_expires_at = $6, started_at = $4,
-    updated_at = $4, progress = NULL
+    updated_at = $4, progress = NULL, holder = NULLIF($7::text, '')
 FROM members
 WHERE t.id = members.id
 RETURNING {TASK_COLUMNS}

@@ -14,6 +14,7 @@ WEBHOOK_FIELDS = (
     "secrets",
     "created_at",
     "updated_at",
+    "batch_types",
 )
 #: Every column of a registration, in WEBHOOK_FIELDS order, qualified with the alias
 #: ``w``; queues as text whatever codec the pool's owner may have registered for jsonb.
@@ -21,17 +22,20 @@ WEBHOOK_COLUMNS = ", ".join(
     f"w.{name}::text AS {name}" if name == "queues" else f"w.{name}" for name in WEBHOOK_FIELDS
 )
 
-#: Create or replace registration $1 at now $8; an empty $7 keeps the stored secrets.
+#: Create or replace registration $1 at now $8; an empty $7 keeps the stored secrets;
+#: $9 its batch types.
 UPSERT_WEBHOOK_WORKER = f"""
 INSERT INTO conveyor_webhook_workers AS w
-    (name, url, queues, concurrency, timeout, paused, secrets, created_at, updated_at)
-VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7::text[], $8, $8)
+    (name, url, queues, concurrency, timeout, paused, secrets, created_at, updated_at,
+     batch_types)
+VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7::text[], $8, $8, $9::text[])
 ON CONFLICT (name) DO UPDATE SET
     url = excluded.url,
     queues = excluded.queues,
     concurrency = excluded.concurrency,
     timeout = excluded.timeout,
     paused = excluded.paused,
+    batch_types = excluded.batch_types,
     secrets = CASE WHEN cardinality(excluded.secrets) = 0 THEN w.secrets
                    ELSE excluded.secrets END,
     updated_at = excluded.updated_at
