@@ -19,7 +19,7 @@ surplus (the dispatcher releases it at once), too few and the next register heal
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from conveyor_dispatcher.swrr import SmoothWeightedRoundRobin
@@ -213,16 +213,7 @@ class CreditBook:
     def take_any_batch_slot(self) -> str | None:
         """One slot of the gateway taking any aggregation batches with the most credits
         (then the first by name), its credit taken; None when none has room."""
-        best: GatewayCredits | None = None
-        for entry in self._gateways.values():
-            if entry.credits <= 0 or not entry.batch_types:
-                continue
-            if best is None or (entry.credits, best.gateway) > (best.credits, entry.gateway):
-                best = entry
-        if best is None:
-            return None
-        best.credits -= 1
-        return best.gateway
+        return self._take_best(lambda entry: bool(entry.batch_types))
 
     def take_batch_slot(self, task_type: str, *, but: Iterable[str] = ()) -> str | None:
         """One slot for an aggregation batch of ``task_type``: of the gateways that take
@@ -230,14 +221,20 @@ class CreditBook:
         the first by name), not one of ``but``; its credit is taken. None when none has
         room."""
         skip = set(but)
+        return self._take_best(
+            lambda entry: (
+                task_type in entry.batch_types
+                and task_type not in entry.blocked
+                and entry.gateway not in skip
+            )
+        )
+
+    def _take_best(self, fits: Callable[[GatewayCredits], bool]) -> str | None:
+        """Take one credit of the gateway with free slots that ``fits``, the most credits
+        first (then the first by name); its name, or None."""
         best: GatewayCredits | None = None
         for entry in self._gateways.values():
-            if (
-                entry.credits <= 0
-                or task_type not in entry.batch_types
-                or task_type in entry.blocked
-                or entry.gateway in skip
-            ):
+            if entry.credits <= 0 or not fits(entry):
                 continue
             if best is None or (entry.credits, best.gateway) > (best.credits, entry.gateway):
                 best = entry

@@ -425,14 +425,8 @@ class QueueDispatcher:
             )
             self.book.block(gateway)
             return list(batch)
-        self.book.set_credits(
-            gateway,
-            reply.credits,
-            returned=reply.returned,
-            blocked=frozenset(reply.blocked_types),
-        )
-        accepted = set(reply.accepted)
-        if all(task.id in accepted for task in batch):
+        left = self._answered(gateway, reply, batch)
+        if not left:
             return []
         logger.info(
             "dispatcher.batch_refused queue=%s group=%s gateway=%s", self.queue, group, gateway
@@ -824,6 +818,12 @@ class QueueDispatcher:
             logger.exception("dispatcher.dispatch_error queue=%s gateway=%s", self.queue, gateway)
             self.book.block(gateway)
             return batch
+        return self._answered(gateway, reply, batch)
+
+    def _answered(
+        self, gateway: str, reply: cluster_pb2.DispatchReply, offered: Sequence[Task]
+    ) -> list[Task]:
+        """Take a gateway's reply to an offer into the book; the tasks it did not accept."""
         self.book.set_credits(
             gateway,
             reply.credits,
@@ -831,7 +831,7 @@ class QueueDispatcher:
             blocked=frozenset(reply.blocked_types),
         )
         accepted = set(reply.accepted)
-        return [task for task in batch if task.id not in accepted]
+        return [task for task in offered if task.id not in accepted]
 
     async def _archive_oversized(self, tasks: Sequence[tuple[Task, int]]) -> None:
         for task, size in tasks:
