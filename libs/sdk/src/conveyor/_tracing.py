@@ -26,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
@@ -62,6 +62,7 @@ _cached: tuple[trace.TracerProvider, trace.Tracer] | None = None
 #: A provider named by the environment is made by ``get_tracer_provider`` on first use.
 _PROVIDER_FROM_ENV = OTEL_PYTHON_TRACER_PROVIDER in os.environ
 _UNKNOWN = object()
+_T = TypeVar("_T")
 
 _OUTCOMES = {
     svc.OUTCOME_SUCCESS: "success",
@@ -158,8 +159,7 @@ class EnqueueTrace:
             otel_context.detach(self._token)  # type: ignore[arg-type]
             self._token = None
         if exc is not None:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            _record_error(span, exc)
         span.end()
 
 
@@ -215,16 +215,43 @@ def start_run(
 def end_run(span: Span, task: asyncio.Task[svc.Result]) -> None:
     """End a run span with what the handler's task came to: its Result's outcome (an
     error status for a failure), or ``cancelled``."""
+    _end_task_span(span, task, _record_outcome)
+
+
+def end_batch_run(span: Span, task: asyncio.Task[list[svc.Result]]) -> None:
+    """End a batch's run span: the members' outcome (``mixed`` when they differ), an
+    error status when any failed, or ``cancelled``."""
+    _end_task_span(span, task, _record_outcomes)
+
+
+def _record_outcome(span: Span, result: svc.Result) -> None:
+    span.set_attribute("conveyor.outcome", _OUTCOMES.get(result.outcome, "unknown"))
+    if result.outcome in (svc.OUTCOME_FAILURE, svc.OUTCOME_SKIP_RETRY):
+        span.set_status(Status(StatusCode.ERROR, result.error))
+
+
+def _record_outcomes(span: Span, results: list[svc.Result]) -> None:
+    names = {_OUTCOMES.get(r.outcome, "unknown") for r in results}
+    span.set_attribute("conveyor.outcome", names.pop() if len(names) == 1 else "mixed")
+    failed = sum(r.outcome in (svc.OUTCOME_FAILURE, svc.OUTCOME_SKIP_RETRY) for r in results)
+    if failed:
+        span.set_status(Status(StatusCode.ERROR, f"{failed} of {len(results)} failed"))
+
+
+def _end_task_span(span: Span, task: asyncio.Task[_T], record: Callable[[Span, _T], None]) -> None:
+    """End ``span`` with what ``task`` came to: ``record`` of its value, the exception
+    it raised, or ``cancelled``."""
     if task.cancelled():
         span.set_attribute("conveyor.outcome", "cancelled")
     else:
         exc = task.exception()
         if exc is not None:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            _record_error(span, exc)
         else:
-            result = task.result()
-            span.set_attribute("conveyor.outcome", _OUTCOMES.get(result.outcome, "unknown"))
-            if result.outcome in (svc.OUTCOME_FAILURE, svc.OUTCOME_SKIP_RETRY):
-                span.set_status(Status(StatusCode.ERROR, result.error))
+            record(span, task.result())
     span.end()
+
+
+def _record_error(span: Span, exc: BaseException) -> None:
+    span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, type(exc).__name__))

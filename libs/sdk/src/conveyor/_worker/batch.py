@@ -25,33 +25,32 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import contextvars
-import inspect
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span
 
 from conveyor._payload import Codec, decode_value
-from conveyor._tracing import start_run
+from conveyor._tracing import end_batch_run, start_run
 from conveyor._wire_time import duration_from_wire, timestamp_from_wire
 from conveyor._worker.context import BatchContext, TaskContext
-from conveyor._worker.dependencies import DependencyResult, read_dependencies
 from conveyor._worker.execution import (
     TIMED_OUT,
+    HandlerRegistration,
+    HandlerRun,
     Origin,
+    dependencies_of,
     describe_exception,
-    is_async_handler,
     make_result,
     result_for_exception,
     success_result,
-    time_limit,
+    task_context,
     truncate,
 )
 
@@ -68,27 +67,11 @@ BATCH_FRAME_HEADROOM = 128 * 1024
 #: What a Result costs inside a BatchResult beyond its own bytes (a tag and a length).
 _RESULT_FRAMING = 4
 
-_OUTCOME_NAMES = {
-    svc.OUTCOME_SUCCESS: "success",
-    svc.OUTCOME_FAILURE: "failure",
-    svc.OUTCOME_SKIP_RETRY: "skip_retry",
-    svc.OUTCOME_RELEASE: "release",
-}
 
-
-@dataclass(frozen=True, slots=True)
-class BatchRegistration:
+class BatchRegistration(HandlerRegistration[BatchHandler]):
     """A registered batch handler and how to call it."""
 
-    type: str
-    fn: BatchHandler
-    is_async: bool
-
-    @classmethod
-    def of(cls, type: str, fn: BatchHandler) -> BatchRegistration:
-        """Register ``fn`` as the batch handler of ``type``, telling async handlers from
-        sync ones."""
-        return cls(type=type, fn=fn, is_async=is_async_handler(type, fn))
+    __slots__ = ()
 
 
 class BatchOrigin(Origin, Protocol):
@@ -200,7 +183,7 @@ def batch_bounds(
     return min(timeouts, default=None), min(deadlines, default=None)
 
 
-class BatchExecution:
+class BatchExecution(HandlerRun[list[svc.Result], BatchContext]):
     """One BatchDispatch being run: the context of each member, the asyncio task around
     the one handler call, and the one BatchResult it sends on the session it came on.
 
@@ -213,28 +196,21 @@ class BatchExecution:
     """
 
     __slots__ = (
-        "_codec",
-        "_on_finished",
-        "_timer",
         "batch",
-        "ctx",
         "envelopes",
-        "key",
         "lease_id",
-        "origin",
         "payloads",
-        "registration",
-        "released",
-        "reported",
         "runnable",
-        "span",
-        "suppressed",
-        "task",
         "task_ids",
-        "thread_future",
-        "timed_out",
         "undecodable",
     )
+
+    _TASK_NAME = "conveyor:batch:"
+    _CRASHED = "worker.batch_crashed lease_id=%s"
+    _DROPPED = "worker.result_dropped lease_id=%s reason=session_ended"
+
+    registration: BatchRegistration
+    origin: BatchOrigin
 
     def __init__(
         self,
@@ -247,13 +223,9 @@ class BatchExecution:
         self.envelopes: list[pb.TaskEnvelope] = list(batch.tasks)
         first = self.envelopes[0]
         self.lease_id = first.lease_id
-        #: (first member's task id, lease id): the batch's identity.
-        self.key: tuple[str, str] = (first.id, first.lease_id)
+        super().__init__((first.id, first.lease_id), registration, origin, codec)
         #: Every member's task id, in member order.
         self.task_ids = [e.id for e in self.envelopes]
-        self.registration = registration
-        self.origin = origin
-        self._codec = codec
         loop = asyncio.get_running_loop()
         #: The decoded payloads of the members the handler runs for, and the Results of
         #: those whose payload did not decode (by member index).
@@ -280,19 +252,6 @@ class BatchExecution:
             lease_id=self.lease_id,
             tasks=contexts,
         )
-        self.task: asyncio.Task[list[svc.Result]] | None = None
-        self.thread_future: concurrent.futures.Future[Any] | None = None
-        self.timed_out = False
-        #: A server Cancel arrived: send nothing for this batch.
-        self.suppressed = False
-        #: A RELEASE was already sent for every member: send nothing more.
-        self.released = False
-        #: The task's outcome has been dealt with.
-        self.reported = False
-        #: The run's span, while the application traces (see conveyor._tracing).
-        self.span: Span | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._on_finished: Callable[[BatchExecution], None] | None = None
 
     def _member_context(
         self, envelope: pb.TaskEnvelope, loop: asyncio.AbstractEventLoop
@@ -303,112 +262,27 @@ class BatchExecution:
             if not (self.reported or self.suppressed or self.released):
                 self.origin.send_progress(task_id, lease_id, data)
 
-        async def dependencies() -> list[DependencyResult]:
-            async def fetch(cursor: str) -> svc.GetDependencyResultsResponse:
-                return await self.origin.dependency_results(task_id, lease_id, cursor)
-
-            return await read_dependencies(fetch, self._codec)
-
-        return TaskContext(
-            task_id=task_id,
-            queue=envelope.queue,
-            type=envelope.type,
-            attempt=envelope.attempt,
-            max_retry=envelope.max_retry,
-            headers=dict(envelope.headers),
-            timeout=duration_from_wire(envelope, "timeout") or None,
-            deadline=timestamp_from_wire(envelope, "deadline"),
-            enqueued_at=timestamp_from_wire(envelope, "enqueued_at"),
-            group=envelope.group or None,
-            concurrency_key=envelope.concurrency_key or None,
-            lease_id=lease_id,
-            codec=self._codec,
-            emit_progress=emit_progress,
-            loop=loop,
-            read_dependencies=dependencies,
+        dependencies = functools.partial(
+            dependencies_of, self.origin, task_id, lease_id, self._codec
         )
+        return task_context(envelope, lease_id, self._codec, emit_progress, loop, dependencies)
 
     def has_task(self, task_id: str) -> bool:
         """True when ``task_id`` is one of the batch's members."""
         return task_id in self.task_ids
 
-    @property
-    def finished(self) -> bool:
-        """True once the task is done and any handler thread has returned."""
-        task_done = self.task is not None and self.task.done()
-        thread_done = self.thread_future is None or self.thread_future.done()
-        return task_done and thread_done
+    def _bounds(self) -> tuple[timedelta | None, datetime | None]:
+        return batch_bounds(self.envelopes)
 
-    def start(
-        self, pool: concurrent.futures.Executor, on_finished: Callable[[BatchExecution], None]
-    ) -> None:
-        """Start the handler task (a sync handler runs in ``pool``). The BatchResult goes
-        to the origin session when the task is done; ``on_finished`` runs once (on the
-        loop) when the task and any handler thread are both done."""
-        loop = asyncio.get_running_loop()
-        self._on_finished = on_finished
-        timeout, deadline = batch_bounds(self.envelopes)
-        limit = (
-            time_limit(timeout, deadline, datetime.now(UTC))
-            if timeout is not None or deadline is not None
-            else None
-        )
-        self.span, context = start_run(self.envelopes[0])
-        if self.span is not None:
-            self.span.set_attribute("conveyor.group", self.batch.group)
-            self.span.set_attribute("conveyor.tasks", len(self.envelopes))
-        self.task = loop.create_task(
-            self._run(pool, limit), name=f"conveyor:batch:{self.key[0]}", context=context
-        )
-        self.task.add_done_callback(self._settled)
-        if limit is not None:
-            self._timer = loop.call_later(max(limit, 0.0), self._expire)
+    def _start_span(self) -> tuple[Span | None, contextvars.Context | None]:
+        span, context = start_run(self.envelopes[0])
+        if span is not None:
+            span.set_attribute("conveyor.group", self.batch.group)
+            span.set_attribute("conveyor.tasks", len(self.envelopes))
+        return span, context
 
-    def release(self) -> None:
-        """Give every member back untouched (RELEASE); nothing more is sent for them."""
-        if not self.suppressed and not self.released:
-            self.released = True
-            results = [make_result(t, self.lease_id, svc.OUTCOME_RELEASE) for t in self.task_ids]
-            self.origin.send_batch(self.key, results)
-
-    def cancel(self, reason: str) -> None:
-        """Cancel the handler: flag its contexts, then cancel the asyncio task."""
-        self.ctx._cancel(reason)
-        if self.task is not None:
-            self.task.cancel()
-
-    def _expire(self) -> None:
-        self.timed_out = True
-        self.cancel(TIMED_OUT)
-
-    def _settled(self, *_: object) -> None:
-        task = self.task
-        if task is not None and task.done() and not self.reported:
-            self.reported = True
-            self._report(task)
-            if self.span is not None:
-                _end_span(self.span, task)
-        on_finished = self._on_finished
-        if on_finished is not None and self.finished:
-            self._on_finished = None
-            on_finished(self)
-
-    def _report(self, task: asyncio.Task[list[svc.Result]]) -> None:
-        if self.suppressed or self.released:
-            return
-        if task.cancelled():
-            self.release()
-            return
-        exc = task.exception()
-        if exc is not None:
-            logger.error("worker.batch_crashed lease_id=%s", self.lease_id, exc_info=exc)
-            results = [result_for_exception(t, self.lease_id, exc) for t in self.task_ids]
-        else:
-            results = task.result()
-        if not self.origin.live:
-            logger.debug("worker.result_dropped lease_id=%s reason=session_ended", self.lease_id)
-            return
-        self.origin.send_batch(self.key, results)
+    def _end_span(self, span: Span, task: asyncio.Task[list[svc.Result]]) -> None:
+        end_batch_run(span, task)
 
     def _merge(self, ran: list[svc.Result]) -> list[svc.Result]:
         """Every member's Result in member order: ``ran`` (those of the members the
@@ -421,81 +295,41 @@ class BatchExecution:
         budget = self.origin.max_result + BATCH_FRAME_HEADROOM
         return fit_batch(out, budget)
 
+    @property
+    def _ran_ids(self) -> list[str]:
+        """The task ids of the members the handler runs for, in member order."""
+        return [self.task_ids[i] for i in self.runnable]
+
     async def _run(
         self, pool: concurrent.futures.Executor, limit: float | None
     ) -> list[svc.Result]:
-        lease_id = self.lease_id
-        ids = [self.task_ids[i] for i in self.runnable]
-        if not ids:  # no payload decoded: nothing to run the handler for
+        if not self.runnable:  # no payload decoded: nothing to run the handler for
             if self._timer is not None:
                 self._timer.cancel()
             return self._merge([])
-        if limit is not None and limit <= 0:
-            self.timed_out = True
-            self.ctx._cancel(TIMED_OUT)
-            return self._merge(member_failure(ids, lease_id, TIMED_OUT))
-        try:
-            value = await self._invoke(pool)
-        except asyncio.CancelledError:
-            if not self.timed_out:
-                raise
-            current = asyncio.current_task()
-            if current is not None:
-                current.uncancel()
-            return self._merge(member_failure(ids, lease_id, TIMED_OUT))
-        except Exception as exc:
-            return self._merge([result_for_exception(t, lease_id, exc) for t in ids])
-        finally:
-            if self._timer is not None:
-                self._timer.cancel()
-        if self.timed_out:  # the handler swallowed the cancellation and returned anyway
-            return self._merge(member_failure(ids, lease_id, TIMED_OUT))
+        return await self._call(list(self.payloads), pool, limit)
+
+    def _timed_out_outcome(self) -> list[svc.Result]:
+        return self._merge(member_failure(self._ran_ids, self.lease_id, TIMED_OUT))
+
+    def _failed(self, exc: Exception) -> list[svc.Result]:
+        return self._merge([result_for_exception(t, self.lease_id, exc) for t in self._ran_ids])
+
+    def _succeeded(self, value: Any) -> list[svc.Result]:
         max_result = self.origin.max_result
-        return self._merge(batch_outcomes(value, ids, lease_id, self._codec, max_result))
+        return self._merge(
+            batch_outcomes(value, self._ran_ids, self.lease_id, self._codec, max_result)
+        )
 
-    async def _invoke(self, pool: concurrent.futures.Executor) -> Any:
-        fn = self.registration.fn
-        payloads = list(self.payloads)
-        if self.registration.is_async:
-            coro: Awaitable[Any] = fn(payloads, self.ctx)
-            return await coro
-        context = contextvars.copy_context()
-        future = pool.submit(context.run, fn, payloads, self.ctx)
-        self.thread_future = future
-        loop = asyncio.get_running_loop()
+    def _crashed(self, exc: BaseException) -> list[svc.Result]:
+        return [result_for_exception(t, self.lease_id, exc) for t in self.task_ids]
 
-        def thread_done(_: concurrent.futures.Future[Any]) -> None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._settled)
+    def _released_outcome(self) -> list[svc.Result]:
+        return [make_result(t, self.lease_id, svc.OUTCOME_RELEASE) for t in self.task_ids]
 
-        future.add_done_callback(thread_done)
-        try:
-            value = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            self.ctx._cancel(TIMED_OUT if self.timed_out else "cancelled")
-            raise
-        if inspect.isawaitable(value):  # a plain function that returned a coroutine
-            value = await value
-        return value
+    def _send(self, outcome: list[svc.Result]) -> None:
+        self.origin.send_batch(self.key, outcome)
 
-
-def _end_span(span: Span, task: asyncio.Task[list[svc.Result]]) -> None:
-    """End a batch's run span: the members' outcome (``mixed`` when they differ), an
-    error status when any failed, or ``cancelled``."""
-    if task.cancelled():
-        span.set_attribute("conveyor.outcome", "cancelled")
-    else:
-        exc = task.exception()
-        if exc is not None:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-        else:
-            results = task.result()
-            names = {_OUTCOME_NAMES.get(r.outcome, "unknown") for r in results}
-            span.set_attribute("conveyor.outcome", names.pop() if len(names) == 1 else "mixed")
-            failed = sum(
-                r.outcome in (svc.OUTCOME_FAILURE, svc.OUTCOME_SKIP_RETRY) for r in results
-            )
-            if failed:
-                span.set_status(Status(StatusCode.ERROR, f"{failed} of {len(results)} failed"))
-    span.end()
+    @property
+    def _log_id(self) -> str:
+        return self.lease_id

@@ -18,7 +18,60 @@ from conveyor._worker.dependencies import DependencyResult
 _EVENT_LOCK = threading.Lock()
 
 
-class TaskContext:
+class CancellationState:
+    """The cooperative cancellation state of a handler's context (a :class:`TaskContext`
+    or a :class:`BatchContext`): the flag, its reason, and an Event for sync handlers to
+    block on, made only when one does."""
+
+    __slots__ = ("_cancel_reason", "_cancelled", "_cancelled_event")
+
+    def __init__(self) -> None:
+        self._cancelled = False
+        self._cancelled_event: threading.Event | None = None
+        self._cancel_reason: str | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the run was cancelled (server Cancel, timeout, deadline or shutdown).
+
+        Safe to read from any thread: sync handlers poll it to stop early.
+        """
+        return self._cancelled
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why the run was cancelled, or None while it was not."""
+        return self._cancel_reason
+
+    def wait_cancelled(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until the run is cancelled or ``timeout`` seconds pass.
+
+        Returns :attr:`cancelled`. Meant for sync handlers; an async handler must not
+        call it (it would block the event loop).
+        """
+        with _EVENT_LOCK:
+            event = self._cancelled_event
+            if event is None:
+                event = self._cancelled_event = threading.Event()
+                if self._cancelled:
+                    event.set()
+        return event.wait(timeout)
+
+    def _cancel(self, reason: str) -> None:
+        with _EVENT_LOCK:
+            if self._cancelled:
+                return
+            self._cancel_reason = reason
+            self._cancelled = True
+            if self._cancelled_event is not None:
+                self._cancelled_event.set()
+        self._on_cancel(reason)
+
+    def _on_cancel(self, reason: str) -> None:
+        """Called once, outside the lock, when the context is first cancelled."""
+
+
+class TaskContext(CancellationState):
     """The second argument of every handler: the delivery being run.
 
     Attributes (read-only): ``task_id`` (also ``id``), ``queue``, ``type``, ``attempt``
@@ -35,9 +88,6 @@ class TaskContext:
     """
 
     __slots__ = (
-        "_cancel_reason",
-        "_cancelled",
-        "_cancelled_event",
         "_codec",
         "_dependencies",
         "_emit_progress",
@@ -94,9 +144,7 @@ class TaskContext:
         self._emit_progress = emit_progress
         self._loop = loop
         self._loop_thread = threading.get_ident()
-        self._cancelled = False
-        self._cancelled_event: threading.Event | None = None
-        self._cancel_reason: str | None = None
+        super().__init__()
         self._read_dependencies = read_dependencies
         self._dependencies: list[DependencyResult] | None = None
 
@@ -104,33 +152,6 @@ class TaskContext:
     def id(self) -> str:
         """The task's id: the same as :attr:`task_id`."""
         return self.task_id
-
-    @property
-    def cancelled(self) -> bool:
-        """True once the run was cancelled (server Cancel, timeout, deadline or shutdown).
-
-        Safe to read from any thread: sync handlers poll it to stop early.
-        """
-        return self._cancelled
-
-    @property
-    def cancel_reason(self) -> str | None:
-        """Why the run was cancelled, or None while it was not."""
-        return self._cancel_reason
-
-    def wait_cancelled(self, timeout: float | None = None) -> bool:
-        """Block the calling thread until the run is cancelled or ``timeout`` seconds pass.
-
-        Returns :attr:`cancelled`. Meant for sync handlers; an async handler must not
-        call it (it would block the event loop).
-        """
-        with _EVENT_LOCK:
-            event = self._cancelled_event
-            if event is None:
-                event = self._cancelled_event = threading.Event()
-                if self._cancelled:
-                    event.set()
-        return event.wait(timeout)
 
     async def progress(self, value: Any) -> None:
         """Report progress (any value the worker's codec encodes); visible via get_task.
@@ -188,15 +209,6 @@ class TaskContext:
         future = asyncio.run_coroutine_threadsafe(self.dependency_results(), self._loop)
         return future.result(timeout)
 
-    def _cancel(self, reason: str) -> None:
-        with _EVENT_LOCK:
-            if self._cancelled:
-                return
-            self._cancel_reason = reason
-            self._cancelled = True
-            if self._cancelled_event is not None:
-                self._cancelled_event.set()
-
     def __repr__(self) -> str:
         return (
             f"TaskContext(task_id={self.task_id!r}, type={self.type!r}, "
@@ -204,7 +216,7 @@ class TaskContext:
         )
 
 
-class BatchContext:
+class BatchContext(CancellationState):
     """The second argument of every batch handler: an aggregation group's batch.
 
     A batch handler (registered with :meth:`Worker.batch_task`) runs once for a whole
@@ -223,9 +235,6 @@ class BatchContext:
     """
 
     __slots__ = (
-        "_cancel_reason",
-        "_cancelled",
-        "_cancelled_event",
         "group",
         "lease_id",
         "queue",
@@ -241,37 +250,12 @@ class BatchContext:
         self.type = type
         self.lease_id = lease_id
         self.tasks = tasks
-        self._cancelled = False
-        self._cancelled_event = threading.Event()
-        self._cancel_reason: str | None = None
+        super().__init__()
 
     def __len__(self) -> int:
         return len(self.tasks)
 
-    @property
-    def cancelled(self) -> bool:
-        """True once the batch was cancelled (server Cancel, timeout, deadline or
-        shutdown). Safe to read from any thread."""
-        return self._cancelled
-
-    @property
-    def cancel_reason(self) -> str | None:
-        """Why the batch was cancelled, or None while it was not."""
-        return self._cancel_reason
-
-    def wait_cancelled(self, timeout: float | None = None) -> bool:
-        """Block the calling thread until the batch is cancelled or ``timeout`` seconds
-        pass. Returns :attr:`cancelled`. Meant for sync handlers; an async handler must
-        not call it (it would block the event loop)."""
-        return self._cancelled_event.wait(timeout)
-
-    def _cancel(self, reason: str) -> None:
-        with _EVENT_LOCK:
-            if self._cancelled:
-                return
-            self._cancel_reason = reason
-            self._cancelled = True
-            self._cancelled_event.set()
+    def _on_cancel(self, reason: str) -> None:
         for task in self.tasks:
             task._cancel(reason)
 
