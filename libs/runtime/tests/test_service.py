@@ -51,3 +51,32 @@ async def test_a_stop_past_the_grace_period_is_cut_short() -> None:
     assert proc.stdout is not None
     output = (await proc.stdout.read()).decode()
     assert "service.forced_stop name=hangs reason=stop_grace" in output
+
+
+_REPORTS_GC = textwrap.dedent(
+    """
+    import gc, sys
+    from conveyor_runtime.service import GC_YOUNG_THRESHOLD, run_service
+    from conveyor_runtime.settings import CommonSettings
+
+    async def main(settings, stop):
+        young = gc.get_threshold()[0]
+        print("gc", gc.get_freeze_count() > 1000, young == GC_YOUNG_THRESHOLD, flush=True)
+
+    sys.exit(run_service(main, CommonSettings(broker="memory"), name="gc"))
+    """
+)
+
+
+async def test_a_service_process_freezes_its_start_up_heap_for_the_collector() -> None:
+    """run_service moves what start-up made out of the collector's way (settle_heap)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _REPORTS_GC,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, out
+    assert b"gc True True" in out

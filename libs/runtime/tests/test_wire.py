@@ -21,6 +21,7 @@ from conveyor_broker.types import (
 )
 from conveyor_protos.v1 import service_pb2, task_pb2
 from conveyor_runtime.wire import (
+    TaskProtos,
     breaker_config_from_proto,
     breaker_config_to_proto,
     breaker_scope_from_proto,
@@ -179,6 +180,53 @@ def test_process_in_is_resolved_against_now_and_exclusive_with_process_at() -> N
     pb.options.process_at.FromDatetime(START)
     with pytest.raises(InvalidTask, match="exclusive"):
         new_task_from_proto(pb, now=START)
+
+
+async def test_task_protos_write_what_task_to_proto_makes() -> None:
+    """The templates of TaskProtos (shared by tasks that agree on all but their identity and
+    content) give every task exactly task_to_proto's message, whatever mix a batch holds."""
+    clock = FakeClock(START)
+    broker = MemoryBroker(clock)
+    plain = [NewTask(queue="q", type="t", payload=bytes([i])) for i in range(5)]
+    mixed = [
+        full_new_task(),
+        full_new_task(unique_key="user-2", headers={}),
+        full_new_task(process_at=START + timedelta(minutes=1), unique_key="user-3"),
+        NewTask(queue="other", type="u", headers={"a": "b"}, depends_on=()),
+        NewTask(queue="q", type="t", max_retry=0, group="g"),
+    ]
+    results = await broker.enqueue_batch([*plain, *mixed, *plain[:2]])
+    clock.advance(timedelta(seconds=1))
+    (active,) = await broker.lease("emails", 1, timedelta(seconds=30))
+    tasks = [r.task for r in results] + [active]
+    for limit in (64, 1):  # with templates, and past the limit (converted on their own)
+        protos = TaskProtos(templates=limit)
+        response = service_pb2.EnqueueBatchResponse()
+        for task in tasks:
+            protos.write(response.results.add(created=True).task, task)
+        assert [item.task for item in response.results] == [task_to_proto(t) for t in tasks]
+    await broker.close()
+
+
+def test_new_task_from_proto_reads_shared_options_once_and_each_task_on_its_own() -> None:
+    """Options are cached by their serialized form: tasks that share them still get their
+    own process_at (relative to each call's now), and defaults apply per call."""
+    pb = task_pb2.NewTask(queue="q", type="t")
+    pb.options.process_in.FromTimedelta(timedelta(minutes=3))
+    first = new_task_from_proto(pb, now=START, max_retry=2)
+    later = new_task_from_proto(pb, now=START + timedelta(hours=1), max_retry=5)
+    assert first.process_at == START + timedelta(minutes=3)
+    assert later.process_at == START + timedelta(hours=1, minutes=3)
+    assert (first.max_retry, later.max_retry) == (2, 5)
+    # A refused option set stays refused (nothing cached for it).
+    pb.options.process_at.FromDatetime(START)
+    for _ in range(2):
+        with pytest.raises(InvalidTask, match="exclusive"):
+            new_task_from_proto(pb, now=START)
+    # Long option sets (a long depends_on) are read each time, not kept: same result.
+    many = task_pb2.NewTask(queue="q", type="t")
+    many.options.depends_on.extend(f"01HZY{i:021d}" for i in range(100))
+    assert new_task_from_proto(many, now=START).depends_on == tuple(many.options.depends_on)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conveyor_api import ApiServer
+from conveyor_api import ApiServer, task_service
 from conveyor_api.broker_status import MAX_STATUS_MESSAGE, status_message
 from conveyor_api.task_service import YIELD_EVERY
 from conveyor_broker import FakeClock, TaskState
@@ -407,13 +407,13 @@ async def test_a_big_batch_lets_worker_sessions_run_while_it_converts(
             ticks += 1
             await asyncio.sleep(0)
 
-    real_now = clock.now
+    convert = requests.new_task_from_request
 
-    def now() -> Any:
-        seen.append(ticks)  # conversion reads the clock once per item
-        return real_now()
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        seen.append(ticks)  # once per item converted
+        return convert(*args, **kwargs)
 
-    monkeypatch.setattr(clock, "now", now)
+    monkeypatch.setattr(task_service, "new_task_from_request", counted)
     ticker = asyncio.create_task(other_work())
     try:
         response = await tasks.EnqueueBatch(

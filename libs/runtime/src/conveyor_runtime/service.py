@@ -20,6 +20,7 @@ the service (exit code 1).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -184,15 +185,41 @@ async def open_runtime(
         shutdown_tracing()
 
 
+#: How many more container objects than were freed may pile up before the cyclic garbage
+#: collector's youngest pass runs (CPython's default is 700): see :func:`settle_heap`.
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def settle_heap() -> None:
+    """Tune the cyclic garbage collector for a long-running service, once its modules are
+    imported.
+
+    Everything made so far (modules, classes, functions: some 80,000 objects in the api)
+    lives as long as the process, yet every full collection walked all of it: under load
+    a full pass ran every few thousand tasks and cost tens of milliseconds, a quarter of
+    the api's CPU during a batch enqueue. ``gc.freeze()`` moves it out of the collector's
+    sight for good. And at most 700 objects between the youngest passes made one every
+    few dozen tasks (each task keeps a few objects alive until its commit), each pass
+    walking the in-flight ones again: :data:`GC_YOUNG_THRESHOLD` lets them be fewer.
+    Cycles are still collected, a little later; memory is not affected otherwise.
+    """
+    gc.collect()
+    gc.freeze()
+    _, middle, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
+
+
 def run_service(main: ServiceMain[S], settings: S, *, name: str) -> int:
     """Run ``main(settings, stop)`` on uvloop until it returns; the process exit code.
 
     Logging is configured from the settings first. SIGTERM/SIGINT set ``stop`` (and end
     a start-up wait in :func:`open_runtime` at once: exit code 0); a second signal, or
     ``main`` still running ``settings.stop_grace`` seconds later, cancels ``main`` (exit
-    code 1). An exception out of ``main`` is logged and gives exit code 1.
+    code 1). An exception out of ``main`` is logged and gives exit code 1. The garbage
+    collector is tuned for a long-running process first (:func:`settle_heap`).
     """
     configure_logging(settings.log_level, settings.log_format)
+    settle_heap()
 
     async def wrapper() -> None:
         stop = asyncio.Event()

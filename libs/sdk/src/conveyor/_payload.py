@@ -25,6 +25,12 @@ class Codec(Protocol):
         ...
 
 
+#: What ``json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)``
+#: uses, made once: ``dumps`` with options builds a new encoder every call, which costs more
+#: than encoding a small payload (a batch of a thousand tasks encodes a thousand of them).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 class JsonCodec:
     """Compact UTF-8 JSON: the default codec.
 
@@ -39,12 +45,14 @@ class JsonCodec:
         """``value`` as compact JSON (no spaces after separators, non-ASCII kept as UTF-8)."""
         # Standard JSON only: NaN and Infinity are refused (every other language's JSON
         # parser refuses them too), so the attempt fails with a clear error instead.
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
-            "utf-8"
-        )
+        if not value and type(value) is dict:
+            return b"{}"  # what the encoder makes of it, for a tenth of the cost: a common payload
+        return _ENCODER.encode(value).encode("utf-8")
 
     def decode(self, data: bytes) -> Any:
         """The JSON value held in ``data``."""
+        if data == b"{}":
+            return {}  # a new one each time, as json.loads makes it, for a tenth of the cost
         return json.loads(data.decode("utf-8"))
 
     def __repr__(self) -> str:

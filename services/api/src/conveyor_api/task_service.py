@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -24,7 +25,7 @@ from conveyor_broker.validation import check_task_id
 from conveyor_gateway import EnqueueCommitter, WakePublisher
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc
 from conveyor_runtime import metrics
-from conveyor_runtime.wire import TaskDefaults, new_task_from_request, task_to_proto
+from conveyor_runtime.wire import TaskDefaults, TaskProtos, new_task_from_request, task_to_proto
 
 from conveyor_api.broker_status import abort_for_error, status_code_of, status_message
 from conveyor_api.tracing import commit_span, stamp_tasks
@@ -44,9 +45,16 @@ def wake_for(results: Sequence[EnqueueResult], wakes: WakePublisher, clock: Cloc
     """Hint the created tasks' due time: their queues' dispatchers for the PENDING ones,
     the scheduler (when they fall due) for the SCHEDULED ones."""
     now = clock.now()
+    # The tasks of a batch mostly share their queue, state and due time: hint each
+    # combination once (the publisher coalesces repeats anyway, at a call per task).
+    hinted: set[tuple[str, str, datetime]] = set()
     for result in results:
         if result.created:
-            wakes.when_due(result.task, now)
+            task = result.task
+            key = (task.queue, task.state, task.available_at)
+            if key not in hinted:
+                hinted.add(key)
+                wakes.when_due(task, now)
 
 
 class TaskService(service_pb2_grpc.TaskServiceServicer):
@@ -99,29 +107,22 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"EnqueueBatch holds at most {MAX_BATCH} tasks, got {len(request.tasks)}",
             )
-        items: list[service_pb2.EnqueueItemResult | None] = []
-        work: list[tuple[int, NewTask]] = []
+        refused: dict[int, BrokerError] = {}
+        work: list[NewTask] = []
+        # One now for the whole request (process_in and the time bounds are read against it).
+        now = self._clock.now()
         for index, msg in enumerate(request.tasks):
             if index and index % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let worker sessions run: see YIELD_EVERY
             try:
-                work.append((index, new_task_from_request(msg, self._clock, self._defaults)))
-                items.append(None)
+                work.append(new_task_from_request(msg, self._clock, self._defaults, now=now))
             except (InvalidTask, NotSupported) as exc:
-                items.append(_item_error(exc))
-        tasks = stamp_tasks([task for _, task in work])
+                refused[index] = exc
+        tasks = stamp_tasks(work)
         with commit_span(tasks):
             outcomes = await self._committer.enqueue_many(tasks)
-        for done, ((index, _), outcome) in enumerate(zip(work, outcomes, strict=True)):
-            if done and done % YIELD_EVERY == 0:
-                await asyncio.sleep(0)
-            if isinstance(outcome, EnqueueResult):
-                items[index] = service_pb2.EnqueueItemResult(
-                    task=task_to_proto(outcome.task), created=outcome.created
-                )
-            elif isinstance(outcome, BrokerError):
-                items[index] = _item_error(outcome)
-            else:
+        for outcome in outcomes:
+            if not isinstance(outcome, EnqueueResult | BrokerError):
                 # Not the item's fault (the broker is down, say): fail the whole call so
                 # the producer retries it rather than reading a partial answer.
                 # Only DatabaseUnavailable's own text is fit for a client; any other
@@ -133,7 +134,26 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
                     else "database unavailable: retry"
                 )
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"enqueue failed: {reason}")
-        return service_pb2.EnqueueBatchResponse(results=[i for i in items if i is not None])
+        # The answer is written in place, each stored task from a template of what the
+        # batch's tasks share (TaskProtos): converting a thousand tasks one by one and
+        # copying them into the response would cost more than the commit.
+        response = service_pb2.EnqueueBatchResponse()
+        add = response.results.add
+        protos = TaskProtos()
+        done = iter(outcomes)
+        for index in range(len(request.tasks)):
+            if index and index % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+            item = refused.get(index)
+            if item is None:
+                outcome = next(done)
+                if isinstance(outcome, EnqueueResult):
+                    protos.write(add(created=outcome.created).task, outcome.task)
+                    continue
+                assert isinstance(outcome, BrokerError)
+                item = outcome
+            add(**_item_error(item))
+        return response
 
     async def EnqueueTx(
         self, request: service_pb2.EnqueueTxRequest, context: _Context
@@ -161,8 +181,11 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
         return service_pb2.GetTaskResponse(task=task_to_proto(task))
 
 
-def _item_error(exc: BrokerError) -> service_pb2.EnqueueItemResult:
+def _item_error(exc: BrokerError) -> dict[str, str]:
+    """The fields of the EnqueueItemResult that reports ``exc``."""
     existing = exc.existing_id if isinstance(exc, DuplicateTask) else ""
-    return service_pb2.EnqueueItemResult(
-        error_code=status_code_of(exc).name, error=status_message(str(exc)), existing_id=existing
-    )
+    return {
+        "error_code": status_code_of(exc).name,
+        "error": status_message(str(exc)),
+        "existing_id": existing,
+    }

@@ -1,7 +1,8 @@
 """EnqueueBatch for Postgres: plan the rows, insert them in one statement, map conflicts.
 
 A batch with no unique keys and no dependencies (the hot path) is a single INSERT, atomic
-on its own. Otherwise the batch runs in one transaction: read what it depends on (stored
+on its own; when it names no ids (they are all made here) the INSERT looks for no
+conflicts and returns nothing. Otherwise the batch runs in one transaction: read what it depends on (stored
 ids, dependency states, live unique claims), check the items in order exactly as the
 interface describes (dependencies as :func:`conveyor_broker.dependencies.plan_starts`
 settles them), insert the tasks and their edges, and roll everything back on any error.
@@ -15,6 +16,7 @@ committed first (DuplicateTask).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import asyncpg
 
+from conveyor_broker.construct import constructor
 from conveyor_broker.dependencies import BatchItem, Start, plan_starts
 from conveyor_broker.errors import BrokerError, DuplicateTask
 from conveyor_broker.ids import new_ids
@@ -34,6 +37,11 @@ if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
 
     Connection = asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]
+
+#: EnqueueResult as its __init__ makes it, for less (see conveyor_broker.construct).
+_result = constructor(EnqueueResult)
+#: _lock_order of tasks without a unique key, for less.
+_PLAIN_ORDER = operator.attrgetter("queue", "id")
 
 # A row skipped by the INSERT whose id is not stored and whose key has no live holder
 # lost a race with a writer that has finished since; the batch is tried again.
@@ -85,9 +93,26 @@ async def enqueue_plain(
     tasks whose id was already stored."""
     fresh = [i for i in range(len(tasks)) if plan.first[i] == i]
     todo = [_build(tasks[i], plan.ids[i], None, now, default_max_retry) for i in fresh]
+    if all(tasks[i].id is None for i in fresh):
+        # Every id was just made (80 random bits each): none can be stored, by anyone, so
+        # the INSERT need not look for conflicts nor say which rows it took (ON CONFLICT
+        # costs Postgres a speculative insertion per row, RETURNING a row back each).
+        sql, params = enqueue_statement(todo, now, skip_existing=False)
+        try:
+            status = await conn.execute(sql, *params)
+        except asyncpg.UniqueViolationError:
+            pass  # an id clashed after all: the statement stored nothing; see below
+        else:
+            if status != f"INSERT 0 {len(todo)}":
+                raise BrokerError(f"enqueue stored an unexpected number of rows: {status}")
+            created = [_result(task=t, created=True) for t in todo]
+            if len(todo) == len(tasks):
+                return created
+            return _in_order(plan, {r.task.id: r for r in created})
     results: dict[str, EnqueueResult] = {}
     for _ in range(_ATTEMPTS):
-        sql, params = enqueue_statement(sorted(todo, key=_lock_order), now)
+        # No unique keys here: _lock_order comes down to (queue, id).
+        sql, params = enqueue_statement(sorted(todo, key=_PLAIN_ORDER), now)
         rows = await conn.fetch(sql, *params)
         inserted = {row[0] for row in rows}
         results.update((t.id, EnqueueResult(t, True)) for t in todo if t.id in inserted)

@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 
+from conveyor_broker.construct import constructor
 from conveyor_broker.postgres.queries import TASK_FIELDS
 from conveyor_broker.postgres.queries.cron import CRON_FIELDS
 from conveyor_broker.postgres.queries.enqueue import ENQUEUE_COLUMNS
@@ -31,12 +32,6 @@ WEBHOOK_FIELD_COUNT = len(WEBHOOK_FIELDS)
 CRON_FIELD_COUNT = len(CRON_FIELDS)
 
 
-def _utc(value: datetime | None) -> datetime | None:
-    # Postgres hands timestamps back in UTC; normalising inputs the same way makes a Task
-    # built here identical to the one read back.
-    return None if value is None else value.astimezone(UTC)
-
-
 def _headers_from_json(text: str) -> dict[str, str]:
     if text == "{}":
         return {}
@@ -49,6 +44,9 @@ def _headers_to_json(headers: Mapping[str, str]) -> str:
 
 
 _STATES = {state.value: state for state in TaskState}
+#: Task as its __init__ makes it, for less (see conveyor_broker.construct): an enqueue or a
+#: lease of a thousand tasks builds a thousand.
+_task = constructor(Task)
 _ON_FAILURE = {value.value: value for value in OnFailure}
 
 
@@ -89,7 +87,7 @@ def task_from_row(row: asyncpg.Record) -> Task:
         completed_at,
         holder,
     ) = row[:TASK_FIELD_COUNT]
-    return Task(
+    return _task(
         id=task_id,
         queue=queue,
         type=task_type,
@@ -134,27 +132,35 @@ def new_task(
 ) -> Task:
     """The Task that enqueuing ``new`` stores, exactly as it will read back. A task born
     CANCELED (a failed dependency) has ``completed_at = now`` and ``error`` as its
-    ``last_error``."""
-    process_at = _utc(new.process_at)
-    return Task(
+    ``last_error``. Times are normalised to UTC, as Postgres hands them back, so the Task
+    built here is identical to the one read back."""
+    process_at = new.process_at
+    if process_at is not None:
+        process_at = process_at.astimezone(UTC)
+    deadline = new.deadline
+    expires_at = new.expires_at
+    on_failure = new.on_failure
+    payload = new.payload
+    headers = new.headers
+    return _task(
         id=task_id,
         queue=new.queue,
         type=new.type,
-        payload=bytes(new.payload),
-        headers=dict(new.headers),
+        payload=payload if type(payload) is bytes else bytes(payload),
+        headers=dict(headers) if headers else {},
         state=state,
         max_retry=max_retry,
         retried=0,
         timeout=new.timeout,
-        deadline=_utc(new.deadline),
+        deadline=None if deadline is None else deadline.astimezone(UTC),
         process_at=process_at,
-        expires_at=_utc(new.expires_at),
+        expires_at=None if expires_at is None else expires_at.astimezone(UTC),
         retention=new.retention,
         unique_key=new.unique_key,
         unique_until=now + new.unique_ttl if new.unique_ttl is not None else None,
         group=new.group,
         depends_on=tuple(new.depends_on),
-        on_failure=OnFailure(new.on_failure),
+        on_failure=on_failure if type(on_failure) is OnFailure else OnFailure(on_failure),
         concurrency_key=new.concurrency_key,
         available_at=process_at or now,
         lease_id=None,
@@ -166,6 +172,7 @@ def new_task(
         updated_at=now,
         started_at=None,
         completed_at=now if state is TaskState.CANCELED else None,
+        holder=None,
     )
 
 
@@ -175,12 +182,15 @@ def enqueue_statement(
     *,
     counters: Mapping[str, tuple[int, int]] | None = None,
     waited_for: Collection[str] = (),
+    skip_existing: bool = True,
 ) -> tuple[str, list[Any]]:
     """The INSERT for ``tasks`` and its parameters: only the optional columns that some
-    task sets (see ``queries.enqueue.ENQUEUE_OPTIONAL``).
+    task sets (see ``queries.enqueue.ENQUEUE_OPTIONAL``), and one value for each column
+    whose values are all equal (``queries.enqueue.enqueue_statement``'s scalars).
 
     ``counters`` maps the id of a task that has dependencies to its (open, failed) edge
     counts; ``waited_for`` are the ids of tasks that others wait for (open edges).
+    ``skip_existing`` False: the plain INSERT, for ids that were just made.
     """
     columns: dict[str, list[Any]] = {
         "id": [t.id for t in tasks],
@@ -196,6 +206,7 @@ def enqueue_statement(
         columns["headers"] = [_headers_to_json(t.headers) for t in tasks]
     if any(t.depends_on for t in tasks):
         columns["depends_on"] = [",".join(t.depends_on) for t in tasks]
+    count = len(tasks)
     for name, values in (
         ("timeout", [t.timeout for t in tasks]),
         ("deadline", [t.deadline for t in tasks]),
@@ -209,7 +220,7 @@ def enqueue_statement(
         ("completed_at", [t.completed_at for t in tasks]),
         ("last_error", [t.last_error for t in tasks]),
     ):
-        if any(value is not None for value in values):
+        if values.count(None) != count:
             columns[name] = values
     if counters:
         columns["deps_open"] = [counters.get(t.id, (0, 0))[0] for t in tasks]
@@ -217,7 +228,14 @@ def enqueue_statement(
     if waited_for:
         columns["dependents_pending"] = [t.id in waited_for for t in tasks]
     order = tuple(name for name in ENQUEUE_COLUMNS if name in columns)
-    return enqueue_sql(order), [*(columns[name] for name in order), now]
+    # A column every task agrees on goes as one value (ids never do: they are distinct).
+    scalars = frozenset(
+        name
+        for name in order
+        if count and name != "id" and (values := columns[name]).count(values[0]) == count
+    )
+    params = [columns[name][0] if name in scalars else columns[name] for name in order]
+    return enqueue_sql(order, scalars, skip_existing=skip_existing), [*params, now]
 
 
 def enqueue_params(tasks: Sequence[Task], now: datetime) -> list[Any]:

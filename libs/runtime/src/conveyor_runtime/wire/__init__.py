@@ -62,6 +62,7 @@ from conveyor_runtime.wire.requests import (
     state_filter,
 )
 from conveyor_runtime.wire.tasks import (
+    TaskProtos,
     new_task_from_proto,
     new_task_to_proto,
     on_failure_from_proto,
@@ -84,6 +85,7 @@ __all__ = [
     "DEFAULT_WEBHOOK_SPEC",
     "DISPATCH_OVERHEAD",
     "TaskDefaults",
+    "TaskProtos",
     "breaker_config_from_proto",
     "breaker_config_to_proto",
     "breaker_scope_from_proto",

@@ -8,6 +8,7 @@ maps it straight to INVALID_ARGUMENT; an option whose feature is not built yet i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -43,31 +44,57 @@ DISPATCH_OVERHEAD = 2048
 def dispatch_size(task: NewTask) -> int:
     """About how many bytes the dispatch of ``task`` takes in a NATS message (a little more,
     never less)."""
-    headers = sum(len(k.encode()) + len(v.encode()) + 8 for k, v in task.headers.items())
+    headers = (
+        sum(len(k.encode()) + len(v.encode()) + 8 for k, v in task.headers.items())
+        if task.headers
+        else 0
+    )
     text = len(task.type.encode()) + len(task.queue.encode()) + len((task.id or "").encode())
     return len(task.payload) + headers + text + DISPATCH_OVERHEAD
 
 
 _ON_FAILURE_VALUES = frozenset(task_pb2.OnFailure.values())
+#: Serialized options longer than this (a long depends_on) are checked each time, not kept.
+_CHECKED_OPTIONS_MAX = 1024
 
 
-def new_task_from_request(msg: task_pb2.NewTask, clock: Clock, defaults: TaskDefaults) -> NewTask:
-    """Validate a producer's NewTask and turn it into the broker's, with defaults applied.
-
-    ``process_in`` becomes ``process_at`` relative to ``clock``; unset ``max_retry`` and
-    ``retention`` take the server defaults; an empty id stays unset, for the broker to
-    assign (in bulk, with the commit). Raises InvalidTask describing the first problem, or
-    NotSupported for an option that is not built yet (:func:`check_supported`).
-    """
-    opts = msg.options
+def _check_options(data: bytes) -> bool:
+    """Refuse options no task may have whatever its other fields (an unknown on_failure,
+    a negative process_in); True when they pass. Raises InvalidTask, or ValueError and
+    OverflowError for a time value protobuf cannot convert."""
+    opts = task_pb2.TaskOptions.FromString(data)
     if opts.on_failure not in _ON_FAILURE_VALUES:
         raise InvalidTask(f"unknown on_failure value {opts.on_failure}")
-    now = clock.now()
+    if opts.HasField("process_in") and from_duration(opts.process_in) < timedelta(0):
+        raise InvalidTask(f"process_in must be >= 0, got {from_duration(opts.process_in)}")
+    return True
+
+
+#: The tasks of a batch mostly share one option set: checked once (a refusal is not kept).
+_checked_options = functools.lru_cache(maxsize=256)(_check_options)
+
+
+def new_task_from_request(
+    msg: task_pb2.NewTask, clock: Clock, defaults: TaskDefaults, *, now: datetime | None = None
+) -> NewTask:
+    """Validate a producer's NewTask and turn it into the broker's, with defaults applied.
+
+    ``process_in`` becomes ``process_at`` relative to ``now`` (default: ``clock``'s now;
+    a batch passes one for all its tasks); unset ``max_retry`` and ``retention`` take the
+    server defaults; an empty id stays unset, for the broker to assign (in bulk, with the
+    commit). Raises InvalidTask describing the first problem, or NotSupported for an
+    option that is not built yet (:func:`check_supported`).
+    """
+    options = msg.options.SerializeToString()
+    if now is None:
+        now = clock.now()
     try:
-        if opts.HasField("process_in") and from_duration(opts.process_in) < timedelta(0):
-            raise InvalidTask(f"process_in must be >= 0, got {from_duration(opts.process_in)}")
+        if len(options) > _CHECKED_OPTIONS_MAX:
+            _check_options(options)
+        else:
+            _checked_options(options)
         task = new_task_from_proto(
-            msg, now, max_retry=defaults.max_retry, retention=defaults.retention
+            msg, now, max_retry=defaults.max_retry, retention=defaults.retention, options=options
         )
     except InvalidTask:
         raise

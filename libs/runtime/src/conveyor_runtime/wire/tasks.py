@@ -7,8 +7,12 @@ checks and server defaults an api applies to a producer's request are in
 
 from __future__ import annotations
 
+import functools
+import operator
+from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
+from conveyor_broker.construct import constructor
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.types import NewTask, OnFailure, Task, TaskState
 from conveyor_protos.v1 import task_pb2
@@ -144,38 +148,94 @@ def task_to_proto(task: Task) -> task_pb2.Task:
     return pb
 
 
-def new_task_from_proto(
-    pb: task_pb2.NewTask,
-    now: datetime,
-    *,
-    max_retry: int | None = None,
-    retention: timedelta | None = None,
-) -> NewTask:
-    """A producer's task as the broker takes it. ``process_in`` is resolved against ``now``;
-    ``max_retry`` and ``retention`` are the values to use when the message leaves them unset.
+#: What a task's proto holds besides these (its identity and content) comes from the rest
+#: of its fields: ``_SHARED`` reads them, as the key of a template for the tasks of a
+#: batch that share them.
+_OWN_FIELDS = ("id", "queue", "type", "payload", "headers")
+_SHARED = operator.attrgetter(*(f.name for f in fields(Task) if f.name not in _OWN_FIELDS))
 
-    Raises InvalidTask when both ``process_at`` and ``process_in`` are set; everything else
-    is checked by the broker.
+
+class TaskProtos:
+    """Writes stored tasks into proto messages in place (the items of a response), each
+    from a template of what it shares with the others: ``task_to_proto``'s message,
+    for a fraction of its cost when the tasks of a batch share their options, state and
+    times (an EnqueueBatch's: one commit's now). At most ``templates`` are kept; past
+    that, a task is converted on its own.
     """
-    opts = pb.options
+
+    __slots__ = ("_limit", "_templates")
+
+    def __init__(self, templates: int = 64) -> None:
+        self._templates: dict[tuple[object, ...], bytes] = {}
+        self._limit = templates
+
+    def write(self, pb: task_pb2.Task, task: Task) -> None:
+        """Fill the empty message ``pb`` with ``task``, as ``task_to_proto`` would."""
+        key = _SHARED(task)
+        try:
+            template = self._templates.get(key)
+        except TypeError:  # an unhashable value (a bytearray result, say): no template
+            pb.MergeFrom(task_to_proto(task))
+            return
+        if template is None:
+            if len(self._templates) >= self._limit:
+                pb.MergeFrom(task_to_proto(task))
+                return
+            whole = task_to_proto(task)
+            for name in _OWN_FIELDS:
+                whole.ClearField(name)
+            # Kept serialized: merging from bytes is cheaper than from a message.
+            template = self._templates[key] = whole.SerializeToString()
+        pb.MergeFromString(template)
+        pb.id = task.id
+        pb.queue = task.queue
+        pb.type = task.type
+        pb.payload = task.payload
+        if task.headers:
+            pb.headers.update(task.headers)
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """A wire TaskOptions as new_task_from_proto reads it, server defaults applied;
+    ``process_in`` still relative (the task's ``process_at`` is now + it)."""
+
+    max_retry: int | None
+    timeout: timedelta | None
+    deadline: datetime | None
+    process_at: datetime | None
+    process_in: timedelta | None
+    expires_at: datetime | None
+    retention: timedelta | None
+    unique_key: str | None
+    unique_ttl: timedelta | None
+    group: str | None
+    depends_on: tuple[str, ...]
+    on_failure: OnFailure
+    concurrency_key: str | None
+
+
+#: Serialized options longer than this (a long depends_on) are read each time, not kept.
+_CACHED_OPTIONS_MAX = 1024
+
+
+def _options_from_wire(data: bytes, max_retry: int | None, retention: timedelta | None) -> _Options:
+    if len(data) > _CACHED_OPTIONS_MAX:
+        return _read_options(data, max_retry, retention)
+    return _cached_options(data, max_retry, retention)
+
+
+def _read_options(data: bytes, max_retry: int | None, retention: timedelta | None) -> _Options:
+    opts = task_pb2.TaskOptions.FromString(data)
     has = opts.HasField
     if has("process_at") and has("process_in"):
         raise InvalidTask("process_at and process_in are exclusive")
-    process_at: datetime | None = None
-    if has("process_at"):
-        process_at = from_timestamp(opts.process_at)
-    elif has("process_in"):
-        process_at = now + from_duration(opts.process_in)
-    return NewTask(
-        queue=pb.queue,
-        type=pb.type,
-        payload=pb.payload,
-        id=pb.id or None,
-        headers=dict(pb.headers),
+    return _Options(
         max_retry=opts.max_retry if has("max_retry") else max_retry,
         timeout=from_duration(opts.timeout) if has("timeout") else None,
         deadline=from_timestamp(opts.deadline) if has("deadline") else None,
-        process_at=process_at,
+        process_at=from_timestamp(opts.process_at) if has("process_at") else None,
+        process_in=from_duration(opts.process_in) if has("process_in") else None,
         expires_at=from_timestamp(opts.expires_at) if has("expires_at") else None,
         retention=from_duration(opts.retention) if has("retention") else retention,
         unique_key=opts.unique_key or None,
@@ -184,6 +244,56 @@ def new_task_from_proto(
         depends_on=tuple(opts.depends_on),
         on_failure=on_failure_from_proto(opts.on_failure),
         concurrency_key=opts.concurrency_key or None,
+    )
+
+
+#: Keyed by the serialized message: the tasks of a batch mostly share one option set (often
+#: none at all), so a batch of a thousand reads its options once. A message that raises is
+#: not kept (lru_cache keeps results only).
+_cached_options = functools.lru_cache(maxsize=256)(_read_options)
+
+#: NewTask as its __init__ makes it, for less (see conveyor_broker.construct).
+_new_task = constructor(NewTask)
+
+
+def new_task_from_proto(
+    pb: task_pb2.NewTask,
+    now: datetime,
+    *,
+    max_retry: int | None = None,
+    retention: timedelta | None = None,
+    options: bytes | None = None,
+) -> NewTask:
+    """A producer's task as the broker takes it. ``process_in`` is resolved against ``now``;
+    ``max_retry`` and ``retention`` are the values to use when the message leaves them unset.
+    ``options`` is ``pb.options`` serialized, when the caller has it already.
+
+    Raises InvalidTask when both ``process_at`` and ``process_in`` are set; everything else
+    is checked by the broker.
+    """
+    if options is None:
+        options = pb.options.SerializeToString()
+    opts = _options_from_wire(options, max_retry, retention)
+    process_at = opts.process_at if opts.process_in is None else now + opts.process_in
+    headers = pb.headers
+    return _new_task(
+        queue=pb.queue,
+        type=pb.type,
+        payload=pb.payload,
+        id=pb.id or None,
+        headers=dict(headers) if headers else {},
+        max_retry=opts.max_retry,
+        timeout=opts.timeout,
+        deadline=opts.deadline,
+        process_at=process_at,
+        expires_at=opts.expires_at,
+        retention=opts.retention,
+        unique_key=opts.unique_key,
+        unique_ttl=opts.unique_ttl,
+        group=opts.group,
+        depends_on=opts.depends_on,
+        on_failure=opts.on_failure,
+        concurrency_key=opts.concurrency_key,
     )
 
 

@@ -117,12 +117,12 @@ class Client(ProducerBase, SyncRpcClient):
         Returns one :class:`EnqueueResult` per item, in order: ``task`` on success,
         ``error`` (an SDK exception, not raised) on failure.
         """
-        tasks = self._batch(items)
+        request = self._batch_request(items)
+        tasks = request.tasks
         if not tasks:
             return []
         with enqueue_trace("conveyor.enqueue_batch", tasks) as trace:
             trace.stamp(tasks)
-            request = svc.EnqueueBatchRequest(tasks=tasks)
             response = self._call(
                 "EnqueueBatch", request, svc.EnqueueBatchResponse, metadata=trace.metadata
             )
@@ -130,12 +130,12 @@ class Client(ProducerBase, SyncRpcClient):
 
     def enqueue_tx(self, items: Iterable[TaskSpec]) -> list[TaskInfo]:
         """Enqueue up to 1000 tasks all-or-nothing; raise if any of them is refused."""
-        tasks = self._batch(items)
+        request = self._tx_request(items)
+        tasks = request.tasks
         if not tasks:
             return []
         with enqueue_trace("conveyor.enqueue_tx", tasks) as trace:
             trace.stamp(tasks)
-            request = svc.EnqueueTxRequest(tasks=tasks)
             response = self._call(
                 "EnqueueTx", request, svc.EnqueueTxResponse, metadata=trace.metadata
             )

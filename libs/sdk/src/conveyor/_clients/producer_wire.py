@@ -5,11 +5,17 @@ see SDK types."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from conveyor_protos.v1 import service_pb2 as svc
+from conveyor_protos.v1 import task_pb2 as pb
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
-from conveyor._clients.task_wire import item_result_from_wire, spec_to_wire, task_from_wire
+from conveyor._clients.task_wire import (
+    item_result_from_wire,
+    spec_into,
+    spec_to_wire,
+    task_from_wire,
+)
 from conveyor._errors import ConveyorError, InvalidArgument
 from conveyor._payload import Codec
 from conveyor._types import MAX_BATCH, EnqueueResult, TaskInfo, TaskSpec, spec
@@ -28,14 +34,30 @@ class ProducerBase:
     def _enqueue_request(self, item: TaskSpec) -> svc.EnqueueRequest:
         return svc.EnqueueRequest(task=spec_to_wire(item, self._codec))
 
-    def _batch(self, items: Iterable[TaskSpec]) -> list[Any]:
+    def _batch_request(self, items: Iterable[TaskSpec]) -> svc.EnqueueBatchRequest:
+        request = svc.EnqueueBatchRequest()
+        self._fill(request.tasks, items)
+        return request
+
+    def _tx_request(self, items: Iterable[TaskSpec]) -> svc.EnqueueTxRequest:
+        request = svc.EnqueueTxRequest()
+        self._fill(request.tasks, items)
+        return request
+
+    def _fill(
+        self, tasks: RepeatedCompositeFieldContainer[pb.NewTask], items: Iterable[TaskSpec]
+    ) -> None:
+        # Written into the request itself: a thousand tasks built on their own and then
+        # copied in would cost a copy each, and a thousand more objects alive meanwhile.
         specs = list(items)
         if len(specs) > MAX_BATCH:
             raise InvalidArgument(f"a batch holds at most {MAX_BATCH} tasks, got {len(specs)}")
         for index, item in enumerate(specs):
             if not isinstance(item, TaskSpec):
                 raise InvalidArgument(f"item {index} is not a TaskSpec: {item!r}")
-        return [spec_to_wire(item, self._codec) for item in specs]
+        codec = self._codec
+        for item in specs:
+            spec_into(tasks, item, codec)
 
     def _task(self, response: svc.EnqueueResponse | svc.GetTaskResponse) -> TaskInfo:
         if not response.HasField("task"):

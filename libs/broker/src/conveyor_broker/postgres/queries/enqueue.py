@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 from conveyor_broker.postgres.queries import TASK_COLUMNS
 
@@ -66,35 +67,52 @@ ENQUEUE_OPTIONAL = frozenset(
 
 
 @functools.lru_cache(maxsize=256)
-def enqueue_statement(columns: tuple[str, ...]) -> str:
-    """Insert a batch; rows whose id (or live unique claim) exists are skipped.
+def enqueue_statement(
+    columns: tuple[str, ...], scalars: frozenset[str] = frozenset(), *, skip_existing: bool = True
+) -> str:
+    """Insert a batch: rows whose id (or live unique claim) exists are skipped, and the ids
+    inserted are returned; with ``skip_existing`` False, a plain INSERT (a row whose id
+    exists fails the statement) that returns nothing, for ids that were just made.
 
-    ``$1..$n`` are parallel arrays, one per name of ``columns`` (keys of
-    ``ENQUEUE_COLUMNS``), one element per task; ``$n+1`` is now. The one statement put
-    together from parts, because a batch sends only the optional columns it uses. A batch
-    with none of them (the hot path) runs::
+    ``$1..$n`` take the names of ``columns`` (keys of ``ENQUEUE_COLUMNS``) in order: a
+    parallel array, one element per task, or for a name in ``scalars`` one value that
+    every task of the batch shares; ``$n+1`` is now. The one statement put together from
+    parts, because a batch sends only the optional columns it uses, and one value for a
+    column its tasks agree on (their queue, type, state, retry policy, due time...: an
+    array of a thousand equal values costs more to encode, send and unnest than the rows'
+    own data). ``id`` is always an array. A batch of new tasks with none of the optional
+    columns (the hot path) runs::
 
         INSERT INTO conveyor_tasks AS t (id, queue, type, payload, state, max_retry,
                                          on_failure, available_at, created_at, updated_at)
-        SELECT u.id, u.queue, u.type, u.payload, u.state, u.max_retry, u.on_failure,
-               u.available_at, $9, $9
-        FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[],
-                    $6::int[], $7::text[], $8::timestamptz[])
-             AS u(id, queue, type, payload, state, max_retry, on_failure, available_at)
-        ON CONFLICT DO NOTHING
-        RETURNING t.id
+        SELECT u.id, $2::text, $3::text, $4::bytea, $5::text, $6::int, $7::text,
+               $8::timestamptz, $9, $9
+        FROM unnest($1::text[]) AS u(id)
+
+    (``payload`` is an array as soon as two tasks differ in it.)
     """
+    if "id" in scalars:
+        raise ValueError("id is always an array")
     targets = [c for name in columns for c in ENQUEUE_COLUMNS[name][1]]
-    values = [v for name in columns for v in ENQUEUE_COLUMNS[name][2]]
-    arrays = [f"${i}::{ENQUEUE_COLUMNS[name][0]}[]" for i, name in enumerate(columns, 1)]
+    values: list[str] = []
+    arrays: list[str] = []
+    unnested: list[str] = []
+    for i, name in enumerate(columns, 1):
+        element_type, _, expressions = ENQUEUE_COLUMNS[name]
+        if name in scalars:
+            value = f"${i}::{element_type}"
+            values += [re.sub(rf"\bu\.{name}\b", value, e) for e in expressions]
+        else:
+            values += expressions
+            arrays.append(f"${i}::{element_type}[]")
+            unnested.append(name)
     now = f"${len(columns) + 1}"
+    tail = "ON CONFLICT DO NOTHING\nRETURNING t.id\n" if skip_existing else ""
     return f"""
 INSERT INTO conveyor_tasks AS t ({", ".join(targets)}, created_at, updated_at)
 SELECT {", ".join(values)}, {now}, {now}
-FROM unnest({", ".join(arrays)}) AS u({", ".join(columns)})
-ON CONFLICT DO NOTHING
-RETURNING t.id
-"""
+FROM unnest({", ".join(arrays)}) AS u({", ".join(unnested)})
+{tail}"""
 
 
 #: What only a task with dependencies sets (see ``conveyor_broker.dependencies``).
