@@ -1,4 +1,4 @@
-"""conveyor_broker.construct: the bulk constructor makes what ``__init__`` makes."""
+"""conveyor_protos.construct: the bulk constructor makes what ``__init__`` makes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from conveyor_broker.construct import constructor
 from conveyor_broker.types import EnqueueResult, NewTask, OnFailure, Task, TaskState
+from conveyor_protos.construct import constructor
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
 

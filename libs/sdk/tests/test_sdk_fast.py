@@ -10,9 +10,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from conveyor import JsonCodec, TaskState
 from conveyor._clients.task_wire import task_from_wire
-from conveyor._fast import constructor
 from conveyor._types import EnqueueResult, TaskInfo, TaskOptions
 from conveyor._wire_time import timestamp_to_wire
+from conveyor_protos.construct import constructor
 from conveyor_protos.v1 import task_pb2 as pb
 
 NOW = datetime(2030, 1, 1, 12, 0, 0, 123456, tzinfo=UTC)

@@ -23,8 +23,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 import asyncpg
+from conveyor_protos.construct import constructor
 
-from conveyor_broker.construct import constructor
 from conveyor_broker.dependencies import BatchItem, Start, plan_starts
 from conveyor_broker.errors import BrokerError, DuplicateTask
 from conveyor_broker.ids import new_ids
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     Connection = asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]
 
-#: EnqueueResult as its __init__ makes it, for less (see conveyor_broker.construct).
+#: EnqueueResult as its __init__ makes it, for less (see conveyor_protos.construct).
 _result = constructor(EnqueueResult)
 #: _lock_order of tasks without a unique key, for less.
 _PLAIN_ORDER = operator.attrgetter("queue", "id")

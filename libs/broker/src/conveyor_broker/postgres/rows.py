@@ -9,8 +9,8 @@ from types import MappingProxyType
 from typing import Any
 
 import asyncpg
+from conveyor_protos.construct import constructor
 
-from conveyor_broker.construct import constructor
 from conveyor_broker.postgres.queries import TASK_FIELDS
 from conveyor_broker.postgres.queries.cron import CRON_FIELDS
 from conveyor_broker.postgres.queries.enqueue import ENQUEUE_COLUMNS
@@ -44,7 +44,7 @@ def _headers_to_json(headers: Mapping[str, str]) -> str:
 
 
 _STATES = {state.value: state for state in TaskState}
-#: Task as its __init__ makes it, for less (see conveyor_broker.construct): an enqueue or a
+#: Task as its __init__ makes it, for less (see conveyor_protos.construct): an enqueue or a
 #: lease of a thousand tasks builds a thousand.
 _task = constructor(Task)
 _ON_FAILURE = {value.value: value for value in OnFailure}

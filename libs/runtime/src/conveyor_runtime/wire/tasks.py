@@ -12,9 +12,9 @@ import operator
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 
-from conveyor_broker.construct import constructor
 from conveyor_broker.errors import InvalidTask
 from conveyor_broker.types import NewTask, OnFailure, Task, TaskState
+from conveyor_protos.construct import constructor
 from conveyor_protos.v1 import task_pb2
 
 from conveyor_runtime.wire.time import from_duration, from_timestamp, set_timestamp
@@ -252,7 +252,7 @@ def _read_options(data: bytes, max_retry: int | None, retention: timedelta | Non
 #: not kept (lru_cache keeps results only).
 _cached_options = functools.lru_cache(maxsize=256)(_read_options)
 
-#: NewTask as its __init__ makes it, for less (see conveyor_broker.construct).
+#: NewTask as its __init__ makes it, for less (see conveyor_protos.construct).
 _new_task = constructor(NewTask)
 
 

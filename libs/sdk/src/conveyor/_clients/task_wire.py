@@ -11,6 +11,7 @@ import functools
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from conveyor_protos.construct import constructor
 from conveyor_protos.v1 import service_pb2 as svc
 from conveyor_protos.v1 import task_pb2 as pb
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
@@ -18,7 +19,6 @@ from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from conveyor._errors import CodecError, ConveyorError, InvalidArgument, error_from_status
-from conveyor._fast import constructor
 from conveyor._payload import Codec, decode_value, encode_value
 from conveyor._types import (
     EnqueueResult,
@@ -212,7 +212,7 @@ class _Instants:
 
 
 _instants = _Instants()
-#: TaskInfo and EnqueueResult as their __init__ makes them, for less (see conveyor._fast):
+#: TaskInfo and EnqueueResult as their __init__ makes them, for less (see conveyor_protos.construct):
 #: a batch reads a thousand of each back.
 _task_info = constructor(TaskInfo)
 _enqueue_result = constructor(EnqueueResult)
