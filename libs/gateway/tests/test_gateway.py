@@ -24,28 +24,11 @@ from conveyor_protos.v1 import cluster_pb2, service_pb2, task_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.wire import task_to_envelope
 from conveyor_testkit.polling import wait_until
+from conveyor_testkit.transport import RecordingTransport as Recording
 
 TTL = timedelta(seconds=30)
 #: One second, then two, ...: exact, so retry times can be checked.
 BACKOFF = Backoff(jitter=0.0)
-
-
-@dataclass
-class Recording:
-    """A transport that keeps what it was given."""
-
-    dispatched: list[list[str]] = field(default_factory=list)
-    canceled: list[tuple[str, str, str]] = field(default_factory=list)
-    batches: list[service_pb2.BatchDispatch] = field(default_factory=list)
-
-    def dispatch(self, tasks: Sequence[task_pb2.TaskEnvelope]) -> None:
-        self.dispatched.append([env.id for env in tasks])
-
-    def dispatch_batch(self, batch: service_pb2.BatchDispatch) -> None:
-        self.batches.append(batch)
-
-    def cancel(self, task_id: str, lease_id: str, reason: str) -> None:
-        self.canceled.append((task_id, lease_id, reason))
 
 
 @dataclass

@@ -122,28 +122,7 @@ def spec_to_wire(spec: TaskSpec, codec: Codec) -> pb.NewTask:
 
     Raises InvalidArgument when the codec cannot encode the payload.
     """
-    try:
-        payload = encode_value(codec, spec.payload)
-    except Exception as exc:
-        raise InvalidArgument(f"cannot encode payload of {spec.type!r}: {exc}") from exc
-    headers = spec.headers
-    if headers:
-        return pb.NewTask(
-            id=spec.id or "",
-            queue=spec.queue,
-            type=spec.type,
-            payload=payload,
-            headers=dict(headers),
-            options=_options_to_wire(spec.options),
-        )
-    # No headers (the usual case): an empty map costs as much to pass as the rest.
-    return pb.NewTask(
-        id=spec.id or "",
-        queue=spec.queue,
-        type=spec.type,
-        payload=payload,
-        options=_options_to_wire(spec.options),
-    )
+    return pb.NewTask(**_wire_fields(spec, codec))
 
 
 def spec_into(
@@ -154,28 +133,26 @@ def spec_into(
 
     Raises InvalidArgument when the codec cannot encode the payload.
     """
+    tasks.add(**_wire_fields(spec, codec))
+
+
+def _wire_fields(spec: TaskSpec, codec: Codec) -> dict[str, Any]:
+    """The fields of the wire NewTask for ``spec`` (headers only when it has some: an
+    empty map costs as much to pass as the rest)."""
     try:
         payload = encode_value(codec, spec.payload)
     except Exception as exc:
         raise InvalidArgument(f"cannot encode payload of {spec.type!r}: {exc}") from exc
-    headers = spec.headers
-    if headers:
-        tasks.add(
-            id=spec.id or "",
-            queue=spec.queue,
-            type=spec.type,
-            payload=payload,
-            headers=dict(headers),
-            options=_options_to_wire(spec.options),
-        )
-    else:
-        tasks.add(
-            id=spec.id or "",
-            queue=spec.queue,
-            type=spec.type,
-            payload=payload,
-            options=_options_to_wire(spec.options),
-        )
+    fields: dict[str, Any] = {
+        "id": spec.id or "",
+        "queue": spec.queue,
+        "type": spec.type,
+        "payload": payload,
+        "options": _options_to_wire(spec.options),
+    }
+    if spec.headers:
+        fields["headers"] = dict(spec.headers)
+    return fields
 
 
 def _decode(codec: Codec, data: bytes, what: str, task_id: str) -> Any:
