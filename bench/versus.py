@@ -44,6 +44,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,8 @@ async def conveyor_system(args: argparse.Namespace, dsn: str, workdir: Path) -> 
     nats.start()
     cluster = Cluster(dsn=dsn, nats_url=nats.url, workdir=workdir)
     cluster.settings_env["CONVEYOR_LOG_LEVEL"] = "warning"
+    if args.backlog_limit:
+        cluster.settings_env["CONVEYOR_ENQUEUE_BACKLOG_LIMIT"] = str(args.backlog_limit)
     target = await cluster.start_services()
     client = AsyncClient(target)
     await client.__aenter__()
@@ -280,6 +283,8 @@ async def _sustained(
     starts.poll()
     started = len(starts.at) - started_before
     await asyncio.gather(*calls)
+    # What admission control refused (Conveyor with --backlog-limit): offered, not sent.
+    refused = per_tick * ticks - len(sent)
     backlog = await system.unfinished(conn)
     # Let the backlog drain (bounded) so the latencies of the stream's tail are counted.
     await wait_until(
@@ -292,6 +297,7 @@ async def _sustained(
     return {
         "rate": rate,
         "sent": len(sent),
+        "refused": refused,
         "started_per_s": round(started / window),
         "backlog_at_end": backlog,
         "p50_ms": round(percentile(latencies, 50), 2),
@@ -390,6 +396,9 @@ def table(runs: list[dict[str, Any]], rates: list[int]) -> tuple[str, dict[str, 
     mine = {s: [r for r in runs if r["system"] == s] for s in ("conveyor", "pgqueuer")}
     medians: dict[str, dict[str, float]] = {}
     for system, rs in mine.items():
+        if not rs:  # a run of one system only (--systems)
+            medians[system] = defaultdict(float)
+            continue
         medians[system] = {key: statistics.median(r[key] for r in rs) for key, _, _ in ROWS}
         for i, rate in enumerate(rates):
             for key in ("started_per_s", "p50_ms", "p99_ms", "p999_ms", "backlog_at_end"):
@@ -408,7 +417,7 @@ def table(runs: list[dict[str, Any]], rates: list[int]) -> tuple[str, dict[str, 
         ratios[key] = ratio
         shown = "" if ratio is None else f"{ratio:.2f}x"
         lines.append(f"{label:46} {c:>10} {p:>10} {shown:>7}")
-    runs_each = len(mine["conveyor"])
+    runs_each = max(len(rs) for rs in mine.values())
     lines.insert(0, f"medians of {runs_each} run(s) each (ratio: conveyor / pgqueuer)")
     return "\n".join(lines), {"medians": medians, "ratios": ratios}
 
@@ -431,12 +440,24 @@ def main() -> None:
         help="comma-separated steady rates (tasks/s) to hold, each for --duration",
     )
     parser.add_argument("--duration", type=float, default=30.0, help="seconds per steady rate")
+    parser.add_argument(
+        "--backlog-limit",
+        type=int,
+        default=0,
+        help="Conveyor's CONVEYOR_ENQUEUE_BACKLOG_LIMIT (admission control; 0: none)",
+    )
+    parser.add_argument(
+        "--systems",
+        type=lambda text: [s for s in text.split(",") if s],
+        default=["conveyor", "pgqueuer"],
+        help="comma-separated systems to run (conveyor, pgqueuer): one alone, to iterate",
+    )
     parser.add_argument("--admin-dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
     args = parser.parse_args()
     runs: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         order = ("conveyor", "pgqueuer") if round_ % 2 == 0 else ("pgqueuer", "conveyor")
-        for which in order:
+        for which in (w for w in order if w in args.systems):
             result = uvloop.run(run_system(args, which))
             runs.append(result)
             print(f"round {round_ + 1} {which}: {json.dumps(result)}", flush=True)

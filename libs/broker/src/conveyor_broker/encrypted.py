@@ -463,6 +463,9 @@ class EncryptedBroker(Broker):
     async def _due_queues(self, after: str | None, limit: int) -> list[str]:
         return await self._inner._due_queues(after, limit)
 
+    async def _due_count(self, queue: str, cap: int) -> int:
+        return await self._inner._due_count(queue, cap)
+
     async def _queue_stats(self, queue: str | None) -> list[QueueStats]:
         return await self._inner._queue_stats(queue)
 

@@ -56,6 +56,11 @@ class NotSupported(BrokerError):
     rather than kept waiting forever."""
 
 
+class QueueFull(BrokerError):
+    """A queue's backlog is at its admission limit (the api's
+    CONVEYOR_ENQUEUE_BACKLOG_LIMIT): nothing was stored; retry later."""
+
+
 class BrokerClosed(BrokerError):
     """The broker was closed."""
 

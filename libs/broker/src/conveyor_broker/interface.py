@@ -664,6 +664,17 @@ class Broker(abc.ABC):
             check_queue(queue)
         return await self._pending_count(queue)
 
+    async def due_count(self, queue: str, *, cap: int) -> int:
+        """``queue``'s due tasks (what ``lease`` would pick now), counted up to ``cap``:
+        ``min(cap, due)``. Its cost follows ``cap`` rather than the backlog, so it can be
+        asked often (the api's enqueue admission does). InvalidTask for a bad queue name
+        or a ``cap`` below 1."""
+        self._check_open()
+        check_queue(queue)
+        if cap < 1:
+            raise InvalidTask(f"cap must be at least 1, got {cap}")
+        return await self._due_count(queue, cap)
+
     async def due_queues(self, *, after: str | None = None, limit: int = 1000) -> list[str]:
         """Queues that have a due task (what ``lease`` would pick now): the keys of
         ``pending_count()``, without counting. Sorted by name; only names after ``after``
@@ -1383,6 +1394,9 @@ class Broker(abc.ABC):
 
     @abc.abstractmethod
     async def _due_queues(self, after: str | None, limit: int) -> list[str]: ...
+
+    @abc.abstractmethod
+    async def _due_count(self, queue: str, cap: int) -> int: ...
 
     async def _due_among(self, queues: list[str]) -> list[str]:
         """``queues``: distinct valid names, sorted, at least one. This default pages

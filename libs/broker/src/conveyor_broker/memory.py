@@ -679,6 +679,10 @@ class MemoryBroker(Broker):
                     counts[name] = due
             return counts
 
+    async def _due_count(self, queue: str, cap: int) -> int:
+        async with self._locked() as now:
+            return min(cap, sum(_is_due(task, now) for task in self._table.leasable(queue)))
+
     async def _due_queues(self, after: str | None, limit: int) -> list[str]:
         async with self._locked() as now:
             due = [

@@ -397,6 +397,19 @@ class ApiSettings(WebhookAccessSettings):
     enqueue_batch_max: int = Field(
         500, ge=1, le=1000, description="Most enqueues in one group commit"
     )
+    enqueue_backlog_limit: int = Field(
+        0,
+        ge=0,
+        description="Admission control: a queue holding this many due tasks takes no new "
+        "task until its backlog falls under it; an enqueue waits up to "
+        "CONVEYOR_ENQUEUE_ADMISSION_WAIT, then gets RESOURCE_EXHAUSTED (0: no limit)",
+    )
+    enqueue_admission_wait: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds an enqueue into a queue at its backlog limit waits for room "
+        "before RESOURCE_EXHAUSTED",
+    )
     auth_tokens: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="Bearer tokens, comma-separated, each name:role:secret; roles admin, "

@@ -36,6 +36,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
 from conveyor_api.admin_service import AdminService
+from conveyor_api.admission import Admission
 from conveyor_api.auth import BearerAuthInterceptor, ReadOnlyInterceptor
 from conveyor_api.decoding import add_service
 from conveyor_api.semver import parse_version
@@ -213,7 +214,18 @@ class ApiServer:
         add_service(
             server,
             _SERVICES["TaskService"],
-            TaskService(self.broker, self.clock, defaults, self.committer, self.wakes),
+            TaskService(
+                self.broker,
+                self.clock,
+                defaults,
+                self.committer,
+                self.wakes,
+                Admission(
+                    self.broker,
+                    limit=settings.enqueue_backlog_limit,
+                    wait=settings.enqueue_admission_wait,
+                ),
+            ),
         )
         add_service(
             server,

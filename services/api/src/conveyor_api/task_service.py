@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -19,14 +20,16 @@ from conveyor_broker import (
     InvalidTask,
     NewTask,
     NotSupported,
+    QueueFull,
 )
 from conveyor_broker.clock import Clock
-from conveyor_broker.validation import check_task_id
+from conveyor_broker.validation import check_queue, check_task_id
 from conveyor_gateway import EnqueueCommitter, WakePublisher
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc
 from conveyor_runtime import metrics
 from conveyor_runtime.wire import TaskDefaults, TaskProtos, new_task_from_request, task_to_proto
 
+from conveyor_api.admission import Admission, backlog_full
 from conveyor_api.broker_status import abort_for_error, status_code_of, status_message
 from conveyor_api.tracing import commit_span, stamp_tasks
 
@@ -67,8 +70,11 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
         defaults: TaskDefaults,
         committer: EnqueueCommitter,
         wakes: WakePublisher,
+        admission: Admission | None = None,
     ) -> None:
         self._broker = broker
+        #: Backpressure on a queue past its backlog limit (none: no limit).
+        self._admission = admission
         self._clock = clock
         self._defaults = defaults
         self._committer = committer
@@ -91,6 +97,8 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
         """Validate, group-commit, answer after the commit."""
         try:
             task = new_task_from_request(request.task, self._clock, self._defaults)
+            if self._admission is not None:
+                await self._admission.admit(task.queue)
             (task,) = stamp_tasks([task])
             with commit_span([task]):
                 result = await self._committer.enqueue(task)
@@ -109,11 +117,19 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
             )
         refused: dict[int, BrokerError] = {}
         work: list[NewTask] = []
+        # Admission first: the items of a queue at its backlog limit are refused before
+        # any work is spent on them (that work is what a backlog limit saves).
+        full: set[str] = set()
+        if self._admission is not None and self._admission.enabled:
+            full = await self._admission.admit_each(_named_queues(request.tasks))
         # One now for the whole request (process_in and the time bounds are read against it).
         now = self._clock.now()
         for index, msg in enumerate(request.tasks):
             if index and index % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # let worker sessions run: see YIELD_EVERY
+            if msg.queue in full:
+                refused[index] = QueueFull(backlog_full(msg.queue))
+                continue
             try:
                 work.append(new_task_from_request(msg, self._clock, self._defaults, now=now))
             except (InvalidTask, NotSupported) as exc:
@@ -160,7 +176,12 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
     ) -> service_pb2.EnqueueTxResponse:
         """All-or-nothing: one broker transaction, no group commit."""
         try:
-            tasks = stamp_tasks(self._convert_batch(request.tasks, "EnqueueTx"))
+            converted = self._convert_batch(request.tasks, "EnqueueTx")
+            if self._admission is not None and self._admission.enabled:
+                full = await self._admission.admit_each(Counter(t.queue for t in converted))
+                if full:
+                    raise QueueFull(backlog_full(min(full)))
+            tasks = stamp_tasks(converted)
             with commit_span(tasks):
                 results = await self._broker.enqueue_batch(tasks) if tasks else []
         except Exception as exc:
@@ -179,6 +200,20 @@ class TaskService(service_pb2_grpc.TaskServiceServicer):
         except Exception as exc:
             await abort_for_error(context, exc)
         return service_pb2.GetTaskResponse(task=task_to_proto(task))
+
+
+def _named_queues(tasks: Any) -> Counter[str]:
+    """How many of ``tasks`` (wire NewTasks) name each valid queue (a bad name is the
+    item's own INVALID_ARGUMENT, found by its conversion)."""
+    counts: Counter[str] = Counter()
+    for msg in tasks:
+        counts[msg.queue] += 1
+    for queue in list(counts):
+        try:
+            check_queue(queue)
+        except InvalidTask:
+            del counts[queue]
+    return counts
 
 
 def _item_error(exc: BrokerError) -> dict[str, str]:

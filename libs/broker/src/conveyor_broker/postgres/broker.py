@@ -125,6 +125,7 @@ from conveyor_broker.postgres.queries.sweeps import (
     BEAT_HOLDER,
     DEAD_HOLDERS,
     DUE_AMONG,
+    DUE_COUNT_CAPPED,
     DUE_QUEUES,
     FREE_ALL_LAPSED_CLAIMS,
     OLDEST_DUE,
@@ -705,6 +706,11 @@ class PostgresBroker(Broker):
             return {row["queue"]: row["n"] for row in rows}
         count: int = await self._fetchval(PENDING_COUNT_QUEUE, now, queue)
         return {queue: count} if count else {}
+
+    async def _due_count(self, queue: str, cap: int) -> int:
+        # At most ``cap`` entries of the due index read, however long the backlog.
+        count: int = await self._fetchval(DUE_COUNT_CAPPED, self._clock.now(), queue, cap)
+        return count
 
     async def _due_queues(self, after: str | None, limit: int) -> list[str]:
         # One index probe or two per queue that has PENDING or RETRY rows.

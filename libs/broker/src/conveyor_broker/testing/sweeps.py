@@ -310,6 +310,24 @@ class SweepTests:
         with pytest.raises(InvalidTask):
             await broker.pending_count("not a queue")
 
+    async def test_due_count_is_capped(self, broker: Broker, clock: FakeClock) -> None:
+        now = clock.now()
+        assert await broker.due_count(QUEUE, cap=10) == 0
+        await enqueue_and_lease(broker)  # leased: not due
+        await broker.enqueue_batch([new_task() for _ in range(4)] + [new_task(OTHER_QUEUE)])
+        await enqueue(broker, process_at=now + timedelta(seconds=5))
+        assert await broker.due_count(QUEUE, cap=10) == 4
+        assert await broker.due_count(QUEUE, cap=3) == 3
+        assert await broker.due_count(OTHER_QUEUE, cap=3) == 1
+        await enqueue(broker, expires_at=now + timedelta(seconds=1))
+        assert await broker.due_count(QUEUE, cap=10) == 5
+        clock.advance(timedelta(seconds=1))  # expired: not due any more
+        assert await broker.due_count(QUEUE, cap=10) == 4
+        with pytest.raises(InvalidTask):
+            await broker.due_count("not a queue", cap=1)
+        with pytest.raises(InvalidTask):
+            await broker.due_count(QUEUE, cap=0)
+
     async def test_pending_count_includes_due_retries(
         self, broker: Broker, clock: FakeClock
     ) -> None:

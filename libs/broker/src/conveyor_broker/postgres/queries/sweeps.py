@@ -203,6 +203,16 @@ WHERE queue = $2 AND state IN ('pending', 'retry') AND available_at <= $1
   AND (expires_at IS NULL OR expires_at > $1)
 """
 
+#: Queue $2's due tasks at now $1, counted up to $3: the LIMIT bounds the rows read.
+DUE_COUNT_CAPPED = """
+SELECT count(*) FROM (
+    SELECT 1 FROM conveyor_tasks
+    WHERE queue = $2 AND state IN ('pending', 'retry') AND available_at <= $1
+      AND (expires_at IS NULL OR expires_at > $1)
+    LIMIT $3
+) due
+"""
+
 #: Queues that have a due task at now $1, named after $2, by name, at most $3. A skip
 #: scan of conveyor_tasks_due_idx: one probe finds the next queue that has PENDING or
 #: RETRY rows, one more its first due row; no row is counted.
