@@ -11,7 +11,6 @@ import asyncio
 import re
 from datetime import timedelta
 from importlib import resources
-from typing import Any
 
 import asyncpg
 import pytest
@@ -28,62 +27,17 @@ from conveyor_broker.postgres import PostgresBroker, latest_version, migrate, mi
 from conveyor_broker.postgres.migrations import declared_schema, load_migrations
 from conveyor_broker.postgres.queries.enqueue import ENQUEUE
 from conveyor_broker.postgres.rows import enqueue_params, new_task
-from conveyor_broker.testing.schemas import brokers, scratch_database, scratch_schema
+from conveyor_broker.testing.schemas import (
+    CATALOG_PARTS,
+    brokers,
+    catalog,
+    scratch_database,
+    scratch_schema,
+)
 
 pytestmark = pytest.mark.postgres
 
 TTL = timedelta(seconds=30)
-
-# The catalog of the public schema, every part as sorted rows, so that two databases
-# can be compared with ==.
-_CATALOG_QUERIES = {
-    "tables": """
-        SELECT c.relname, c.relkind::text FROM pg_class c
-        JOIN pg_namespace n ON n.oid = c.relnamespace
-        WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v', 'm', 'S')
-        ORDER BY 1""",
-    "columns": """
-        SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
-               pg_get_expr(d.adbin, d.adrelid), co.collname, a.attnum
-        FROM pg_attribute a
-        JOIN pg_class c ON c.oid = a.attrelid
-        JOIN pg_namespace n ON n.oid = c.relnamespace
-        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-        LEFT JOIN pg_collation co ON co.oid = a.attcollation
-        WHERE n.nspname = 'public' AND c.relkind = 'r' AND a.attnum > 0
-          AND NOT a.attisdropped
-        ORDER BY 1, 7""",
-    "indexes": """
-        SELECT tablename, indexname, indexdef FROM pg_indexes
-        WHERE schemaname = 'public' ORDER BY 1, 2""",
-    "constraints": """
-        SELECT c.relname, k.conname, k.contype::text, pg_get_constraintdef(k.oid)
-        FROM pg_constraint k
-        JOIN pg_class c ON c.oid = k.conrelid
-        JOIN pg_namespace n ON n.oid = c.relnamespace
-        WHERE n.nspname = 'public' ORDER BY 1, 2""",
-    "types": """
-        SELECT t.typname, t.typtype::text FROM pg_type t
-        JOIN pg_namespace n ON n.oid = t.typnamespace
-        WHERE n.nspname = 'public' AND t.typtype IN ('e', 'd', 'c')
-          AND NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.reltype = t.oid)
-        ORDER BY 1""",
-    "functions": """
-        SELECT p.proname, pg_get_function_identity_arguments(p.oid) FROM pg_proc p
-        JOIN pg_namespace n ON n.oid = p.pronamespace
-        WHERE n.nspname = 'public' ORDER BY 1, 2""",
-}
-
-
-async def catalog(dsn: str) -> dict[str, list[tuple[Any, ...]]]:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return {
-            part: [tuple(row) for row in await conn.fetch(query)]
-            for part, query in _CATALOG_QUERIES.items()
-        }
-    finally:
-        await conn.close()
 
 
 async def test_migrations_produce_the_declared_schema(pg_dsn: str) -> None:
@@ -96,7 +50,7 @@ async def test_migrations_produce_the_declared_schema(pg_dsn: str) -> None:
             await conn.close()
         from_migrations, from_schema = await catalog(migrated), await catalog(declared)
     assert from_migrations["tables"], "nothing was created"
-    for part in _CATALOG_QUERIES:
+    for part in CATALOG_PARTS:
         assert from_migrations[part] == from_schema[part], f"{part} differ"
 
 

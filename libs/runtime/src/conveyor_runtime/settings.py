@@ -622,6 +622,60 @@ class WebhookSettings(WebhookAccessSettings):
     )
 
 
+class BepSettings(CommonSettings):
+    """services/bep: the Bazel Build Event Protocol ingest (``conveyor-bep``). It shares
+    Postgres (schema ``bep``) and NATS (key invalidation, live digests) with the task
+    queue; it is not part of the task queue's cluster, so it needs no cluster key."""
+
+    host: str = Field("127.0.0.1", description="gRPC listen address of the BES endpoint")
+    port: int = Field(
+        8985, ge=0, le=65535, description="gRPC listen port of the BES endpoint (0: any free)"
+    )
+    tls_cert: str | None = Field(
+        None, description="Server certificate (PEM file) of the BES endpoint"
+    )
+    tls_key: str | None = Field(None, description="Private key (PEM file) of tls_cert")
+    tls_client_ca: str | None = Field(
+        None, description="CA (PEM file) clients must present a certificate of (mutual TLS)"
+    )
+    bep_writer_shards: int = Field(
+        4, ge=1, le=64, description="Writer shards (group-commit loops), by invocation id hash"
+    )
+    bep_commit_interval: float = Field(
+        0.02, ge=0, description="Seconds between a writer shard's group commits"
+    )
+    bep_batch_window: float = Field(
+        0.05, gt=0, description="Seconds after which a stream's open batch closes"
+    )
+    bep_batch_events: int = Field(500, ge=1, description="Events after which a batch closes")
+    bep_batch_bytes: int = Field(
+        256 * 1024, ge=1024, description="Bytes after which a batch closes"
+    )
+    bep_key_cache_ttl: float = Field(
+        300.0, ge=0, description="Seconds an API key lookup is cached per node"
+    )
+    bep_max_message: int = Field(
+        64 * 1024 * 1024, ge=1024 * 1024, description="Largest gRPC message accepted (bytes)"
+    )
+    bep_segment_retention_days: int = Field(
+        30, ge=1, description="Days raw event and log segments are kept (partitions dropped)"
+    )
+    bep_build_retention_days: int = Field(
+        90, ge=1, description="Days build rows are kept (deleted in batches)"
+    )
+    bep_upkeep_interval: float = Field(
+        3600.0, gt=0, description="Seconds between retention and partition upkeep passes"
+    )
+    bep_use_nats: bool = Field(
+        True, description="Use NATS for key invalidation and live digests (off: TTL only)"
+    )
+
+    @model_validator(mode="after")
+    def _server_tls(self) -> Self:
+        check_server_tls(self)
+        return self
+
+
 class RestSettings(BaseSettings):
     """services/rest: the REST admin API and the ``/ui`` dashboard, a gRPC client of an
     api. It is on neither NATS nor Postgres, so it has these settings only (none of
@@ -707,6 +761,7 @@ SERVICE_SETTINGS: dict[str, type[CommonSettings] | type[RestSettings]] = {
     "maintenance": MaintenanceSettings,
     "webhook": WebhookSettings,
     "rest": RestSettings,
+    "bep": BepSettings,
 }
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal, cast
 from urllib.parse import parse_qs, urlsplit
 
 if TYPE_CHECKING:
-    from conveyor_runtime.settings import ApiSettings, CommonSettings, RestSettings
+    from conveyor_runtime.settings import ApiSettings, BepSettings, CommonSettings, RestSettings
 
 __all__ = [
     "SECURE_SSLMODES",
@@ -203,7 +203,7 @@ def check_links(settings: CommonSettings) -> None:
     _raise(problems)
 
 
-def check_server_tls(settings: ApiSettings) -> None:
+def check_server_tls(settings: ApiSettings | BepSettings) -> None:
     """Raise ValueError for the api's gRPC TLS settings: a certificate without its key,
     a client CA without a certificate, unreadable files, and (unless ``allow_plaintext``)
     no certificate on a port that listens beyond loopback."""

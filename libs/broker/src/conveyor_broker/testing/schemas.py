@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 
@@ -81,3 +82,60 @@ async def brokers(dsn: str, clock: FakeClock, count: int) -> AsyncIterator[list[
     finally:
         for broker in opened:
             await broker.close()
+
+
+#: The catalog of one schema, every part as sorted rows, so that two databases can be
+#: compared with == (``$1`` is the schema's name).
+_CATALOG_QUERIES = {
+    "tables": """
+        SELECT c.relname, c.relkind::text FROM pg_class c
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = $1 AND c.relkind IN ('r', 'p', 'v', 'm', 'S')
+        ORDER BY 1""",
+    "columns": """
+        SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+               pg_get_expr(d.adbin, d.adrelid), co.collname, a.attnum
+        FROM pg_attribute a
+        JOIN pg_class c ON c.oid = a.attrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        LEFT JOIN pg_collation co ON co.oid = a.attcollation
+        WHERE n.nspname = $1 AND c.relkind = 'r' AND a.attnum > 0
+          AND NOT a.attisdropped
+        ORDER BY 1, 7""",
+    "indexes": """
+        SELECT tablename, indexname, indexdef FROM pg_indexes
+        WHERE schemaname = $1 ORDER BY 1, 2""",
+    "constraints": """
+        SELECT c.relname, k.conname, k.contype::text, pg_get_constraintdef(k.oid)
+        FROM pg_constraint k
+        JOIN pg_class c ON c.oid = k.conrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = $1 ORDER BY 1, 2""",
+    "types": """
+        SELECT t.typname, t.typtype::text FROM pg_type t
+        JOIN pg_namespace n ON n.oid = t.typnamespace
+        WHERE n.nspname = $1 AND t.typtype IN ('e', 'd', 'c')
+          AND NOT EXISTS (SELECT 1 FROM pg_class c WHERE c.reltype = t.oid)
+        ORDER BY 1""",
+    "functions": """
+        SELECT p.proname, pg_get_function_identity_arguments(p.oid) FROM pg_proc p
+        JOIN pg_namespace n ON n.oid = p.pronamespace
+        WHERE n.nspname = $1 ORDER BY 1, 2""",
+}
+
+
+#: The parts :func:`catalog` returns.
+CATALOG_PARTS = tuple(_CATALOG_QUERIES)
+
+
+async def catalog(dsn: str, schema: str = "public") -> dict[str, list[tuple[Any, ...]]]:
+    """Tables, columns, indexes, constraints, types and functions of ``schema``."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return {
+            part: [tuple(row) for row in await conn.fetch(query, schema)]
+            for part, query in _CATALOG_QUERIES.items()
+        }
+    finally:
+        await conn.close()

@@ -1,0 +1,1 @@
+"""Bazel Build Event Protocol ingest."""
