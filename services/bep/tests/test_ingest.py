@@ -29,7 +29,7 @@ from conveyor_bep.keys import KeyCache, create_key, create_project
 from conveyor_bep.normalize import Changes
 from conveyor_bep.server import BepServer
 from conveyor_bep.store import BEP_MIGRATIONS
-from conveyor_bep.writer import Batch, WriterShard, decode_delimited, decompress
+from conveyor_bep.writer import Batch, WriterShard, decode_delimited, decompress, varint
 from conveyor_testkit.bep import publish, request, sample_events, sample_stream
 
 pytestmark = pytest.mark.postgres
@@ -305,14 +305,8 @@ async def test_fields_of_a_newer_bazel_are_kept_and_masked(rig: Rig) -> None:
     event = sample_events()[0]
     # A field number this version does not know, holding a header flag.
     unknown = b"--remote_header=x-api-key=" + SECRETS[0].encode()
-    tag = (999 << 3) | 2
-    varint = bytearray()
-    n = tag
-    while n > 0x7F:
-        varint.append((n & 0x7F) | 0x80)
-        n >>= 7
-    varint.append(n)
-    data = event.SerializeToString() + bytes(varint) + bytes([len(unknown)]) + unknown
+    field = varint((999 << 3) | 2)  # field 999, length-delimited
+    data = event.SerializeToString() + field + varint(len(unknown)) + unknown
     newer = bes.BuildEvent.FromString(data)
     stream = [request("inv-new", 1, bazel=newer), request("inv-new", 2, finished=True)]
     outcome = await publish(rig.channel, stream, key=rig.key)

@@ -232,7 +232,11 @@ class InvocationStream:
 
     def _accept(self, ordered: publish_build_event_pb2.OrderedBuildEvent) -> None:
         bazel, console = scrub_ordered_event(ordered)
-        data = mask_bytes(ordered.SerializeToString())
+        data = ordered.SerializeToString()
+        if bazel is None:
+            # A Bazel event's bytes were masked when it was repacked; the envelope around
+            # it holds only ids, numbers and times.
+            data = mask_bytes(data)
         batch = self._batch
         if batch is None:
             batch = self._batch = Batch(

@@ -44,21 +44,19 @@ class FencedOut(Exception):
     """Another worker took the invocation over: this stream must end (Bazel retries)."""
 
 
+def varint(n: int) -> bytes:
+    """The base-128 varint of ``n`` >= 0 (protobuf's length prefix)."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def encode_delimited(messages: Sequence[bytes]) -> bytes:
     """Messages as one varint-length-delimited byte string (Bazel's binary file format)."""
-    out = bytearray()
-    for data in messages:
-        n = len(data)
-        while True:
-            byte = n & 0x7F
-            n >>= 7
-            if n:
-                out.append(byte | 0x80)
-            else:
-                out.append(byte)
-                break
-        out += data
-    return bytes(out)
+    return b"".join(varint(len(data)) + data for data in messages)
 
 
 def decode_delimited(data: bytes) -> list[bytes]:
