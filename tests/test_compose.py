@@ -30,7 +30,7 @@ from conveyor_runtime.ownership import TRANSPORT_ERRORS
 from conveyor_runtime.settings import SERVICE_SETTINGS, ApiSettings, CommonSettings, RestSettings
 from conveyor_runtime.tls import client_context
 from conveyor_runtime.wire import DISPATCH_OVERHEAD
-from conveyor_testkit.certs import NATS_CLUSTER_NODES, NATS_USERS
+from conveyor_testkit.certs import BEP_NATS_USERS, NATS_CLUSTER_NODES, NATS_USERS, nkey_variable
 from conveyor_testkit.polling import wait_until
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -43,8 +43,11 @@ CONVEYOR = {name: svc for name, svc in SERVICES.items() if svc.get("image") == "
 #: The Conveyor services that are only gRPC clients of the api (on neither NATS nor
 #: Postgres): the REST admin API.
 API_CLIENTS = {"rest"}
+#: The build-event services (the ingest and its web UI): on NATS and Postgres, but not
+#: of the task queue's cluster (no cluster key, nothing encrypted at rest).
+BEP = {"bep", "bep-web"}
 #: The Conveyor services on NATS and Postgres (migrate: Postgres only).
-CLUSTER = {name: svc for name, svc in CONVEYOR.items() if name not in API_CLIENTS}
+CLUSTER = {name: svc for name, svc in CONVEYOR.items() if name not in API_CLIENTS | BEP}
 
 
 #: What the top of compose.yaml says to set for the nats-cluster profile.
@@ -91,6 +94,8 @@ def test_the_stack_has_every_part() -> None:
         "maintenance",
         "webhook",
         "rest",
+        "bep",
+        "bep-web",
         "jaeger",
         "prometheus",
         "grafana",
@@ -131,6 +136,9 @@ def test_long_running_services_restart_and_have_health_checks(name: str) -> None
     if name in API_CLIENTS:
         # It needs the api only, and the api a migrated database.
         assert service["depends_on"]["api"]["condition"] == "service_healthy"
+    elif name == "bep-web":
+        # It reads the schema the ingest applies at start.
+        assert service["depends_on"]["bep"]["condition"] == "service_healthy"
     else:
         assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
 
@@ -169,6 +177,38 @@ def test_services_reach_postgres_and_nats_by_their_compose_names() -> None:
         if name != "migrate":
             assert interpolate(env["CONVEYOR_NATS_URL"], {}) == "tls://nats:4222", name
             assert interpolate(env["CONVEYOR_NATS_REPLICAS"], {}) == "1", name
+
+
+def test_the_build_event_services_share_the_stack_over_tls() -> None:
+    """The ingest and its web UI: Postgres and NATS as the task queue's services reach
+    them (same TLS settings), each with a NATS user of its own, their ports published
+    and health-checked, TLS on both; the ingest applies its own schema, the web UI's
+    admin token comes from the operator's environment."""
+    api = SERVICES["api"]["environment"]
+    for name in sorted(BEP):
+        env = SERVICES[name]["environment"]
+        assert "@postgres:5432/" in env["CONVEYOR_DSN"], name
+        for variable in (
+            "CONVEYOR_NATS_URL",
+            "CONVEYOR_NATS_TLS_CA",
+            "CONVEYOR_DB_SSLMODE",
+            "CONVEYOR_DB_SSLROOTCERT",
+        ):
+            assert env[variable] == api[variable], (name, variable)
+        assert env["CONVEYOR_NATS_NKEY_SEED"] == f"/tls/{name}.nk"
+        assert env["CONVEYOR_TLS_CERT"] == f"/tls/{name}.pem"
+        assert env["CONVEYOR_TLS_KEY"] == f"/tls/{name}.key"
+        port = env["CONVEYOR_PORT"]
+        assert f"{port}:{port}" in SERVICES[name]["ports"]
+        check = SERVICES[name]["healthcheck"]["test"]
+        assert check[check.index("--port") + 1] == port
+        assert env["CONVEYOR_HOST"] == "0.0.0.0"
+    assert {Path(SERVICES[n]["environment"]["CONVEYOR_NATS_NKEY_SEED"]).stem for n in BEP} == set(
+        BEP_NATS_USERS
+    )
+    assert SERVICES["bep"]["environment"]["CONVEYOR_AUTO_MIGRATE"] == "true"
+    token = SERVICES["bep-web"]["environment"]["CONVEYOR_BEP_WEB_ADMIN_TOKEN"]
+    assert token == "${CONVEYOR_BEP_WEB_ADMIN_TOKEN:-}"
 
 
 def test_the_rest_service_reaches_the_api_over_tls_and_serves_its_port() -> None:
@@ -309,7 +349,9 @@ def test_tls_settings_agree_across_services() -> None:
     users = re.findall(
         r"\{\s*nkey:\s*\$(\w+)_NKEY,\s*permissions:\s*\$(\w+)_PERMISSIONS", nats_conf
     )
-    assert {user.lower() for user, _ in users} == set(NATS_USERS)
+    assert {f"{user}_NKEY" for user, _ in users} == {
+        nkey_variable(u) for u in (*NATS_USERS, *BEP_NATS_USERS)
+    }
     assert all(user == permissions for user, permissions in users), users
     # The services share one cluster key, the file dev-certs writes.
     keys = {env.get("CONVEYOR_CLUSTER_KEY_FILE") for env in services.values()}
@@ -345,6 +387,9 @@ def test_certificates_name_the_hosts_services_connect_to(dev_certs: Path) -> Non
     rest = urlsplit(SERVICES["rest"]["environment"]["CONVEYOR_TARGET"])
     assert rest.hostname in _sans(dev_certs / "api.pem")
     assert {"rest", "localhost"} <= _sans(dev_certs / "rest.pem")
+    # Bazel on the host reaches the ingest as localhost, browsers the web UI likewise.
+    assert {"bep", "localhost"} <= _sans(dev_certs / "bep.pem")
+    assert {"bep-web", "localhost"} <= _sans(dev_certs / "bep-web.pem")
 
 
 #: What an operator puts in CONVEYOR_AUTH_TOKENS for `docker compose up` (compose requires it).
@@ -375,6 +420,12 @@ def test_each_service_accepts_its_tls_settings(
         monkeypatch.setenv(var, value)
     settings = settings_for(CONVEYOR[name]["command"])()
     assert not settings.allow_plaintext
+    if name in BEP:
+        # TLS on its own port; on NATS with its own key; no cluster key to seal with.
+        assert isinstance(settings, CommonSettings)
+        assert getattr(settings, "tls_cert", None)
+        assert settings.nats_nkey_seed
+        return
     if isinstance(settings, RestSettings):
         # The api over TLS, verified against the CA; HTTPS for the browsers.
         assert settings.target.startswith("https://")
@@ -592,6 +643,46 @@ async def _connect_as(name: str, url: str, dev_certs: Path, errors: Errors) -> A
     )
 
 
+async def _check_permissions(
+    name: str,
+    url: str,
+    dev_certs: Path,
+    probes: dict[str, str],
+    subscribe_only: dict[str, str],
+    may_publish: set[str],
+    may_subscribe: set[str],
+) -> None:
+    """Connect as ``name``, publish to every probe and subscribe to every probe and
+    subscribe-only probe; exactly those not in ``may_publish`` / ``may_subscribe`` are
+    refused."""
+    errors = Errors()
+    nc = await _connect_as(name, url, dev_certs, errors)
+    try:
+        for subject in probes.values():
+            await nc.publish(subject, b"probe")
+        subscribed = {**probes, **subscribe_only}
+        for subject in subscribed.values():
+            await nc.subscribe(subject)
+        await nc.flush()
+        # A violation comes back as an asynchronous error, not always before the flush's
+        # PONG: wait for as many as are due, then compare.
+        denied_publish = {p for p in probes if p not in may_publish}
+        denied_subscribe = {p for p in subscribed if p not in may_subscribe}
+        due = len(denied_publish) + len(denied_subscribe)
+        await wait_until(partial(errors.reported, due), within=10.0)
+        refused_publish = {
+            p for p, subject in probes.items() if errors.violations("publish", subject)
+        }
+        refused_subscribe = {
+            p for p, subject in subscribed.items() if errors.violations("subscription", subject)
+        }
+        assert refused_publish == denied_publish, name
+        assert refused_subscribe == denied_subscribe, name
+        assert len(errors.seen) == due, errors.seen
+    finally:
+        await nc.close()
+
+
 @pytest.mark.nats
 async def test_each_service_user_may_use_exactly_its_own_subjects(
     dev_certs: Path, tmp_path: Path
@@ -604,34 +695,15 @@ async def test_each_service_user_may_use_exactly_its_own_subjects(
     with EmbeddedNats(store_dir=str(etc), config=text) as server:
         url = f"tls://127.0.0.1:{server.port}"
         for name in NATS_USERS:
-            errors = Errors()
-            nc = await _connect_as(name, url, dev_certs, errors)
-            try:
-                for subject in PROBES.values():
-                    await nc.publish(subject, b"probe")
-                subscribed = {**PROBES, **SUBSCRIBE_ONLY_PROBES}
-                for subject in subscribed.values():
-                    await nc.subscribe(subject)
-                await nc.flush()
-                # A violation comes back as an asynchronous error, not always before the
-                # flush's PONG: wait for as many as are due, then compare.
-                denied_publish = {p for p in PROBES if p not in MAY_PUBLISH[name]}
-                denied_subscribe = {p for p in subscribed if p not in MAY_SUBSCRIBE[name]}
-                due = len(denied_publish) + len(denied_subscribe)
-                await wait_until(partial(errors.reported, due), within=10.0)
-                refused_publish = {
-                    p for p, subject in PROBES.items() if errors.violations("publish", subject)
-                }
-                refused_subscribe = {
-                    p
-                    for p, subject in subscribed.items()
-                    if errors.violations("subscription", subject)
-                }
-                assert refused_publish == denied_publish, name
-                assert refused_subscribe == denied_subscribe, name
-                assert len(errors.seen) == due, errors.seen
-            finally:
-                await nc.close()
+            await _check_permissions(
+                name,
+                url,
+                dev_certs,
+                PROBES,
+                SUBSCRIBE_ONLY_PROBES,
+                MAY_PUBLISH[name],
+                MAY_SUBSCRIBE[name],
+            )
         # A client without a service's key cannot subscribe to conveyor.> (or anything
         # else): it is not let in at all.
         intruder = Errors()
@@ -641,6 +713,42 @@ async def test_each_service_user_may_use_exactly_its_own_subjects(
                 tls=client_context(ca=str(dev_certs / "ca.pem")),
                 error_cb=intruder.on_error,
                 allow_reconnect=False,
+            )
+
+
+BEP_PROBES = {
+    "live": "conveyor.bep.live.7.inv-1",
+    "invalidate": "conveyor.bep.keys.invalidate",
+    "bep other": "conveyor.bep.something-else",
+    "dispatch": PROBES["dispatch"],
+    "wake": PROBES["wake"],
+    "cancel": PROBES["cancel"],
+    "events": PROBES["events"],
+    "owners kv": PROBES["owners kv"],
+    "inbox": PROBES["inbox"],
+}
+BEP_MAY_PUBLISH = {"bep": {"live", "invalidate"}, "bep-web": {"invalidate"}}
+BEP_MAY_SUBSCRIBE = {"bep": {"invalidate"}, "bep-web": {"live", "every live"}}
+
+
+@pytest.mark.nats
+async def test_the_build_event_users_may_use_only_the_bep_subjects(
+    dev_certs: Path, tmp_path: Path
+) -> None:
+    """The ingest publishes live digests and hears revocations; the web UI hears the
+    digests and publishes revocations; neither may touch the task queue's subjects."""
+    etc, text = _compose_nats_config(dev_certs, tmp_path)
+    with EmbeddedNats(store_dir=str(etc), config=text) as server:
+        url = f"tls://127.0.0.1:{server.port}"
+        for name in BEP_NATS_USERS:
+            await _check_permissions(
+                name,
+                url,
+                dev_certs,
+                BEP_PROBES,
+                {"every live": "conveyor.bep.live.>", "everything": "conveyor.>"},
+                BEP_MAY_PUBLISH[name],
+                BEP_MAY_SUBSCRIBE[name],
             )
 
 

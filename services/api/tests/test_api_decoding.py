@@ -9,12 +9,17 @@ from typing import Any
 import grpc
 import pytest
 from conveyor_api import ApiServer
-from conveyor_api.decoding import Undecodable, add_service, malformed_message, tolerant_deserializer
 from conveyor_api.session import MALFORMED_FRAME
 from conveyor_broker import NewTask, TaskState
 from conveyor_protos.v1 import cluster_pb2, service_pb2, service_pb2_grpc, task_pb2
 from conveyor_runtime import wire
 from conveyor_runtime.bus import Bus
+from conveyor_runtime.decoding import (
+    Undecodable,
+    add_service,
+    malformed_message,
+    tolerant_deserializer,
+)
 from conveyor_testkit.brokers import CountingBroker
 from conveyor_testkit.polling import wait_until
 from conveyor_testkit.stream import MakeApi, Recorder, dispatch

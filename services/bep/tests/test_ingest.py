@@ -346,3 +346,48 @@ def test_changes_merge_targets_by_key() -> None:
     changes.merge_target("//a", "", {"kind": "x", "success": None})
     changes.merge_target("//a", "", {"success": True})
     assert changes.targets == {("//a", ""): {"kind": "x", "success": True}}
+
+
+async def test_undecodable_requests_are_invalid_argument(rig: Rig) -> None:
+    """Bytes that are no protobuf message end the call with INVALID_ARGUMENT; what the
+    stream committed before them stays committed."""
+    method = "/google.devtools.build.v1.PublishBuildEvent/PublishBuildToolEventStream"
+    raw = rig.channel.stream_stream(
+        method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
+    good = [r.SerializeToString() for r in sample_stream("inv-garbled")[:3]]
+    garbage = b"\xff\xff\xff\xff"
+    acked: list[bytes] = []
+    all_acked = asyncio.Event()
+
+    async def requests() -> AsyncIterator[bytes]:
+        for data in good:
+            yield data
+        await asyncio.wait_for(all_acked.wait(), 10)  # the good part is committed first
+        yield garbage
+
+    async def read_acks() -> None:
+        async for response in raw(requests(), metadata=(("x-api-key", rig.key),)):
+            acked.append(response)
+            if len(acked) == len(good):
+                all_acked.set()
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await read_acks()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed request" in (refused.value.details() or "")
+    assert len(acked) == 3
+    async with rig.pool.acquire() as conn:
+        last = await conn.fetchval(
+            "SELECT last_event_seq FROM bep.invocations WHERE invocation_id = 'inv-garbled'"
+        )
+    assert last == 3
+
+    unary = rig.channel.unary_unary(
+        "/google.devtools.build.v1.PublishBuildEvent/PublishLifecycleEvent",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as lifecycle:
+        await unary(garbage, metadata=(("x-api-key", rig.key),))
+    assert lifecycle.value.code() == grpc.StatusCode.INVALID_ARGUMENT

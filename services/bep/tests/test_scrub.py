@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conveyor_bep.bazel import build_event_stream_pb2 as bes
 from conveyor_bep.bazel import command_line_pb2
-from conveyor_bep.scrub import REDACTED, mask_bytes, scrub_args, scrub_message, scrub_text
+from conveyor_bep.scrub import (
+    _FOLDS_TO_ASCII,
+    REDACTED,
+    SECRET_FLAGS,
+    mask_bytes,
+    may_hold_secret,
+    scrub_args,
+    scrub_message,
+    scrub_option,
+    scrub_text,
+)
 from conveyor_bep.writer import decode_delimited, encode_delimited
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 @pytest.mark.parametrize(
@@ -78,6 +92,21 @@ def test_mask_bytes_keeps_length_and_framing() -> None:
     assert bes.BuildEvent.FromString(masked).progress.stderr == "x"
 
 
+@pytest.mark.parametrize("flag", sorted(SECRET_FLAGS))
+def test_mask_bytes_covers_every_secret_flag(flag: str) -> None:
+    # The byte pass is built from the same flag names as the field pass.
+    assert scrub_option(flag, "value123") == REDACTED
+    masked = mask_bytes(f"--{flag}=value123 --color=yes".encode())
+    assert b"value123" not in masked
+    assert masked.endswith(b" --color=yes")
+
+
+def test_mask_bytes_covers_secret_environment_assignments() -> None:
+    masked = mask_bytes(b"--client_env=MY_SESSION_KEY=s3cr3tval --client_env=HOME=/root")
+    assert b"s3cr3tval" not in masked
+    assert b"HOME=/root" in masked
+
+
 def test_delimited_framing_round_trips_and_refuses_truncation() -> None:
     messages = [b"", b"a", b"x" * 300]
     data = encode_delimited(messages)
@@ -86,3 +115,76 @@ def test_delimited_framing_round_trips_and_refuses_truncation() -> None:
         decode_delimited(data[:-1])
     with pytest.raises(ValueError, match="truncated"):
         decode_delimited(b"\x80")
+
+
+# The prefilter that lets most events skip both passes must never skip one they would
+# change: checked against the passes themselves on generated input, secret fragments mixed
+# into arbitrary text.
+_FRAGMENTS = [
+    "https://user:pw@host/x",
+    "token=abc",
+    "Bearer abcdefgh1234",
+    "basic QWxhZGRpbjpvcGVu",
+    "--remote_header=x",
+    "--client_env=MY_TOKEN=v",
+    "conveyor_abc_0123456789abcdef01",
+    "api-key",
+    "SeCrEt",
+    "\u017fecret",  # the long s: a case-insensitive str pattern reads it as "s"
+    "\u212a",  # the Kelvin sign, "k" to one
+    "sig=1",
+    "path/to/file",
+    "//pkg:target",
+    " ",
+    "=",
+    "@",
+    ":",
+]
+_texts = st.lists(st.one_of(st.sampled_from(_FRAGMENTS), st.text(max_size=8)), max_size=6).map(
+    "".join
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_texts)
+def test_the_prefilter_never_skips_what_scrub_text_changes(text: str) -> None:
+    if scrub_text(text) != text:
+        assert may_hold_secret(text.encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_texts, max_size=5))
+def test_the_prefilter_never_skips_what_scrub_args_changes(args: list[str]) -> None:
+    if scrub_args(args) != args:
+        assert may_hold_secret("\x00".join(args).encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_texts, _texts, max_size=4), st.lists(_texts, max_size=4))
+def test_the_prefilter_never_skips_a_message_the_walk_changes(
+    metadata: dict[str, str], options: list[str]
+) -> None:
+    for event in (
+        bes.BuildEvent(build_metadata=bes.BuildMetadata(metadata=metadata)),
+        bes.BuildEvent(options_parsed=bes.OptionsParsed(cmd_line=options)),
+        bes.BuildEvent(progress=bes.Progress(stderr="\n".join(options))),
+    ):
+        raw = event.SerializeToString()
+        scrub_message(event)
+        if event.SerializeToString() != raw or mask_bytes(raw) != raw:
+            assert may_hold_secret(raw)
+
+
+def test_plain_events_skip_the_passes() -> None:
+    event = bes.BuildEvent(progress=bes.Progress(stdout="INFO: Build completed, 1 test\n"))
+    assert not may_hold_secret(event.SerializeToString())
+
+
+def test_every_letter_a_pattern_folds_to_ascii_triggers_the_passes() -> None:
+    # Python's case-insensitive str patterns match these non-ASCII letters to ASCII ones;
+    # the prefilter (on bytes) must know every one of them.
+    ascii_letter = re.compile("(?i)[a-z]")
+    folding = {chr(c) for c in range(0x80, 0x110000) if ascii_letter.fullmatch(chr(c))}
+    assert folding == set(_FOLDS_TO_ASCII)
+    for letter in folding:
+        assert may_hold_secret(f"x{letter}y".encode())

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,9 @@ import httpx
 import pytest
 from conveyor_broker.postgres import migrate
 from conveyor_runtime.embedded_nats import EmbeddedNats, free_port
+from conveyor_testkit.browser import browser_fixture, chromium_ready_fixture  # noqa: F401
 from conveyor_testkit.polling import wait_until
-from selenium import webdriver
 from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.remote.webelement import WebElement
@@ -55,14 +53,6 @@ class Stack:
         return httpx.Client(
             base_url=self.base, headers={"authorization": f"Bearer {token}"}, timeout=30
         )
-
-
-@pytest.fixture(scope="module")
-def chromium_ready() -> None:
-    """Chromium and chromedriver on this machine (installed when missing and root)."""
-    done = subprocess.run([str(ROOT / "scripts" / "install-chromium")], check=False)
-    if done.returncode != 0:
-        pytest.skip("chromium/chromedriver not installed (see scripts/install-chromium)")
 
 
 @pytest.fixture
@@ -102,26 +92,6 @@ async def stack(
     finally:
         cluster.stop_all()
         print(cluster.logs())  # pytest shows it when the test fails
-
-
-@pytest.fixture
-def browser(chromium_ready: None) -> Iterator[WebDriver]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--window-size=1400,900",
-    ):
-        options.add_argument(flag)
-    service = Service(executable_path=shutil.which("chromedriver") or "/usr/bin/chromedriver")
-    driver = webdriver.Chrome(options=options, service=service)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def wait(driver: WebDriver, condition: Any, timeout: float = WAIT) -> Any:

@@ -6,6 +6,7 @@ import logging
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 from conveyor_broker.clock import Clock, SystemClock
@@ -16,7 +17,7 @@ from conveyor_runtime.tls import describe_hosts, dsn_hosts, effective_sslmode, p
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PostgresConnectError", "open_broker", "postgres_connection"]
+__all__ = ["PostgresConnectError", "open_broker", "postgres_connection", "postgres_pool"]
 
 
 class PostgresConnectError(ConnectionError):
@@ -60,6 +61,31 @@ async def postgres_connection(settings: CommonSettings) -> AsyncIterator[asyncpg
         yield conn
     finally:
         await conn.close()
+
+
+async def postgres_pool(settings: CommonSettings, *, min_size: int = 1) -> asyncpg.Pool[Any]:
+    """A connection pool on ``settings.dsn`` with the settings' TLS, pool size and
+    timeouts, for the processes that speak SQL of their own (the build-event ingest and
+    its web UI); the task queue's services open theirs through :func:`open_broker`."""
+    server_settings: dict[str, str] = {}
+    if settings.db_statement_timeout:
+        server_settings["statement_timeout"] = str(
+            max(1, round(settings.db_statement_timeout * 1000))
+        )
+    try:
+        pool = await asyncpg.create_pool(
+            settings.dsn,
+            min_size=min(min_size, settings.db_pool_size),
+            max_size=settings.db_pool_size,
+            ssl=postgres_ssl(settings),
+            server_settings=server_settings,
+            command_timeout=settings.db_command_timeout or None,
+            timeout=settings.db_connect_timeout,
+        )
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise _connect_error(settings, exc) from exc
+    assert pool is not None
+    return pool
 
 
 async def open_broker(

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 from conveyor_broker.interface import Broker
 from nats.aio.client import Client as NatsClient
@@ -93,15 +94,34 @@ class Health:
         return [p for s in self._streaks if (p := s.problem()) is not None]
 
 
+class Answers(Protocol):
+    """What the beat asks to answer: a broker (its ``info()``), or a probe of a
+    process's own database (the build-event services)."""
+
+    async def info(self) -> object: ...
+
+
+class PoolProbe:
+    """:class:`Answers` for a process that speaks SQL of its own (the build-event
+    services): its connection pool answers ``SELECT 1``."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    async def info(self) -> object:
+        return await self._pool.fetchval("SELECT 1")
+
+
 async def beat(
     path: str,
-    nc: NatsClient,
-    broker: Broker,
+    nc: NatsClient | None,
+    broker: Broker | Answers,
     interval: float = INTERVAL,
     health: Health | None = None,
 ) -> None:
-    """Touch ``path`` every ``interval`` seconds while NATS is connected, the broker
-    answers and ``health`` reports no problem; log why not otherwise."""
+    """Touch ``path`` every ``interval`` seconds while NATS is connected (``nc`` None: a
+    process not on NATS), the broker answers and ``health`` reports no problem; log why
+    not otherwise."""
     target = Path(path)
     #: When the reasons were last logged (None: healthy at the last beat).
     logged: float | None = None
@@ -111,7 +131,7 @@ async def beat(
             await asyncio.wait_for(broker.info(), timeout=interval)
         except Exception as exc:
             reasons.append(f"broker not answering ({exc!r})")
-        if not nc.is_connected:
+        if nc is not None and not nc.is_connected:
             reasons.append("NATS disconnected")
         if health is not None:
             reasons += health.problems()

@@ -13,13 +13,14 @@ import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Annotated, Literal, Self
+from urllib.parse import urlsplit
 
 from conveyor_broker.keyring import Keyring
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from conveyor_runtime.cluster_key import ClusterKeyError, parse_keys, read_key_file
-from conveyor_runtime.tls import check_links, check_rest_tls, check_server_tls
+from conveyor_runtime.tls import check_links, check_rest_tls, check_server_tls, is_loopback
 from conveyor_runtime.tokens import Token, load_tokens
 from conveyor_runtime.webhook_secrets import SecretKeyring
 from conveyor_runtime.webhook_urls import AddressPolicy, parse_networks
@@ -622,7 +623,63 @@ class WebhookSettings(WebhookAccessSettings):
     )
 
 
-class BepSettings(CommonSettings):
+class BlobStoreSettings(CommonSettings):
+    """Where the build-event CAS sink's blobs live: what the ingest (``bep``) writes to
+    and the web UI (``bep-web``) serves downloads from, so both read these settings."""
+
+    bep_blob_root: str | None = Field(
+        None,
+        description="Directory of the built-in CAS sink's blobs (<root>/<key prefix>/aa/bb/"
+        "<sha256>); unset: no CAS sink (its services answer UNIMPLEMENTED), unless "
+        "bep_blob_store is s3, where it only stages uploads (unset: the system's temp "
+        "directory)",
+    )
+    bep_blob_store: Literal["disk", "s3"] = Field(
+        "disk",
+        description="Where the CAS sink keeps blob bytes: disk (bep_blob_root) or s3 (an "
+        "S3-compatible bucket, objects <key prefix>/<sha256>: bep_s3_*)",
+    )
+    bep_s3_endpoint: str | None = Field(
+        None,
+        description="S3-compatible endpoint URL, e.g. https://s3.eu-west-1.amazonaws.com "
+        "or http://127.0.0.1:9000 (path-style requests: <endpoint>/<bucket>/<key>)",
+    )
+    bep_s3_bucket: str | None = Field(None, description="Bucket of the CAS sink's blobs")
+    bep_s3_region: str = Field(
+        "us-east-1", description="Region the S3 requests are signed for (SigV4)"
+    )
+    bep_s3_access_key_id: str | None = Field(None, description="S3 access key id")
+    bep_s3_secret_access_key: SecretStr | None = Field(
+        None, description="S3 secret access key of bep_s3_access_key_id"
+    )
+
+    @model_validator(mode="after")
+    def _s3_complete(self) -> Self:
+        if self.bep_blob_store != "s3":
+            return self
+        needed = ("bep_s3_endpoint", "bep_s3_bucket", "bep_s3_access_key_id")
+        missing = [name for name in needed if not getattr(self, name)]
+        secret = self.bep_s3_secret_access_key
+        if secret is None or not secret.get_secret_value():
+            missing.append("bep_s3_secret_access_key")
+        if missing:
+            raise ValueError(f"bep_blob_store=s3 needs {', '.join(missing)}")
+        endpoint = urlsplit(self.bep_s3_endpoint or "")
+        if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
+            raise ValueError("bep_s3_endpoint must be an http(s) URL")
+        if (
+            endpoint.scheme == "http"
+            and not self.allow_plaintext
+            and not is_loopback(endpoint.hostname)
+        ):
+            raise ValueError(
+                f"bep_s3_endpoint is plain HTTP to {endpoint.hostname}, beyond this machine: "
+                "use https, or, knowingly, CONVEYOR_ALLOW_PLAINTEXT=true"
+            )
+        return self
+
+
+class BepSettings(BlobStoreSettings):
     """services/bep: the Bazel Build Event Protocol ingest (``conveyor-bep``). It shares
     Postgres (schema ``bep``) and NATS (key invalidation, live digests) with the task
     queue; it is not part of the task queue's cluster, so it needs no cluster key."""
@@ -669,10 +726,113 @@ class BepSettings(CommonSettings):
     bep_use_nats: bool = Field(
         True, description="Use NATS for key invalidation and live digests (off: TTL only)"
     )
+    bep_upload_ttl_hours: float = Field(
+        24.0, gt=0, description="Hours a CAS upload no build references is kept before the prune"
+    )
+    bep_max_blob_bytes: int = Field(
+        1024 * 1024 * 1024,
+        ge=1,
+        description="Largest blob the CAS sink accepts (bytes; at most 5 GiB with s3: one "
+        "PUT per blob)",
+    )
 
     @model_validator(mode="after")
     def _server_tls(self) -> Self:
         check_server_tls(self)
+        return self
+
+    @model_validator(mode="after")
+    def _one_put_per_blob(self) -> Self:
+        if self.bep_blob_store == "s3" and self.bep_max_blob_bytes > 5 * 1024**3:
+            raise ValueError("bep_max_blob_bytes is at most 5 GiB with bep_blob_store=s3")
+        return self
+
+
+class BepWebSettings(BlobStoreSettings):
+    """services/bep-web: the build-event web UI and its JSON API (``conveyor-bep-web``),
+    over the ingest's Postgres schema ``bep``, with live updates from the ingest's digests
+    on NATS. Open mode (no OpenID Connect issuer set): anyone reaching it reads every
+    project and the admin token manages projects and keys."""
+
+    host: str = Field("127.0.0.1", description="HTTP listen address of the web UI")
+    port: int = Field(
+        8986, ge=0, le=65535, description="HTTP listen port of the web UI (0: any free)"
+    )
+    tls_cert: str | None = Field(
+        None, description="Server certificate (PEM file) of the web UI: it serves HTTPS"
+    )
+    tls_key: str | None = Field(None, description="Private key (PEM file) of tls_cert")
+    bep_web_admin_token: str | None = Field(
+        None,
+        description="Bearer token of the admin (projects, API keys, members, audit log); "
+        "unset: no admin in open mode",
+    )
+    bep_web_digest_interval: float = Field(
+        0.25, gt=0, description="Shortest seconds between two live updates of one page"
+    )
+    bep_web_public_url: str | None = Field(
+        None,
+        description="Public base URL of the web UI, e.g. https://builds.example.com (the "
+        "OpenID Connect redirect URI is <url>/auth/callback; https makes cookies Secure)",
+    )
+    bep_web_oidc_issuer: str | None = Field(
+        None,
+        description="OpenID Connect issuer URL (its /.well-known/openid-configuration is "
+        "read); set: people sign in and see the projects their groups allow; unset: open mode",
+    )
+    bep_web_oidc_client_id: str | None = Field(
+        None, description="OpenID Connect client id of the web UI (the ID token's audience)"
+    )
+    bep_web_oidc_client_secret: SecretStr | None = Field(
+        None, description="OpenID Connect client secret (unset: a public client, PKCE only)"
+    )
+    bep_web_oidc_scopes: str = Field(
+        "openid email profile", description="Scopes asked for at sign-in (space-separated)"
+    )
+    bep_web_oidc_groups_claim: str = Field(
+        "groups",
+        description="ID token claim holding the user's groups (dotted for a nested claim, "
+        "e.g. realm_access.roles)",
+    )
+    bep_web_admin_groups: str = Field(
+        "", description="Groups whose members are global admins (comma-separated)"
+    )
+    bep_web_session_secret: SecretStr | None = Field(
+        None,
+        description="Key (32 characters or more) signing the session cookies; required "
+        "with an OpenID Connect issuer",
+    )
+    bep_web_session_ttl: float = Field(
+        43200.0, gt=0, description="Seconds a sign-in lasts before the user signs in again"
+    )
+
+    @model_validator(mode="after")
+    def _oidc_complete(self) -> Self:
+        if self.bep_web_oidc_issuer:
+            for name in ("bep_web_oidc_client_id", "bep_web_public_url"):
+                if not getattr(self, name):
+                    raise ValueError(f"{name} is required with bep_web_oidc_issuer")
+            secret = self.bep_web_session_secret
+            if secret is None or len(secret.get_secret_value()) < 32:
+                raise ValueError(
+                    "bep_web_session_secret of 32 characters or more is required with "
+                    "bep_web_oidc_issuer"
+                )
+        for name in ("bep_web_oidc_issuer", "bep_web_public_url"):
+            url = getattr(self, name)
+            if url and not url.startswith(("https://", "http://")):
+                raise ValueError(f"{name} must be an http(s) URL")
+        return self
+
+    bep_web_use_nats: bool = Field(
+        True,
+        description="Live updates from the ingest's digests on NATS (off: pages poll "
+        "Postgres every second)",
+    )
+
+    @model_validator(mode="after")
+    def _server_tls(self) -> Self:
+        check_server_tls(self, port="HTTP")
         return self
 
 
@@ -762,6 +922,7 @@ SERVICE_SETTINGS: dict[str, type[CommonSettings] | type[RestSettings]] = {
     "webhook": WebhookSettings,
     "rest": RestSettings,
     "bep": BepSettings,
+    "bep-web": BepWebSettings,
 }
 
 

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Literal, cast
 from urllib.parse import parse_qs, urlsplit
 
 if TYPE_CHECKING:
-    from conveyor_runtime.settings import ApiSettings, BepSettings, CommonSettings, RestSettings
+    from conveyor_runtime.settings import (
+        ApiSettings,
+        BepSettings,
+        BepWebSettings,
+        CommonSettings,
+        RestSettings,
+    )
 
 __all__ = [
     "SECURE_SSLMODES",
@@ -203,27 +209,31 @@ def check_links(settings: CommonSettings) -> None:
     _raise(problems)
 
 
-def check_server_tls(settings: ApiSettings | BepSettings) -> None:
-    """Raise ValueError for the api's gRPC TLS settings: a certificate without its key,
-    a client CA without a certificate, unreadable files, and (unless ``allow_plaintext``)
-    no certificate on a port that listens beyond loopback."""
+def check_server_tls(
+    settings: ApiSettings | BepSettings | BepWebSettings, *, port: str = "gRPC"
+) -> None:
+    """Raise ValueError for a server's TLS settings (the api's and the ingest's gRPC
+    port, the build-event web UI's HTTPS): a certificate without its key, a client CA
+    without a certificate, unreadable files, and (unless ``allow_plaintext``) no
+    certificate on a port that listens beyond loopback."""
     problems: list[str] = []
+    client_ca = getattr(settings, "tls_client_ca", None)
     for variable, path in (
         ("CONVEYOR_TLS_CERT", settings.tls_cert),
         ("CONVEYOR_TLS_KEY", settings.tls_key),
-        ("CONVEYOR_TLS_CLIENT_CA", settings.tls_client_ca),
+        ("CONVEYOR_TLS_CLIENT_CA", client_ca),
     ):
         _check_file(problems, variable, path)
     _check_pair(
         problems, ("CONVEYOR_TLS_CERT", settings.tls_cert), ("CONVEYOR_TLS_KEY", settings.tls_key)
     )
-    if settings.tls_client_ca and not settings.tls_cert:
+    if client_ca and not settings.tls_cert:
         problems.append(
             "CONVEYOR_TLS_CLIENT_CA (mutual TLS) needs CONVEYOR_TLS_CERT and CONVEYOR_TLS_KEY"
         )
     if not settings.tls_cert and not settings.allow_plaintext and not is_loopback(settings.host):
         problems.append(
-            f"no TLS certificate for the gRPC port on {settings.host}: set CONVEYOR_TLS_CERT "
+            f"no TLS certificate for the {port} port on {settings.host}: set CONVEYOR_TLS_CERT "
             f"and CONVEYOR_TLS_KEY, {_PLAINTEXT_HINT}"
         )
     _raise(problems)

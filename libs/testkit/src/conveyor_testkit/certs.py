@@ -25,12 +25,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 __all__ = [
+    "BEP_NATS_USERS",
     "COMPOSE_HOSTS",
     "NATS_CLUSTER_NODES",
     "NATS_USERS",
     "CertAuthority",
     "Issued",
     "nkey_pair",
+    "nkey_variable",
     "write_dev_certs",
 ]
 
@@ -41,12 +43,23 @@ COMPOSE_HOSTS: Mapping[str, tuple[str, ...]] = {
     "postgres": ("postgres", "localhost", "127.0.0.1", "::1"),
     # The REST admin API's HTTPS port (browsers and curl reach it as localhost).
     "rest": ("rest", "localhost", "127.0.0.1", "::1"),
+    # The build-event ingest's gRPC port (Bazel's --bes_backend) and its web UI's HTTPS.
+    "bep": ("bep", "localhost", "127.0.0.1", "::1"),
+    "bep-web": ("bep-web", "localhost", "127.0.0.1", "::1"),
 }
 #: The nodes of compose.yaml's nats-cluster profile: they route to each other with
 #: ``nats-route.pem`` (server and client certificate for these names).
 NATS_CLUSTER_NODES: tuple[str, ...] = ("nats-1", "nats-2", "nats-3")
 #: The NATS users of compose.yaml, one per Conveyor service (deploy/nats.conf names them).
 NATS_USERS: tuple[str, ...] = ("api", "dispatcher", "maintenance", "webhook")
+#: The NATS users of the build-event services (the ingest, its web UI): not of the task
+#: queue's cluster, they speak only the ``<prefix>.bep.`` subjects.
+BEP_NATS_USERS: tuple[str, ...] = ("bep", "bep-web")
+
+
+def nkey_variable(user: str) -> str:
+    """The nats.conf variable holding ``user``'s public nkey (``BEP_WEB_NKEY``)."""
+    return f"{user.upper().replace('-', '_')}_NKEY"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,11 +200,14 @@ def _write(path: Path, data: bytes, mode: int) -> None:
     path.chmod(mode)
 
 
-def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[Path]:
+def write_dev_certs(
+    folder: Path, *, users: Sequence[str] = (*NATS_USERS, *BEP_NATS_USERS)
+) -> list[Path]:
     """Write a new development CA and everything compose.yaml mounts into ``folder``:
 
     - ``ca.pem``: the CA every client and server trusts;
-    - ``<host>.pem`` / ``<host>.key`` for ``api``, ``nats``, ``postgres`` and ``rest``:
+    - ``<host>.pem`` / ``<host>.key`` for ``api``, ``nats``, ``postgres``, ``rest``,
+      ``bep`` and ``bep-web``:
       server certificates for their compose names, ``localhost`` and the loopback
       addresses;
     - ``nats-route.pem`` / ``nats-route.key``: what the nodes of the nats-cluster profile
@@ -237,7 +253,7 @@ def write_dev_certs(folder: Path, *, users: Sequence[str] = NATS_USERS) -> list[
     for user in users:
         seed, public = nkey_pair()
         put(f"{user}.nk", seed + b"\n")
-        lines.append(f'{user.upper()}_NKEY = "{public}"')
+        lines.append(f'{nkey_variable(user)} = "{public}"')
     put("nats-users.conf", ("\n".join(lines) + "\n").encode())
     put("webhook-secret.key", (generate_secret_key("dev") + "\n").encode())
     put(

@@ -26,6 +26,7 @@ from conveyor_protos.v1 import cluster_pb2, service_pb2
 from conveyor_runtime.bus import Bus
 from conveyor_runtime.cluster_key import ClusterAuth
 from conveyor_runtime.cluster_view import NodeCard
+from conveyor_runtime.decoding import add_service
 from conveyor_runtime.events import EventGate
 from conveyor_runtime.settings import ApiSettings
 from conveyor_runtime.subjects import Subjects
@@ -38,7 +39,6 @@ from nats.aio.subscription import Subscription
 from conveyor_api.admin_service import AdminService
 from conveyor_api.admission import Admission
 from conveyor_api.auth import BearerAuthInterceptor, ReadOnlyInterceptor
-from conveyor_api.decoding import add_service
 from conveyor_api.semver import parse_version
 from conveyor_api.session import HELLO_TIMEOUT, FrameWriter, SessionRegistry, WorkerService
 from conveyor_api.task_service import TaskService, wake_for

@@ -36,10 +36,10 @@ from conveyor_broker.ids import new_id
 from conveyor_broker.validation import check_queue, check_text
 from conveyor_gateway import Gateway, GatewayConfig, WorkerSpec
 from conveyor_protos.v1 import service_pb2, service_pb2_grpc, task_pb2
+from conveyor_runtime.decoding import Undecodable, malformed_message
 from conveyor_runtime.wire import duration
 
 from conveyor_api.broker_status import abort_for_error, status_message
-from conveyor_api.decoding import Undecodable, malformed_message
 from conveyor_api.dependency_results import dependency_results
 from conveyor_api.semver import at_least
 

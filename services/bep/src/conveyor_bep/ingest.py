@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from conveyor_runtime.decoding import Undecodable
 from google.protobuf import empty_pb2
 
 from conveyor_bep.bazel import build_event_stream_pb2 as bes
@@ -38,10 +39,14 @@ from conveyor_bep.bazel.google.devtools.build.v1 import (
 )
 from conveyor_bep.keys import KeyCache, Project
 from conveyor_bep.normalize import console_text, normalize
-from conveyor_bep.scrub import mask_bytes, scrub_message, scrub_text
+from conveyor_bep.scrub import mask_bytes, may_hold_secret, scrub_message, scrub_text
 from conveyor_bep.writer import Batch, FencedOut, WriterShard
 
 logger = logging.getLogger(__name__)
+
+#: A stream's requests as the handler gets them: an undecodable one is a marker
+#: (conveyor_runtime.decoding), which ends the stream with INVALID_ARGUMENT.
+Requests = AsyncIterator[publish_build_event_pb2.PublishBuildToolEventStreamRequest | Undecodable]
 
 _BAZEL_EVENT_TYPE = "type.googleapis.com/" + bes.BuildEvent.DESCRIPTOR.full_name
 
@@ -87,9 +92,11 @@ def scrub_ordered_event(
     bazel: bes.BuildEvent | None = None
     if kind == "bazel_event" and event.bazel_event.type_url == _BAZEL_EVENT_TYPE:
         bazel = bes.BuildEvent()
-        bazel.ParseFromString(event.bazel_event.value)
-        scrub_message(bazel)
-        event.bazel_event.value = mask_bytes(bazel.SerializeToString())
+        raw = event.bazel_event.value
+        bazel.ParseFromString(raw)
+        if may_hold_secret(raw):
+            scrub_message(bazel)
+            event.bazel_event.value = mask_bytes(bazel.SerializeToString())
     elif kind == "console_output":
         output = event.console_output
         if output.WhichOneof("output") == "text_output":
@@ -133,7 +140,7 @@ class InvocationStream:
 
     async def run(
         self,
-        requests: AsyncIterator[publish_build_event_pb2.PublishBuildToolEventStreamRequest],
+        requests: Requests,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
         reader = asyncio.ensure_future(self._read(requests))
@@ -195,11 +202,14 @@ class InvocationStream:
 
     async def _read(
         self,
-        requests: AsyncIterator[publish_build_event_pb2.PublishBuildToolEventStreamRequest],
+        requests: Requests,
     ) -> None:
         done = self._loop.create_future()
         done.set_result(None)
         async for request in requests:
+            if isinstance(request, Undecodable):
+                # What is committed stays acked; Bazel does not retry this.
+                raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             ordered = request.ordered_build_event
             if self._stream_id is None:
                 await self._start(ordered)
@@ -305,9 +315,9 @@ UNAUTHENTICATED_HINT = (
 
 
 async def _chain(
-    first: publish_build_event_pb2.PublishBuildToolEventStreamRequest,
-    rest: AsyncIterator[publish_build_event_pb2.PublishBuildToolEventStreamRequest],
-) -> AsyncIterator[publish_build_event_pb2.PublishBuildToolEventStreamRequest]:
+    first: publish_build_event_pb2.PublishBuildToolEventStreamRequest | Undecodable,
+    rest: Requests,
+) -> Requests:
     yield first
     async for item in rest:
         yield item
@@ -333,7 +343,7 @@ class PublishBuildEventService(publish_build_event_pb2_grpc.PublishBuildEventSer
 
     async def PublishBuildToolEventStream(
         self,
-        request_iterator: AsyncIterator[publish_build_event_pb2.PublishBuildToolEventStreamRequest],
+        request_iterator: Requests,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
         project = self._header_project()
@@ -341,6 +351,8 @@ class PublishBuildEventService(publish_build_event_pb2_grpc.PublishBuildEventSer
             first = await anext(aiter(request_iterator), None)
             if first is None:
                 return
+            if isinstance(first, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, first.message)
             project = await self._keys.authenticate(first.project_id)
             if project is None:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_HINT)

@@ -43,6 +43,8 @@ class Project:
     slug: str
     max_streams: int
     max_unacked: int
+    #: Where the project's blobs live in the CAS sink's store (the slug unless changed).
+    key_prefix: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,20 +111,27 @@ async def create_key(conn: Any, project_slug: str, *, name: str = "") -> IssuedK
     return IssuedKey(key_id, f"conveyor_{key_id}_{secret}", project_slug)
 
 
+async def announce_key_change(nc: NatsClient, prefix: str, key_id: str) -> None:
+    """Tell every node to forget what it cached of ``key_id``. Call it after the change
+    is committed: a node that reloads the key earlier would cache the old row again."""
+    await nc.publish(invalidate_subject(prefix), key_id.encode())
+    await nc.flush()
+
+
 async def revoke_key(conn: Any, key_id: str, *, nc: NatsClient | None, prefix: str) -> bool:
-    """Revoke a key (True if it existed and was live) and tell every node to forget it."""
+    """Revoke a key (True if it existed and was live) and tell every node to forget it.
+    Inside a transaction, pass ``nc=None`` and :func:`announce_key_change` after commit."""
     status = await conn.execute(
         "UPDATE bep.api_keys SET revoked_at = now() WHERE id = $1 AND revoked_at IS NULL",
         key_id,
     )
     if nc is not None:
-        await nc.publish(invalidate_subject(prefix), key_id.encode())
-        await nc.flush()
+        await announce_key_change(nc, prefix, key_id)
     return bool(status.endswith(" 1"))
 
 
 _LOOKUP = """
-SELECT k.secret_sha256, p.id, p.slug, p.max_streams, p.max_unacked
+SELECT k.secret_sha256, p.id, p.slug, p.max_streams, p.max_unacked, p.key_prefix
 FROM bep.api_keys k JOIN bep.projects p ON p.id = k.project_id
 WHERE k.id = $1 AND k.revoked_at IS NULL
 """
@@ -166,7 +175,7 @@ class KeyCache:
             if row is None:
                 entry = (now, None, None)
             else:
-                project = Project(row[1], row[2], row[3], row[4])
+                project = Project(row[1], row[2], row[3], row[4], row[5])
                 entry = (now, bytes(row[0]), project)
             self._entries[key_id] = entry
         _, digest, project_or_none = entry

@@ -11,6 +11,7 @@ only the columns its events carried ("partial column sets").
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -37,6 +38,55 @@ def _text(value: str) -> str:
 
 def _millis(value: int) -> datetime | None:
     return datetime.fromtimestamp(value / 1000, UTC) if value > 0 else None
+
+
+#: ``bytestream://host[:port]/[instance/]blobs/<sha256>/<size>``: a file in a remote cache.
+_BYTESTREAM_RE = re.compile(r"bytestream://[^/]*/(?:.*/)?blobs/([0-9a-f]{64})/([0-9]{1,19})")
+
+#: The payloads that carry ``File`` messages: their fields of File lists and of one File.
+#: (A test summary's files are its attempts' test logs again, without names: left out.)
+_FILE_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "named_set_of_files": (("files",), ()),
+    "test_result": (("test_action_output",), ()),
+    "build_tool_logs": (("log",), ()),
+    "action": (("action_metadata_logs",), ("stdout", "stderr", "primary_output")),
+    "completed": (("important_output", "directory_output"), ()),
+}
+#: The artifact kind of a payload's files.
+ARTIFACT_KINDS = {
+    "named_set_of_files": "output",
+    "completed": "output",
+    "test_result": "test_output",
+    "build_tool_logs": "build_tool_log",
+    "action": "action_output",
+}
+#: The event id field that names the label of a payload's files.
+_LABEL_IDS = {
+    "test_result": "test_result",
+    "action": "action_completed",
+    "completed": "target_completed",
+}
+
+
+def bytestream_digest(uri: str) -> tuple[str, int] | None:
+    """``(sha256 hex, size)`` of a ``bytestream://`` URI, else None."""
+    match = _BYTESTREAM_RE.fullmatch(uri)
+    return (match[1], int(match[2])) if match else None
+
+
+def _artifacts(event: bes.BuildEvent, kind: str, changes: Changes) -> None:
+    payload = getattr(event, kind)
+    label_id = _LABEL_IDS.get(kind)
+    label = _text(getattr(event.id, label_id).label) if label_id else ""
+    artifact_kind = ARTIFACT_KINDS[kind]
+    lists, singles = _FILE_FIELDS[kind]
+    files = [f for name in lists for f in getattr(payload, name)]
+    files += [getattr(payload, name) for name in singles if payload.HasField(name)]
+    for file in files:
+        if file.uri.startswith("bytestream://"):
+            parsed = bytestream_digest(file.uri)
+            if parsed is not None:
+                changes.artifacts[(artifact_kind, label, _text(file.name), parsed[0])] = parsed[1]
 
 
 def _file(file: Any) -> Row:
@@ -79,6 +129,9 @@ class Changes:
     log: list[str] = field(default_factory=list)
     #: Tag (key, value) pairs seen for the first time in this invocation (facet counts).
     new_tags: dict[str, str] = field(default_factory=dict)
+    #: Files in a remote cache (``bytestream://``) the events reference, which pin their
+    #: blobs in the CAS sink: (artifact kind, label, file name, sha256) -> size.
+    artifacts: dict[tuple[str, str, str, str], int] = field(default_factory=dict)
 
     def merge_target(self, label: str, aspect: str, row: Row) -> None:
         key = (label, aspect)
@@ -95,6 +148,8 @@ def normalize(event: bes.BuildEvent, seq: int, changes: Changes) -> None:
     kind = event.WhichOneof("payload")
     inv = changes.invocation
     event_id = event.id
+    if kind in _FILE_FIELDS:
+        _artifacts(event, kind, changes)
     if kind == "progress":
         for text in (event.progress.stderr, event.progress.stdout):
             if text:

@@ -8,7 +8,10 @@ CREATE TABLE bep.projects (
     key_prefix  text NOT NULL,
     max_streams integer NOT NULL DEFAULT 200 CHECK (max_streams > 0),
     max_unacked integer NOT NULL DEFAULT 5000 CHECK (max_unacked > 0),
-    created_at  timestamptz NOT NULL DEFAULT now()
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    -- Who sees the project in the web UI, and who administers it (002_web_access).
+    allowed_groups text[] NOT NULL DEFAULT '{}',
+    admin_groups   text[] NOT NULL DEFAULT '{}'
 );
 
 CREATE TABLE bep.api_keys (
@@ -162,3 +165,54 @@ CREATE TABLE bep.tag_keys (
     builds     bigint NOT NULL,
     PRIMARY KEY (project_id, key, value)
 );
+
+-- The people who signed in to the web UI (OpenID Connect) and their groups at last login.
+CREATE TABLE bep.users (
+    subject        text PRIMARY KEY,
+    email          text,
+    name           text,
+    groups         text[] NOT NULL DEFAULT '{}',
+    first_login_at timestamptz NOT NULL DEFAULT now(),
+    last_login_at  timestamptz NOT NULL DEFAULT now(),
+    -- A session cookie names the generation it was issued in; signing out moves it on,
+    -- which ends every session of the user.
+    session_generation integer NOT NULL DEFAULT 0
+);
+
+-- Every admin action of the web UI. No foreign key: an entry outlives its project.
+CREATE TABLE bep.audit_log (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at         timestamptz NOT NULL DEFAULT now(),
+    actor      text NOT NULL,
+    action     text NOT NULL,
+    project_id bigint,
+    target     text,
+    details    jsonb NOT NULL DEFAULT '{}'
+);
+CREATE INDEX audit_log_at_idx ON bep.audit_log (at);
+CREATE INDEX audit_log_project_idx ON bep.audit_log (project_id, id);
+
+-- The CAS sink's blobs and the artifacts that pin them (003_artifacts).
+CREATE TABLE bep.blobs (
+    project_id  bigint NOT NULL REFERENCES bep.projects (id) ON DELETE CASCADE,
+    digest      text NOT NULL CHECK (digest ~ '^[0-9a-f]{64}$'),
+    size        bigint NOT NULL CHECK (size >= 0),
+    key_prefix  text NOT NULL,
+    origin      text NOT NULL,
+    created_at  timestamptz NOT NULL,
+    expires_at  timestamptz NOT NULL,
+    PRIMARY KEY (project_id, digest)
+);
+CREATE INDEX blobs_expires_idx ON bep.blobs (expires_at);
+
+CREATE TABLE bep.artifacts (
+    invocation_id text NOT NULL,
+    project_id    bigint NOT NULL,
+    kind          text NOT NULL,
+    label         text NOT NULL DEFAULT '',
+    name          text NOT NULL,
+    digest        text NOT NULL,
+    size          bigint NOT NULL,
+    PRIMARY KEY (invocation_id, kind, label, name, digest)
+);
+CREATE INDEX artifacts_blob_idx ON bep.artifacts (project_id, digest);

@@ -29,37 +29,49 @@ from google.protobuf.message import Message
 #: What a redacted value becomes in the normalized columns and the parsed message.
 REDACTED: Final = "<redacted>"
 
+#: Flags whose value is a header, whole.
+HEADER_FLAGS: Final = (
+    "remote_header",
+    "remote_cache_header",
+    "remote_exec_header",
+    "remote_downloader_header",
+    "bes_header",
+)
 #: Flags whose value is a header or credential, whole.
 SECRET_FLAGS: Final = frozenset(
-    {
-        "remote_header",
-        "remote_cache_header",
-        "remote_exec_header",
-        "remote_downloader_header",
-        "bes_header",
+    (
+        *HEADER_FLAGS,
         "google_credentials",
         "google_auth_scopes",
         "credential_helper",
         "tls_client_key",
         "project_id",
-    }
+    )
+)
+# Flags whose value is an environment assignment NAME=VALUE.
+_ENV_ASSIGNMENT_FLAGS: Final = (
+    "client_env",
+    "action_env",
+    "test_env",
+    "host_action_env",
+    "repo_env",
 )
 #: Flags whose value is ``NAME=VALUE``: the value is redacted when NAME looks secret.
-ENV_FLAGS: Final = frozenset(
-    {"client_env", "action_env", "test_env", "host_action_env", "repo_env", "build_metadata"}
-)
+ENV_FLAGS: Final = frozenset((*_ENV_ASSIGNMENT_FLAGS, "build_metadata"))
 
-_SECRET_NAME = re.compile(
-    r"(?i)(token|secret|passw(or)?d|pwd|credential|api[_-]?key|apikey|auth|private[_-]?key|"
-    r"access[_-]?key|session[_-]?key|cookie|signature)"
+# What makes a variable, metadata key or map key name secret, and a query parameter.
+# Both passes are built from these, so the text and the byte patterns agree.
+_SECRET_WORDS: Final = (
+    r"token|secret|passw(?:or)?d|pwd|credential|api[_-]?key|apikey|auth|private[_-]?key|"
+    r"access[_-]?key|session[_-]?key|cookie|signature"
 )
+_PARAM_WORDS: Final = r"token|secret|password|passwd|api[_-]?key|apikey|signature|sig"
+
+_SECRET_NAME = re.compile(rf"(?i)({_SECRET_WORDS})")
 # ://user:password@host  ->  ://<redacted>@host
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@]+:[^/\s@]*@")
 # token=..., access_token=..., api_key=..., password=..., sig=... in query strings and flags
-_TOKEN_PARAM = re.compile(
-    r"(?i)(?P<key>\b[a-z0-9_.-]*(token|secret|password|passwd|api[_-]?key|apikey|signature|sig)"
-    r")=(?P<value>[^&\s;,\"']+)"
-)
+_TOKEN_PARAM = re.compile(rf"(?i)(?P<key>\b[a-z0-9_.-]*(?:{_PARAM_WORDS}))=(?P<value>[^&\s;,\"']+)")
 # Authorization: Bearer xxx / Basic xxx, and a bare "Bearer xxx"
 _BEARER = re.compile(r"(?i)\b(?P<kind>bearer|basic|token)\s+(?P<value>[A-Za-z0-9._~+/=-]{8,})")
 # --flag=value / --flag value forms of the secret flags
@@ -217,25 +229,27 @@ _B_URL_CREDENTIALS = re.compile(
     rb"[A-Za-z][A-Za-z0-9+.-]*://([^/\s:@\x00-\x1f\x7f-\xff]+:[^/\s@\x00-\x1f\x7f-\xff]*)@"
 )
 _B_TOKEN_PARAM = re.compile(
-    rb"(?i)[a-z0-9_.-]*(?:token|secret|password|passwd|api[_-]?key|apikey|signature)="
-    rb"([^&\s;,\"'\x00-\x1f\x7f-\xff]+)"
+    rb"(?i)[a-z0-9_.-]*(?:" + _PARAM_WORDS.encode() + rb")=([^&\s;,\"'\x00-\x1f\x7f-\xff]+)"
 )
 _B_BEARER = re.compile(rb"(?i)\b(?:bearer|basic)\s+([A-Za-z0-9._~+/=-]{8,})")
-_B_HEADER_FLAG = re.compile(
-    rb"--(?:remote_header|remote_cache_header|remote_exec_header|remote_downloader_header|"
-    rb"bes_header)=(" + _B_VALUE + rb"+)"
+_B_SECRET_FLAG = re.compile(
+    rb"--(?:" + "|".join(sorted(SECRET_FLAGS)).encode() + rb")=(" + _B_VALUE + rb"+)"
 )
 _B_ENV = re.compile(
-    rb"(?i)--(?:client_env|action_env|test_env|host_action_env|repo_env)="
-    rb"[A-Za-z0-9_]*(?:token|secret|passw(?:or)?d|credential|api[_-]?key|auth)[A-Za-z0-9_]*="
-    rb"(" + _B_VALUE + rb"+)"
+    rb"(?i)--(?:"
+    + "|".join(_ENV_ASSIGNMENT_FLAGS).encode()
+    + rb")=[A-Za-z0-9_]*(?:"
+    + _SECRET_WORDS.encode()
+    + rb")[A-Za-z0-9_]*=("
+    + _B_VALUE
+    + rb"+)"
 )
 _B_OUR_KEY = re.compile(rb"conveyor_[A-Za-z0-9]+_([A-Za-z0-9_-]{16,})")
 _B_PATTERNS: Final = (
     _B_URL_CREDENTIALS,
     _B_TOKEN_PARAM,
     _B_BEARER,
-    _B_HEADER_FLAG,
+    _B_SECRET_FLAG,
     _B_ENV,
     _B_OUR_KEY,
 )
@@ -245,6 +259,30 @@ _MASKED_BYTE = ord("*")
 _B_ANY = re.compile(
     b"|".join(b"(?:" + p.pattern.replace(b"(?i)", b"") + b")" for p in _B_PATTERNS), re.I
 )
+
+
+# What every secret either pass redacts must contain: a flag name, a secret-looking word,
+# credentials in a URL, a token parameter, a bearer token, our key prefix. The passes'
+# case-insensitive str patterns also read four non-ASCII letters as ASCII ones (U+0130 and
+# U+0131 as i, U+017F as s, U+212A as k; a test checks that these are all): their UTF-8
+# bytes trigger the passes too.
+_FOLDS_TO_ASCII: Final = ("\u0130", "\u0131", "\u017f", "\u212a")
+_B_TRIGGER = re.compile(
+    b"|".join(re.escape(c.encode()) for c in _FOLDS_TO_ASCII)
+    + rb"|conveyor_|://[^/@\s]*@|bearer|basic|(?:"
+    + _PARAM_WORDS.encode()
+    + rb")=|"
+    + _SECRET_WORDS.encode()
+    + b"|"
+    + "|".join(sorted(SECRET_FLAGS | ENV_FLAGS)).encode(),
+    re.I,
+)
+
+
+def may_hold_secret(data: bytes) -> bool:
+    """False when neither pass could redact anything in ``data`` (a serialized message):
+    it holds none of what they look for. Most build events do not, and then skip both."""
+    return _B_TRIGGER.search(data) is not None
 
 
 def mask_bytes(data: bytes) -> bytes:

@@ -9,16 +9,19 @@ missing, malformed, unknown or revoked key gets UNAUTHENTICATED before any handl
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import grpc
+from conveyor_runtime.decoding import add_service
 
-from conveyor_bep.bazel.google.devtools.build.v1 import publish_build_event_pb2_grpc
+from conveyor_bep.bazel.google.devtools.build.v1 import publish_build_event_pb2
+from conveyor_bep.cas import CasConfig, add_cas_services
 from conveyor_bep.ingest import IngestLimits, PublishBuildEventService, Shards
 from conveyor_bep.keys import KeyCache, Project
 from conveyor_bep.writer import WriterShard
@@ -79,18 +82,45 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
             return authenticated
 
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                wrap(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                wrap(handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+        def wrap_streaming(behavior: Any) -> Any:
+            # A server-streaming handler (ByteStream.Read) is an async generator.
+            async def authenticated(
+                request: Any, context: grpc.aio.ServicerContext[Any, Any]
+            ) -> AsyncIterator[Any]:
+                token = None
+                if key is not None:
+                    project = await keys.authenticate(key)
+                    if project is None:
+                        await context.abort(
+                            grpc.StatusCode.UNAUTHENTICATED,
+                            "invalid x-api-key: unknown, revoked or malformed key",
+                        )
+                    token = _PROJECT.set(project)
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                finally:
+                    if token is not None:
+                        with contextlib.suppress(ValueError):
+                            _PROJECT.reset(token)
+
+            return authenticated
+
+        # Each kind of call, with the wrapper of its behaviour (a server-streaming one
+        # is an async generator and stays one).
+        for kind, make, wrapper in (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, wrap),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, wrap),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, wrap),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, wrap_streaming),
+        ):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return make(
+                    wrapper(behavior),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
         return handler
 
 
@@ -104,7 +134,8 @@ def _server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.Serv
 
 
 class BepServer:
-    """The ingest of one node: a gRPC server on ``host:port`` over a Postgres pool."""
+    """The ingest of one node: a gRPC server on ``host:port`` over a Postgres pool, with
+    the CAS sink (:mod:`conveyor_bep.cas`) when ``cas`` is given."""
 
     def __init__(
         self,
@@ -119,6 +150,7 @@ class BepServer:
         max_message: int = 64 * 1024 * 1024,
         tls: tuple[str, str, str | None] | None = None,
         on_committed: Callable[[Any], None] | None = None,
+        cas: CasConfig | None = None,
     ) -> None:
         self.pool = pool
         self.keys = keys
@@ -139,9 +171,16 @@ class BepServer:
                 ("grpc.max_send_message_length", max_message),
             ],
         )
-        publish_build_event_pb2_grpc.add_PublishBuildEventServicer_to_server(  # type: ignore[no-untyped-call]
-            self.service, self._server
+        # Registered from the descriptor so an undecodable request is INVALID_ARGUMENT.
+        add_service(
+            self._server,
+            publish_build_event_pb2.DESCRIPTOR.services_by_name["PublishBuildEvent"],
+            self.service,
         )
+        # The CAS sink on the same port; without a blob root its services are not served
+        # (UNIMPLEMENTED).
+        if cas is not None:
+            add_cas_services(self._server, pool, cas, header_project)
         self.port = 0
 
     async def start(self) -> int:

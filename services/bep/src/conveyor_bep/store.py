@@ -31,6 +31,7 @@ _NORMALIZED_TABLES = (
     "actions",
     "named_sets",
     "invocation_metrics",
+    "artifacts",  # unpins the build's blobs: the next blobs.prune deletes them
 )
 
 

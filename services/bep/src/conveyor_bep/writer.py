@@ -5,13 +5,15 @@ the :class:`WriterShard` its invocation id hashes to. A shard commits everything
 from all its invocations, in one transaction at most every ``interval`` seconds:
 
 1. the invocation rows of new invocations (``INSERT ... ON CONFLICT DO NOTHING``);
-2. one **fenced** update per batch, in order:
-   ``UPDATE bep.invocations ... WHERE invocation_id = $1 AND last_event_seq = first_seq - 1``.
-   Zero rows means another worker (another node, or this one before a restart) has moved
-   the invocation on: that batch is *fenced out* and its stream ends so Bazel retries;
+2. the **fence**: every batch advances its invocation row only from where the batch
+   starts (``... WHERE invocation_id = $1 AND last_event_seq = first_seq - 1``). One
+   statement fences every invocation of the group, each invocation's run of consecutive
+   batches merged into one row of it. An invocation the statement did not update has
+   been moved on by another worker (another node, or this one before a restart): its
+   batches are *fenced out* and its stream ends so Bazel retries;
 3. one multi-row statement per table (raw segments, log segments, targets, test results,
-   actions, named sets, metrics, tag facets) with the rows of the batches that won their
-   fence, merged by key.
+   actions, named sets, metrics, tag facets, artifacts) with the rows of the batches that
+   won their fence, merged by key.
 
 Each batch's future resolves only after the commit: the stream acknowledges a batch's
 events to Bazel then and not before, so an ack is the durability boundary. If the group
@@ -274,6 +276,14 @@ SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::bigint[])
 ON CONFLICT (project_id, key, value) DO UPDATE SET builds = f.builds + EXCLUDED.builds"""
 
 
+# The files in the CAS a build references: each row pins its blob (conveyor_bep.blobs).
+INSERT_ARTIFACTS = """
+INSERT INTO bep.artifacts (invocation_id, project_id, kind, label, name, digest, size)
+SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::text[], $6::text[],
+    $7::bigint[])
+ON CONFLICT DO NOTHING"""
+
+
 def partition_name(table: str, day: date) -> str:
     return f"{table}_{day:%Y%m%d}"
 
@@ -318,13 +328,134 @@ def _invocation_args(batch: Batch) -> list[Any]:
     return args
 
 
+# Array columns travel through unnest as JSON (a text[][] must be rectangular).
+_ARRAY_COLUMNS = frozenset(name for name, sql_type in _SET_COLUMNS if sql_type == "text[]")
+
+
+def _fenced_advance_sql() -> str:
+    """One statement for many invocations: each row of the unnest advances one
+    invocation by a run of its batches, fenced like :data:`FENCED_UPDATE`."""
+    columns = [
+        ("invocation_id", "text"),
+        ("project_id", "bigint"),
+        ("prev_seq", "bigint"),
+        ("last_seq", "bigint"),
+        ("events", "bigint"),
+        ("final", "boolean"),
+        ("status", "text"),
+        ("tags", "jsonb"),
+        ("log_bytes", "bigint"),
+        ("log_lines", "bigint"),
+    ]
+    columns += [
+        (f"s_{name}", "jsonb" if name in _ARRAY_COLUMNS else sql_type)
+        for name, sql_type in _SET_COLUMNS
+    ]
+    columns += [(f"a_{name}", "integer") for name in _ADD_COLUMNS]
+    arrays = ", ".join(f"${i + 1}::{sql_type}[]" for i, (_, sql_type) in enumerate(columns))
+    names = ", ".join(name for name, _ in columns)
+    sets = []
+    for name, _ in _SET_COLUMNS:
+        value = f"u.s_{name}"
+        if name in _ARRAY_COLUMNS:
+            value = f"CASE WHEN {value} IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text({value})) END"
+        sets.append(f"{name} = COALESCE({value}, i.{name})")
+    sets += [f"{name} = i.{name} + u.a_{name}" for name in _ADD_COLUMNS]
+    return f"""
+UPDATE bep.invocations AS i SET
+    last_event_seq = u.last_seq, events = i.events + u.events, finished = i.finished OR u.final,
+    status = CASE
+        WHEN u.status IS NOT NULL THEN u.status
+        WHEN u.final AND i.status = 'running' THEN 'incomplete'
+        ELSE i.status END,
+    tags = i.tags || u.tags,
+    log_bytes = i.log_bytes + u.log_bytes, log_lines = i.log_lines + u.log_lines,
+    updated_at = now(),
+    {", ".join(sets)}
+FROM unnest({arrays}) AS u({names})
+WHERE i.invocation_id = u.invocation_id AND i.project_id = u.project_id
+    AND i.last_event_seq = u.prev_seq
+RETURNING i.invocation_id"""
+
+
+FENCED_ADVANCE = _fenced_advance_sql()
+
+
+@dataclass(slots=True)
+class _Advance:
+    """A run of consecutive batches of one invocation from one stream, merged into one
+    fenced row of :data:`FENCED_ADVANCE`: the fence is the first batch's, the values set
+    are the last non-null of each column, counters add up, tags merge."""
+
+    first: Batch
+    indexes: list[int]
+    last_seq: int
+    events: int
+    final: bool
+    set: dict[str, Any]
+    add: dict[str, int]
+    tags: dict[str, str]
+    log_bytes: int
+    log_lines: int
+
+    @classmethod
+    def of(cls, index: int, batch: Batch) -> _Advance:
+        advance = cls(batch, [], 0, 0, False, {}, {}, {}, 0, 0)
+        advance.extend(index, batch)
+        return advance
+
+    def follows(self, batch: Batch) -> bool:
+        return batch.stream == self.first.stream and batch.first_seq == self.last_seq + 1
+
+    def extend(self, index: int, batch: Batch) -> None:
+        inv = batch.changes.invocation
+        self.indexes.append(index)
+        self.last_seq = batch.last_seq
+        self.events += len(batch.events)
+        self.final = self.final or batch.final
+        self.set.update(inv.set)
+        for name, by in inv.add.items():
+            self.add[name] = self.add.get(name, 0) + by
+        self.tags.update(inv.tags)
+        log = batch.log_text
+        self.log_bytes += len(log)
+        self.log_lines += log.count(b"\n")
+
+    def row(self) -> tuple[Any, ...]:
+        first = self.first
+        values: list[Any] = [
+            first.invocation_id,
+            first.project_id,
+            first.first_seq - 1,
+            self.last_seq,
+            self.events,
+            self.final,
+            self.set.get("status"),
+            json.dumps(self.tags),
+            self.log_bytes,
+            self.log_lines,
+        ]
+        for name, _ in _SET_COLUMNS:
+            value = self.set.get(name)
+            values.append(
+                json.dumps(value) if name in _ARRAY_COLUMNS and value is not None else value
+            )
+        values.extend(self.add.get(name, 0) for name in _ADD_COLUMNS)
+        return tuple(values)
+
+
 def _columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
     return [[row[i] for row in rows] for i in range(width)]
 
 
 async def apply_batches(conn: Any, batches: Sequence[Batch], today: date) -> set[int]:
     """Write ``batches`` in the caller's transaction; return the indexes of those fenced
-    out (nothing of theirs is written)."""
+    out (nothing of theirs is written).
+
+    The fence of every invocation is one statement (:data:`FENCED_ADVANCE`): each
+    invocation's run of consecutive batches from one stream is one row of it. Batches
+    that do not continue their invocation's run (a second stream racing the first in the
+    same group) follow one by one with :data:`FENCED_UPDATE`, in order."""
     new = [b for b in batches if b.first_seq == 1]
     if new:
         await conn.execute(
@@ -333,9 +464,35 @@ async def apply_batches(conn: Any, batches: Sequence[Batch], today: date) -> set
             [b.project_id for b in new],
             [b.build_id for b in new],
         )
+    advances: dict[str, _Advance] = {}
+    later: list[int] = []
+    deferred: set[str] = set()
+    for index, batch in enumerate(batches):
+        advance = advances.get(batch.invocation_id)
+        if advance is None:
+            advances[batch.invocation_id] = _Advance.of(index, batch)
+        elif batch.invocation_id not in deferred and advance.follows(batch):
+            advance.extend(index, batch)
+        else:
+            deferred.add(batch.invocation_id)
+            later.append(index)
+    rows = [advance.row() for advance in advances.values()]
+    won = (
+        {
+            r["invocation_id"]
+            for r in await conn.fetch(FENCED_ADVANCE, *_columns(rows, len(rows[0])))
+        }
+        if rows
+        else set()
+    )
     lost: set[int] = set()
     fenced_streams: set[tuple[str, int]] = set()
-    for index, batch in enumerate(batches):
+    for invocation_id, advance in advances.items():
+        if invocation_id not in won:
+            lost.update(advance.indexes)
+            fenced_streams.add((invocation_id, advance.first.stream))
+    for index in later:
+        batch = batches[index]
         stream = (batch.invocation_id, batch.stream)
         if stream in fenced_streams:
             lost.add(index)
@@ -343,9 +500,9 @@ async def apply_batches(conn: Any, batches: Sequence[Batch], today: date) -> set
         if await conn.fetchval(FENCED_UPDATE, *_invocation_args(batch)) is None:
             lost.add(index)
             fenced_streams.add(stream)
-    won = [b for i, b in enumerate(batches) if i not in lost]
-    if won:
-        await _write_rows(conn, won, today)
+    winners = [b for i, b in enumerate(batches) if i not in lost]
+    if winners:
+        await _write_rows(conn, winners, today)
     return lost
 
 
@@ -452,6 +609,14 @@ async def _write_rows(conn: Any, batches: Sequence[Batch], today: date) -> None:
     if facets:
         rows = [(*key, count) for key, count in facets.items()]
         await conn.execute(ADD_TAG_FACETS, *_columns(rows, 4))
+    artifacts = {
+        (b.invocation_id, b.project_id, *key): size
+        for b in batches
+        for key, size in b.changes.artifacts.items()
+    }
+    if artifacts:
+        rows = [(*key, size) for key, size in artifacts.items()]
+        await conn.execute(INSERT_ARTIFACTS, *_columns(rows, 7))
 
 
 Committed = Callable[[Sequence[Batch]], None]

@@ -78,6 +78,28 @@ def serve_rest(args: tuple[str, ...]) -> None:
     _serve("conveyor_rest", args)
 
 
+@serve.command("bep", context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_bep(args: tuple[str, ...]) -> None:
+    """The build-event ingest: Bazel's --bes_backend (and the CAS sink) over gRPC."""
+    _serve("conveyor_bep", ("serve", *args))
+
+
+@serve.command("bep-web", context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def serve_bep_web(args: tuple[str, ...]) -> None:
+    """The build-event web UI: builds, live build pages, logs, projects and keys."""
+    _serve("conveyor_bep_web", ("serve", *args))
+
+
+@cli.command("bep", context_settings=PASS_THROUGH)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bep(args: tuple[str, ...]) -> None:
+    """The build-event ingest's admin commands (`conveyor-bep`: migrate, project create,
+    key create, key revoke, prune); `conveyor bep --help` lists them."""
+    _serve("conveyor_bep", args if args else ("--help",))
+
+
 @cli.command()
 @click.option(
     "--dsn",

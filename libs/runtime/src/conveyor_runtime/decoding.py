@@ -1,4 +1,5 @@
-"""Registering the api's gRPC services so an undecodable request gets INVALID_ARGUMENT.
+"""Registering gRPC services so an undecodable request gets INVALID_ARGUMENT (the task
+queue's api and the build-event ingest).
 
 gRPC parses a request with the method's deserializer before any handler runs. When that
 raises (the bytes are not a valid protobuf message), grpc.aio ends a unary call with
@@ -9,8 +10,9 @@ deserializer that returns an :class:`Undecodable` marker rather than raising:
 - a method taking one request gets a thin wrapper that ends the call with
   INVALID_ARGUMENT "malformed request: not a valid <full message name> message" before
   the servicer method runs, so nothing is read or stored;
-- a method taking a request stream (``WorkerService.Session``) receives the marker as one
-  of its messages and ends the stream itself (it has tasks to release first).
+- a method taking a request stream (the api's ``WorkerService.Session``, the ingest's
+  ``PublishBuildToolEventStream``) receives the marker as one of its messages and ends
+  the stream itself (it has tasks to release or batches to commit first).
 
 Interceptors see ordinary handlers and keep working: they wrap the behaviour and pass the
 deserializer on. A valid message is parsed by the same ``FromString`` call as with the
@@ -117,7 +119,7 @@ def _handler(method: MethodDescriptor, behavior: Callable[..., Any]) -> _Handler
 
 
 async def _refuse(method: str, request: Undecodable, context: _Context) -> NoReturn:
-    logger.info("api.malformed_request method=%s", method)
+    logger.info("grpc.malformed_request method=%s", method)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
