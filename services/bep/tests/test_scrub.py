@@ -9,6 +9,9 @@ from conveyor_bep.bazel import build_event_stream_pb2 as bes
 from conveyor_bep.bazel import command_line_pb2
 from conveyor_bep.scrub import (
     _FOLDS_TO_ASCII,
+    _PARAM_WORDS,
+    _SECRET_WORDS,
+    ENV_FLAGS,
     REDACTED,
     SECRET_FLAGS,
     mask_bytes,
@@ -188,3 +191,19 @@ def test_every_letter_a_pattern_folds_to_ascii_triggers_the_passes() -> None:
     assert folding == set(_FOLDS_TO_ASCII)
     for letter in folding:
         assert may_hold_secret(f"x{letter}y".encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.from_regex(re.compile(f"(?:{_SECRET_WORDS})", re.I), fullmatch=True),
+        st.from_regex(re.compile(f"(?:{_PARAM_WORDS})=", re.I), fullmatch=True),
+        st.sampled_from(sorted(SECRET_FLAGS | ENV_FLAGS)),
+    ),
+    st.text(max_size=5),
+    st.text(max_size=5),
+)
+def test_every_spelling_of_a_secret_word_triggers_the_passes(
+    word: str, before: str, after: str
+) -> None:
+    assert may_hold_secret(f"{before}{word}{after}".encode())

@@ -267,22 +267,30 @@ _B_ANY = re.compile(
 # U+0131 as i, U+017F as s, U+212A as k; a test checks that these are all): their UTF-8
 # bytes trigger the passes too.
 _FOLDS_TO_ASCII: Final = ("\u0130", "\u0131", "\u017f", "\u212a")
+# The secret-looking words as literals (every spelling _SECRET_WORDS and _PARAM_WORDS
+# allow; a test checks the expansion), searched in the lowered bytes: a case-sensitive
+# alternation of literals is many times faster than a case-insensitive pattern.
+_TRIGGER_WORDS: Final = (
+    "token", "secret", "passw", "pwd", "credential", "apikey", "api_key", "api-key",
+    "auth", "privatekey", "private_key", "private-key", "accesskey", "access_key",
+    "access-key", "sessionkey", "session_key", "session-key", "cookie", "signature",
+    "sig=", "bearer", "basic", "conveyor_",
+)  # fmt: skip
 _B_TRIGGER = re.compile(
-    b"|".join(re.escape(c.encode()) for c in _FOLDS_TO_ASCII)
-    + rb"|conveyor_|://[^/@\s]*@|bearer|basic|(?:"
-    + _PARAM_WORDS.encode()
-    + rb")=|"
-    + _SECRET_WORDS.encode()
-    + b"|"
-    + "|".join(sorted(SECRET_FLAGS | ENV_FLAGS)).encode(),
-    re.I,
+    b"|".join(
+        re.escape(word.encode())
+        for word in (*_TRIGGER_WORDS, *sorted(SECRET_FLAGS | ENV_FLAGS), *_FOLDS_TO_ASCII)
+    )
 )
+_B_URL_AT = re.compile(rb"://[^/@\s]*@")
 
 
 def may_hold_secret(data: bytes) -> bool:
     """False when neither pass could redact anything in ``data`` (a serialized message):
     it holds none of what they look for. Most build events do not, and then skip both."""
-    return _B_TRIGGER.search(data) is not None
+    if _B_TRIGGER.search(data.lower()) is not None:
+        return True
+    return b"@" in data and _B_URL_AT.search(data) is not None
 
 
 def mask_bytes(data: bytes) -> bytes:
