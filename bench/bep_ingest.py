@@ -2,10 +2,13 @@
 ``conveyor-bep serve`` process over a throwaway database.
 
     uv run python -m bench.bep_ingest [--streams 1,100,1000] [--tests 50] [--clients 2]
+    uv run python -m bench.bep_ingest --streams 100 --rate 50    # paced: 5,000 events/s
 
 Each stream replays a synthetic small build (``conveyor_testkit.bep.sample_stream``:
 command lines, options, metadata, progress, per test target a configured, result,
-completed and summary event; ``--tests`` sets how many) as fast as the ingest acks it.
+completed and summary event; ``--tests`` sets how many) as fast as the ingest acks it,
+or, with ``--rate``, at that many events/s per stream (builds running side by side, as
+real Bazels stream: the ack latency then says what a build sees at that load).
 ``--clients`` processes share the streams (the load generator's own CPU would otherwise
 cap the figure). Reports per level: events/s ingested (first send to last ack), ack
 latency p50/p99 (an event's send to its ack), bytes stored per build (row bytes of the ``bep`` tables, and their
@@ -54,7 +57,7 @@ def _postgres_cpu() -> float:
     return total
 
 
-async def _client(port: int, key: str, ids: list[str], tests: int) -> dict[str, Any]:
+async def _client(port: int, key: str, ids: list[str], tests: int, rate: float) -> dict[str, Any]:
     import grpc
     from conveyor_bep.bazel.google.devtools.build.v1 import publish_build_event_pb2_grpc
     from conveyor_testkit.bep import sample_stream
@@ -65,13 +68,20 @@ async def _client(port: int, key: str, ids: list[str], tests: int) -> dict[str, 
     events = 0
     failures = 0
 
-    async def one(invocation_id: str) -> None:
+    async def one(index: int, invocation_id: str) -> None:
         nonlocal events, failures
         requests = sample_stream(invocation_id, tests=tests)
         sent: dict[int, float] = {}
 
         async def source() -> Any:
-            for item in requests:
+            # Paced (--rate): event i of a stream leaves at its start + i / rate, the
+            # streams' starts spread over one interval, as builds that run side by side.
+            begin = time.monotonic() + (index / max(1, len(ids))) / rate if rate else 0.0
+            for i, item in enumerate(requests):
+                if rate:
+                    delay = begin + i / rate - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
                 sent[item.ordered_build_event.sequence_number] = time.monotonic()
                 yield item
 
@@ -84,7 +94,7 @@ async def _client(port: int, key: str, ids: list[str], tests: int) -> dict[str, 
             failures += 1
 
     started = time.monotonic()
-    await asyncio.gather(*(one(i) for i in ids))
+    await asyncio.gather(*(one(n, i) for n, i in enumerate(ids)))
     ended = time.monotonic()
     await channel.close()
     return {
@@ -96,10 +106,10 @@ async def _client(port: int, key: str, ids: list[str], tests: int) -> dict[str, 
     }
 
 
-def _client_process(port: int, key: str, ids: list[str], tests: int, out: Any) -> None:
+def _client_process(port: int, key: str, ids: list[str], tests: int, rate: float, out: Any) -> None:
     import uvloop
 
-    out.put(uvloop.run(_client(port, key, ids, tests)))
+    out.put(uvloop.run(_client(port, key, ids, tests, rate)))
 
 
 async def _size_per_build(dsn: str, builds: int) -> tuple[float, float]:
@@ -164,7 +174,7 @@ async def _level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
         workers = [
             multiprocessing.get_context("spawn").Process(
                 target=_client_process,
-                args=(port, key, ids[i::clients], args.tests, queue),
+                args=(port, key, ids[i::clients], args.tests, args.rate, queue),
             )
             for i in range(clients)
         ]
@@ -180,6 +190,7 @@ async def _level(streams: int, args: argparse.Namespace) -> dict[str, Any]:
         size, disk = await _size_per_build(dsn, streams)
         return {
             "streams": streams,
+            "offered_per_s": round(args.rate * streams) if args.rate else None,
             "events": events,
             "failures": sum(r["failures"] for r in results),
             "seconds": round(elapsed, 3),
@@ -209,12 +220,14 @@ async def _main(args: argparse.Namespace) -> None:
         print(json.dumps(row), flush=True)
     print()
     print(
-        "| streams | events/s | ack p50 ms | ack p99 ms | bytes/build | ingest µs/event | postgres µs/event |"
+        "| streams | offered/s | events/s | ack p50 ms | ack p99 ms | bytes/build "
+        "| ingest µs/event | postgres µs/event |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['streams']} | {r['events_per_s']} | {r['ack_p50_ms']} | {r['ack_p99_ms']} "
+            f"| {r['streams']} | {r['offered_per_s'] or 'max'} | {r['events_per_s']} "
+            f"| {r['ack_p50_ms']} | {r['ack_p99_ms']} "
             f"| {r['bytes_per_build']} | {r['ingest_cpu_us_per_event']} "
             f"| {r['postgres_cpu_us_per_event']} |"
         )
@@ -227,6 +240,12 @@ def main() -> None:
     parser.add_argument("--streams", default="1,100,1000", help="comma-separated levels")
     parser.add_argument("--tests", type=int, default=50, help="test targets per build")
     parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="events/s each stream sends (0: as fast as flow control lets it)",
+    )
     asyncio.run(_main(parser.parse_args()))
 
 
