@@ -15,7 +15,10 @@ RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends dpkg \
 RUN uv sync --frozen --no-dev --no-editable
 
 FROM python:3.11-slim
-RUN useradd --system --uid 10001 conveyor
+RUN useradd --system --uid 10001 conveyor \
+    && mkdir -p /var/lib/conveyor-bep && chown conveyor:conveyor /var/lib/conveyor-bep
+# /var/lib/conveyor-bep: the build-event CAS sink's blobs (compose mounts a volume there,
+# which takes this directory's owner).
 COPY --from=build /src/.venv /app/.venv
 ENV PATH="/app/.venv/bin:$PATH" PYTHONUNBUFFERED=1
 USER conveyor

@@ -207,6 +207,13 @@ def test_the_build_event_services_share_the_stack_over_tls() -> None:
         BEP_NATS_USERS
     )
     assert SERVICES["bep"]["environment"]["CONVEYOR_AUTO_MIGRATE"] == "true"
+    # The CAS sink's blobs: one volume, written by the ingest, read by the web UI.
+    root = SERVICES["bep"]["environment"]["CONVEYOR_BEP_BLOB_ROOT"]
+    assert SERVICES["bep-web"]["environment"]["CONVEYOR_BEP_BLOB_ROOT"] == root
+    assert f"bepblobs:{root}" in SERVICES["bep"]["volumes"]
+    assert f"bepblobs:{root}:ro" in SERVICES["bep-web"]["volumes"]
+    assert "bepblobs" in COMPOSE["volumes"]
+    assert root in (ROOT / "Dockerfile").read_text()  # made in the image, owned by its user
     token = SERVICES["bep-web"]["environment"]["CONVEYOR_BEP_WEB_ADMIN_TOKEN"]
     assert token == "${CONVEYOR_BEP_WEB_ADMIN_TOKEN:-}"
 
