@@ -30,6 +30,12 @@ import httpx
 import pytest
 from conveyor_bep.__main__ import _cas_config
 from conveyor_bep.bazel import build_event_stream_pb2 as bes
+from conveyor_bep.bazel.build.bazel.remote.execution.v2 import (
+    remote_execution_pb2 as rex,
+)
+from conveyor_bep.bazel.build.bazel.remote.execution.v2 import (
+    remote_execution_pb2_grpc as rex_grpc,
+)
 from conveyor_bep.bazel.google.bytestream import bytestream_pb2, bytestream_pb2_grpc
 from conveyor_bep.blobs import BlobUpload, DiskStore, open_blob, prune
 from conveyor_bep.cas import CasConfig
@@ -48,6 +54,7 @@ from conveyor_bep.store import BEP_MIGRATIONS, delete_old_builds
 from conveyor_runtime.settings import BepSettings
 from conveyor_testkit.bep import publish, request, sample_events
 from conveyor_testkit.polling import wait_until_blocking
+from google.rpc import code_pb2  # type: ignore[import-untyped]
 
 EXAMPLE = Credentials("AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
 BUCKET = "conveyor-blobs"
@@ -545,8 +552,22 @@ async def test_a_failing_store_stores_nothing_and_keeps_the_upload(rig: Rig, mot
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             failing = Rig(pool, channel, rig.spool, broken, rig.clock, rig.key)
-            with pytest.raises(grpc.aio.AioRpcError):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await _write(failing, data, upload="u-broken")
+            # UNAVAILABLE, which Bazel retries (resuming at the staged bytes' end).
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            cas = rex_grpc.ContentAddressableStorageStub(channel)  # type: ignore[no-untyped-call]
+            batch = await cas.BatchUpdateBlobs(
+                rex.BatchUpdateBlobsRequest(
+                    requests=[
+                        rex.BatchUpdateBlobsRequest.Request(
+                            digest=rex.Digest(hash=_sha(data), size_bytes=len(data)), data=data
+                        )
+                    ]
+                ),
+                metadata=(("x-api-key", rig.key),),
+            )
+            assert [r.status.code for r in batch.responses] == [code_pb2.UNAVAILABLE]
     finally:
         await server.stop(0)
         broken.close()

@@ -31,6 +31,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import grpc
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
@@ -57,6 +58,11 @@ from conveyor_bep.blobs import (
 from conveyor_bep.keys import Project
 
 logger = logging.getLogger(__name__)
+
+
+class StoreUnavailable(Exception):
+    """The blob store (disk, S3) or the database failed to take a verified blob."""
+
 
 _READ_RE = re.compile(r"(?:.*/)?blobs/([0-9a-f]{64})/([0-9]{1,19})(?:/.*)?")
 _WRITE_RE = re.compile(r"(?:.*/)?uploads/([^/]+)/blobs/([0-9a-f]{64})/([0-9]{1,19})(?:/.*)?")
@@ -117,19 +123,27 @@ class _Sink:
         return size > self.config.max_blob_bytes
 
     async def commit(self, project: Project, digest: str, size: int, temp: Path) -> None:
+        """Store a verified upload; :class:`StoreUnavailable` when the blob store or the
+        database fails (the staged bytes stay for a retry)."""
         config = self.config
-        async with self.pool.acquire() as conn:
-            await commit_blob(
-                conn,
-                self.store,
-                project_id=project.id,
-                key_prefix=_key_prefix(project),
-                digest=digest,
-                size=size,
-                temp=temp,
-                now=config.clock(),
-                ttl=config.upload_ttl,
+        try:
+            async with self.pool.acquire() as conn:
+                await commit_blob(
+                    conn,
+                    self.store,
+                    project_id=project.id,
+                    key_prefix=_key_prefix(project),
+                    digest=digest,
+                    size=size,
+                    temp=temp,
+                    now=config.clock(),
+                    ttl=config.upload_ttl,
+                )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            logger.warning(
+                "bep.cas.store_failed project=%s digest=%s error=%s", project.slug, digest, exc
             )
+            raise StoreUnavailable(f"the blob store failed; retry: {exc}") from exc
         logger.debug("bep.cas.stored project=%s digest=%s size=%d", project.slug, digest, size)
 
     async def read(self, project: Project, digest: str, size: int) -> bytes | None:
@@ -247,7 +261,10 @@ class ContentAddressableStorageService(rex_grpc.ContentAddressableStorageService
                             f"{len(item.data)} bytes sent as {digest.size_bytes}",
                         )
                     else:
-                        await sink.commit(project, digest.hash, digest.size_bytes, temp)
+                        try:
+                            await sink.commit(project, digest.hash, digest.size_bytes, temp)
+                        except StoreUnavailable as exc:
+                            status = _status(code_pb2.UNAVAILABLE, str(exc))
             responses.append(rex.BatchUpdateBlobsResponse.Response(digest=digest, status=status))
         return rex.BatchUpdateBlobsResponse(responses=responses)
 
@@ -354,7 +371,11 @@ class ByteStreamService(bytestream_pb2_grpc.ByteStreamServicer):
                 temp = await asyncio.to_thread(upload.finish)
             except DigestMismatch as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            await sink.commit(project, upload.digest, upload.size, temp)
+            try:
+                await sink.commit(project, upload.digest, upload.size, temp)
+            except StoreUnavailable as exc:
+                # Bazel retries UNAVAILABLE; the staged bytes let it resume at their end.
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             return bytestream_pb2.WriteResponse(committed_size=upload.size)
         except BaseException:
             if upload is not None:
