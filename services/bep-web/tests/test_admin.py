@@ -14,7 +14,6 @@ import httpx
 import pytest
 from conveyor_bep.keys import KeyCache, create_project
 from conveyor_bep.store import BEP_MIGRATIONS
-from conveyor_bep_web import admin, admin_pages, oidc
 from conveyor_bep_web.app import create_app
 from conveyor_runtime.settings import BepWebSettings
 from conveyor_runtime.subjects import Subjects
@@ -28,19 +27,6 @@ pytestmark = pytest.mark.postgres
 ADMIN_TOKEN = "admin-token-0123456789"
 AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 PUBLIC = "http://testserver"
-
-
-def web_app(settings: BepWebSettings, pool: Any, nc: Any = None) -> FastAPI:
-    """The web app with the auth and admin routers (included here until app.py does)."""
-    app = create_app(settings, pool, nc)
-    paths = {getattr(route, "path", "") for route in app.routes}
-    if "/auth/login" not in paths:
-        app.include_router(oidc.router)
-    if "/api/admin/projects" not in paths:
-        app.include_router(admin.router)
-    if "/admin" not in paths:
-        app.include_router(admin_pages.router)
-    return app
 
 
 def client(app: FastAPI) -> httpx.AsyncClient:
@@ -81,7 +67,7 @@ async def test_admin_routes_need_the_admin_token(pool: Any, settings: BepWebSett
         ("GET", "/api/admin/audit", None),
         ("GET", "/api/admin/users", None),
     ]
-    async with client(web_app(settings, pool)) as web:
+    async with client(create_app(settings, pool)) as web:
         for method, path, body in calls:
             anonymous = await web.request(method, path, json=body)
             assert anonymous.status_code == 401, (method, path)
@@ -91,13 +77,13 @@ async def test_admin_routes_need_the_admin_token(pool: Any, settings: BepWebSett
             assert wrong.status_code == 403, (method, path)
         assert (await web.get("/api/admin/projects", headers=AUTH)).status_code == 200
     # No admin token configured: nobody is the admin, whatever they send.
-    async with client(web_app(BepWebSettings(), pool)) as web:
+    async with client(create_app(BepWebSettings(), pool)) as web:
         assert (await web.get("/api/admin/projects", headers=AUTH)).status_code == 403
     assert await audit_rows(pool) == []
 
 
 async def test_project_slugs_are_validated_and_unique(pool: Any, settings: BepWebSettings) -> None:
-    async with client(web_app(settings, pool)) as web:
+    async with client(create_app(settings, pool)) as web:
         for slug in ("Bad_Slug", "-lead", "", "x" * 64, "a b"):
             bad = await web.post("/api/admin/projects", json={"slug": slug}, headers=AUTH)
             assert bad.status_code == 422, slug
@@ -126,7 +112,7 @@ async def test_project_slugs_are_validated_and_unique(pool: Any, settings: BepWe
 async def test_every_change_is_audited_and_no_secret_is(
     pool: Any, settings: BepWebSettings
 ) -> None:
-    async with client(web_app(settings, pool)) as web:
+    async with client(create_app(settings, pool)) as web:
         made = await web.post(
             "/api/admin/projects",
             json={"slug": "app", "admin_groups": ["app-admins"]},
@@ -202,7 +188,7 @@ async def test_a_revoked_key_stops_working_on_ingest_nodes_at_once(
 ) -> None:
     node = KeyCache(pool, ttl=3600.0)  # an ingest node that would trust it for an hour
     await node.subscribe(nc, settings.subject_prefix)
-    async with client(web_app(settings, pool, nc)) as web:
+    async with client(create_app(settings, pool, nc)) as web:
         await web.post("/api/admin/projects", json={"slug": "ci"}, headers=AUTH)
         key = (await web.post("/api/admin/projects/ci/keys", headers=AUTH, json={})).json()["key"]
         project = await node.authenticate(key)
@@ -254,7 +240,7 @@ async def test_project_admins_manage_their_own_projects_only(
     )
     issuer.user = IssuerUser("bob-sub", email="bob@example.com", groups=["team-x"])
     same = {"origin": PUBLIC}
-    async with client(web_app(settings, pool)) as web:
+    async with client(create_app(settings, pool)) as web:
         await sign_in(web)
         listed = (await web.get("/api/admin/projects")).json()["projects"]
         assert [p["slug"] for p in listed] == ["mine"]
@@ -290,7 +276,7 @@ async def test_project_admins_manage_their_own_projects_only(
             f"/api/admin/projects/mine/keys/{key.json()['id']}/revoke", headers=same
         )
         assert revoke.json()["revoked"] is True
-    async with client(web_app(settings, pool)) as web:
+    async with client(create_app(settings, pool)) as web:
         # A reader of the project (its allowed groups, now team-y) administers nothing.
         issuer.user = IssuerUser("carol", groups=["team-y"])
         await sign_in(web)
@@ -302,7 +288,7 @@ async def test_project_admins_manage_their_own_projects_only(
 async def test_admin_pages_are_shells_in_the_layout(pool: Any, settings: BepWebSettings) -> None:
     async with pool.acquire() as conn:
         await create_project(conn, "app")
-    async with client(web_app(settings, pool)) as web:
+    async with client(create_app(settings, pool)) as web:
         for path in ("/admin", "/p/app/settings"):
             shown = await web.get(path)
             assert shown.status_code == 200, path
@@ -323,7 +309,7 @@ async def test_admin_pages_need_a_session_with_oidc(pool: Any, issuer: LocalIssu
         bep_web_public_url=PUBLIC,
         bep_web_session_secret="s" * 40,
     )
-    async with client(web_app(settings, pool)) as web:
+    async with client(create_app(settings, pool)) as web:
         shown = await web.get("/p/app/settings")
         assert shown.status_code == 303
         assert shown.headers["location"] == "/auth/login?next=%2Fp%2Fapp%2Fsettings"

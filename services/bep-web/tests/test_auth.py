@@ -16,7 +16,7 @@ import httpx
 import pytest
 from conveyor_bep.keys import create_project
 from conveyor_bep.store import BEP_MIGRATIONS
-from conveyor_bep_web import admin, admin_pages, oidc
+from conveyor_bep_web import oidc
 from conveyor_bep_web.app import create_app
 from conveyor_bep_web.session import LOGIN_COOKIE, SESSION_COOKIE, CookieSigner
 from conveyor_runtime.settings import BepWebSettings
@@ -29,19 +29,6 @@ pytestmark = pytest.mark.postgres
 ADMIN_TOKEN = "admin-token-0123456789"
 SESSION_SECRET = "session-secret-0123456789abcdefghijklmnop"
 PUBLIC = "http://testserver"
-
-
-def web_app(settings: BepWebSettings, pool: Any, nc: Any = None) -> FastAPI:
-    """The web app with the auth and admin routers (included here until app.py does)."""
-    app = create_app(settings, pool, nc)
-    paths = {getattr(route, "path", "") for route in app.routes}
-    if "/auth/login" not in paths:
-        app.include_router(oidc.router)
-    if "/api/admin/projects" not in paths:
-        app.include_router(admin.router)
-    if "/admin" not in paths:
-        app.include_router(admin_pages.router)
-    return app
 
 
 def oidc_settings(issuer: LocalIssuer, **overrides: Any) -> BepWebSettings:
@@ -91,7 +78,7 @@ async def projects(pool: Any, spec: dict[str, tuple[list[str], list[str]]]) -> d
 
 async def test_open_mode_reads_freely_and_the_admin_token_is_the_admin(pool: Any) -> None:
     await projects(pool, {"a": ([], []), "b": (["x"], [])})
-    app = web_app(BepWebSettings(bep_web_admin_token=ADMIN_TOKEN), pool)
+    app = create_app(BepWebSettings(bep_web_admin_token=ADMIN_TOKEN), pool)
     async with client(app) as web:
         me = (await web.get("/auth/me")).json()
         assert me == {
@@ -142,7 +129,7 @@ async def test_sign_in_flow_gives_the_projects_of_the_users_groups(
         },
     )
     issuer.user = IssuerUser("alice-sub", email="alice@example.com", name="Alice", groups=["x"])
-    app = web_app(oidc_settings(issuer), pool)
+    app = create_app(oidc_settings(issuer), pool)
     async with client(app) as web:
         done = await sign_in(web, next="/p/allows-x?status=failed")
         assert done.status_code == 303, done.text
@@ -195,7 +182,7 @@ async def test_sign_in_flow_gives_the_projects_of_the_users_groups(
 async def test_members_of_an_admin_group_are_global_admins(pool: Any, issuer: LocalIssuer) -> None:
     await projects(pool, {"a": (["x"], []), "b": ([], [])})
     issuer.user = IssuerUser("root-sub", groups=["sre", "other"])
-    async with client(web_app(oidc_settings(issuer), pool)) as web:
+    async with client(create_app(oidc_settings(issuer), pool)) as web:
         assert (await sign_in(web)).status_code == 303
         me = (await web.get("/auth/me")).json()
         assert me["admin"] is True
@@ -207,7 +194,7 @@ async def test_without_a_session_api_is_401_and_pages_redirect(
     pool: Any, issuer: LocalIssuer
 ) -> None:
     await projects(pool, {"a": ([], [])})
-    async with client(web_app(oidc_settings(issuer), pool)) as web:
+    async with client(create_app(oidc_settings(issuer), pool)) as web:
         for path in ("/auth/me", "/api/projects", "/api/admin/projects"):
             assert (await web.get(path)).status_code == 401, path
         page = await web.get("/p/a?status=failed")
@@ -237,7 +224,7 @@ async def test_a_tampered_or_foreign_session_cookie_is_refused(
     async with pool.acquire() as conn:
         await conn.execute("INSERT INTO bep.users (subject, groups) VALUES ('boss', '{sre}')")
     issuer.user = IssuerUser("alice", groups=["x"])
-    app = web_app(oidc_settings(issuer), pool)
+    app = create_app(oidc_settings(issuer), pool)
     async with client(app) as web:
         await sign_in(web)
         genuine = web.cookies[SESSION_COOKIE]
@@ -288,7 +275,7 @@ async def test_a_bad_id_token_is_refused(
 ) -> None:
     issuer.claim_overrides = overrides
     issuer.rogue_key = case == "unknown key"
-    async with client(web_app(oidc_settings(issuer), pool)) as web:
+    async with client(create_app(oidc_settings(issuer), pool)) as web:
         done = await sign_in(web)
         assert done.status_code == 400, case
         assert "Sign-in failed" in done.text
@@ -300,7 +287,7 @@ async def test_a_bad_id_token_is_refused(
 async def test_state_mismatch_replay_and_issuer_errors_are_refused(
     pool: Any, issuer: LocalIssuer
 ) -> None:
-    app = web_app(oidc_settings(issuer), pool)
+    app = create_app(oidc_settings(issuer), pool)
     async with client(app) as web, httpx.AsyncClient() as browser:
         login = await web.get("/auth/login")
         back = (await browser.get(login.headers["location"])).headers["location"]
@@ -320,14 +307,14 @@ async def test_a_wrong_client_secret_is_refused_by_the_issuer(
     pool: Any, issuer: LocalIssuer
 ) -> None:
     settings = oidc_settings(issuer, bep_web_oidc_client_secret="wrong-secret")
-    async with client(web_app(settings, pool)) as web:
+    async with client(create_app(settings, pool)) as web:
         done = await sign_in(web)
         assert done.status_code == 400
         assert "invalid_client" in done.text
 
 
 async def test_next_stays_on_this_site(pool: Any, issuer: LocalIssuer) -> None:
-    async with client(web_app(oidc_settings(issuer), pool)) as web:
+    async with client(create_app(oidc_settings(issuer), pool)) as web:
         for target in ("//evil.example.com/x", "https://evil.example.com/", "/\\evil"):
             done = await sign_in(web, next=target)
             assert done.headers["location"] == "/", target
@@ -335,7 +322,7 @@ async def test_next_stays_on_this_site(pool: Any, issuer: LocalIssuer) -> None:
 
 async def test_cookies_are_secure_behind_https(pool: Any, issuer: LocalIssuer) -> None:
     https = "https://builds.example.com"
-    app = web_app(oidc_settings(issuer, bep_web_public_url=https), pool)
+    app = create_app(oidc_settings(issuer, bep_web_public_url=https), pool)
     async with client(app, https) as web:
         login = await web.get("/auth/login")
         assert "Secure" in login.headers["set-cookie"]
@@ -347,7 +334,7 @@ async def test_cookies_are_secure_behind_https(pool: Any, issuer: LocalIssuer) -
 
 async def test_sign_out_ends_every_session_of_the_user(pool: Any, issuer: LocalIssuer) -> None:
     issuer.user = IssuerUser("alice", groups=["x"])
-    app = web_app(oidc_settings(issuer), pool)
+    app = create_app(oidc_settings(issuer), pool)
     async with client(app) as laptop, client(app) as phone:
         await sign_in(laptop)
         await sign_in(phone)
@@ -367,7 +354,7 @@ async def test_sign_out_ends_every_session_of_the_user(pool: Any, issuer: LocalI
 async def test_a_public_client_signs_in_with_pkce_alone(pool: Any) -> None:
     with LocalIssuer(client_id="public-web", client_secret=None) as public:
         settings = oidc_settings(public, bep_web_oidc_client_secret=None)
-        async with client(web_app(settings, pool)) as web:
+        async with client(create_app(settings, pool)) as web:
             assert (await sign_in(web)).status_code == 303
             (form,) = public.token_requests
             assert form["client_id"] == "public-web"

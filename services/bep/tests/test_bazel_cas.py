@@ -28,7 +28,13 @@ import pytest
 from conveyor_bep.bazel.google.bytestream import bytestream_pb2, bytestream_pb2_grpc
 from conveyor_bep.blobs import blob_path
 from conveyor_bep.normalize import bytestream_digest
-from conveyor_testkit.bazel import bazel_available, remove_output_root, run_bazel, sample_workspace
+from conveyor_testkit.bazel import (
+    bazel_available,
+    bep_cli,
+    remove_output_root,
+    run_bazel,
+    sample_workspace,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.slow]
 
@@ -36,19 +42,6 @@ if not bazel_available() and os.environ.get("CI", "").lower() not in ("1", "true
     pytest.skip("bazel is not installed (scripts/install-bazel)", allow_module_level=True)
 
 _LISTENING = re.compile(r"conveyor-bep listening on [^:]+:(\d+)")
-
-
-def _cli(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "conveyor_bep", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
 
 
 def _serve(env: dict[str, str]) -> subprocess.Popen[str]:
@@ -83,11 +76,11 @@ async def test_bazel_uploads_what_its_events_reference_and_the_build_pins_it(
         CONVEYOR_BEP_COMMIT_INTERVAL="0.005",
         CONVEYOR_BEP_BLOB_ROOT=str(blob_root),
     )
-    _cli(env, "migrate")
-    _cli(env, "project", "create", "sample")
-    _cli(env, "project", "create", "stranger")
-    key = _cli(env, "key", "create", "sample")
-    stranger = _cli(env, "key", "create", "stranger")
+    bep_cli(env, "migrate")
+    bep_cli(env, "project", "create", "sample")
+    bep_cli(env, "project", "create", "stranger")
+    key = bep_cli(env, "key", "create", "sample")
+    stranger = bep_cli(env, "key", "create", "stranger")
     proc = _serve(env)
     output_root = tmp_path / "bazel-root"
     try:

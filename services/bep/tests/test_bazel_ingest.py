@@ -30,7 +30,13 @@ import grpc
 import pytest
 from conveyor_bep.bazel.google.devtools.build.v1 import publish_build_event_pb2
 from conveyor_bep.writer import decode_delimited, decompress
-from conveyor_testkit.bazel import bazel_available, remove_output_root, run_bazel, sample_workspace
+from conveyor_testkit.bazel import (
+    bazel_available,
+    bep_cli,
+    remove_output_root,
+    run_bazel,
+    sample_workspace,
+)
 from conveyor_testkit.bep import publish, sample_stream
 from conveyor_testkit.polling import wait_until
 
@@ -52,19 +58,6 @@ def _env(dsn: str, nats_url: str) -> dict[str, str]:
         CONVEYOR_BEP_COMMIT_INTERVAL="0.005",
     )
     return env
-
-
-def _cli(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "conveyor_bep", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
 
 
 class Ingest:
@@ -121,9 +114,9 @@ class Site:
 @pytest.fixture
 def site(fresh_pg_dsn: str, nats_url: str, tmp_path: Path) -> Iterator[Site]:
     env = _env(fresh_pg_dsn, nats_url)
-    _cli(env, "migrate")
-    _cli(env, "project", "create", "sample")
-    key = _cli(env, "key", "create", "sample")
+    bep_cli(env, "migrate")
+    bep_cli(env, "project", "create", "sample")
+    key = bep_cli(env, "key", "create", "sample")
     assert key.startswith("conveyor_")
     output_root = tmp_path / "bazel-root"
     try:
@@ -334,7 +327,7 @@ async def test_a_revoked_key_stops_at_once_on_a_running_node(
 ) -> None:
     assert (await publish(channel, sample_stream("k1"), key=site.key)).code == grpc.StatusCode.OK
     key_id = site.key.split("_")[1]
-    assert await asyncio.to_thread(_cli, site.env, "key", "revoke", key_id) == "revoked"
+    assert await asyncio.to_thread(bep_cli, site.env, "key", "revoke", key_id) == "revoked"
 
     async def refused() -> bool:
         outcome = await publish(channel, sample_stream("k2")[:1], key=site.key)

@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -104,3 +105,18 @@ def read_binary_stream(path: Path) -> list[BuildEvent]:
         return [BuildEvent.FromString(raw) for raw in decode_delimited(path.read_bytes())]
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+def bep_cli(env: dict[str, str], *args: str) -> str:
+    """Run ``conveyor-bep ARGS`` (migrate, project create, key create...) with ``env``;
+    its output, stripped (asserting it succeeded)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor_bep", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()

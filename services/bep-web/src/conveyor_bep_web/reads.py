@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
+from conveyor_bep.writer import COUNTER_COLUMNS
 
 from conveyor_bep_web import queries
 from conveyor_bep_web.search import (
@@ -183,21 +184,7 @@ async def build_summary(conn: Any, projects: Projects, invocation_id: str) -> Js
             "duration_ms": _duration_ms(row["started_at"], row["finished_at"]),
         },
         "lifecycle_status": row["lifecycle_status"],
-        "counters": {
-            name: row[name]
-            for name in (
-                "targets_configured",
-                "targets_completed",
-                "targets_failed",
-                "tests_total",
-                "tests_passed",
-                "tests_failed",
-                "tests_flaky",
-                "actions_failed",
-                "events",
-                "last_event_seq",
-            )
-        },
+        "counters": {name: row[name] for name in (*COUNTER_COLUMNS, "events", "last_event_seq")},
         "cache": {
             "actions_created": row["actions_created"],
             "actions_executed": row["actions_executed"],

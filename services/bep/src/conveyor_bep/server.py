@@ -62,19 +62,23 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         key = header.decode(errors="replace") if isinstance(header, bytes) else header
         keys = self._keys
 
+        async def project_of(context: grpc.aio.ServicerContext[Any, Any]) -> Project:
+            assert key is not None
+            project = await keys.authenticate(key)
+            if project is None:
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "invalid x-api-key: unknown, revoked or malformed key",
+                )
+            return project
+
         def wrap(behavior: Any) -> Any:
             async def authenticated(
                 request: Any, context: grpc.aio.ServicerContext[Any, Any]
             ) -> Any:
                 if key is None:
                     return await behavior(request, context)
-                project = await keys.authenticate(key)
-                if project is None:
-                    await context.abort(
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        "invalid x-api-key: unknown, revoked or malformed key",
-                    )
-                token = _PROJECT.set(project)
+                token = _PROJECT.set(await project_of(context))
                 try:
                     return await behavior(request, context)
                 finally:
@@ -87,15 +91,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             async def authenticated(
                 request: Any, context: grpc.aio.ServicerContext[Any, Any]
             ) -> AsyncIterator[Any]:
-                token = None
-                if key is not None:
-                    project = await keys.authenticate(key)
-                    if project is None:
-                        await context.abort(
-                            grpc.StatusCode.UNAUTHENTICATED,
-                            "invalid x-api-key: unknown, revoked or malformed key",
-                        )
-                    token = _PROJECT.set(project)
+                token = None if key is None else _PROJECT.set(await project_of(context))
                 try:
                     async for response in behavior(request, context):
                         yield response

@@ -142,7 +142,8 @@ _SET_COLUMNS: tuple[tuple[str, str], ...] = (
     ("actions_created", "bigint"),
     ("actions_executed", "bigint"),
 )
-_ADD_COLUMNS: tuple[str, ...] = (
+#: The invocation row's counters, which batches add to.
+COUNTER_COLUMNS: tuple[str, ...] = (
     "targets_configured",
     "targets_completed",
     "targets_failed",
@@ -160,7 +161,7 @@ def _fenced_update_sql() -> str:
     for name, sql_type in _SET_COLUMNS:
         params += 1
         sets.append(f"{name} = COALESCE(${params}::{sql_type}, {name})")
-    for name in _ADD_COLUMNS:
+    for name in COUNTER_COLUMNS:
         params += 1
         sets.append(f"{name} = {name} + ${params}::integer")
     status, tags, log_bytes, log_lines = (params + 1, params + 2, params + 3, params + 4)
@@ -315,7 +316,7 @@ def _invocation_args(batch: Batch) -> list[Any]:
         batch.final,
     ]
     args.extend(inv.set.get(name) for name, _ in _SET_COLUMNS)
-    args.extend(inv.add.get(name, 0) for name in _ADD_COLUMNS)
+    args.extend(inv.add.get(name, 0) for name in COUNTER_COLUMNS)
     log = batch.log_text
     args.extend(
         [
@@ -351,7 +352,7 @@ def _fenced_advance_sql() -> str:
         (f"s_{name}", "jsonb" if name in _ARRAY_COLUMNS else sql_type)
         for name, sql_type in _SET_COLUMNS
     ]
-    columns += [(f"a_{name}", "integer") for name in _ADD_COLUMNS]
+    columns += [(f"a_{name}", "integer") for name in COUNTER_COLUMNS]
     arrays = ", ".join(f"${i + 1}::{sql_type}[]" for i, (_, sql_type) in enumerate(columns))
     names = ", ".join(name for name, _ in columns)
     sets = []
@@ -360,7 +361,7 @@ def _fenced_advance_sql() -> str:
         if name in _ARRAY_COLUMNS:
             value = f"CASE WHEN {value} IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text({value})) END"
         sets.append(f"{name} = COALESCE({value}, i.{name})")
-    sets += [f"{name} = i.{name} + u.a_{name}" for name in _ADD_COLUMNS]
+    sets += [f"{name} = i.{name} + u.a_{name}" for name in COUNTER_COLUMNS]
     return f"""
 UPDATE bep.invocations AS i SET
     last_event_seq = u.last_seq, events = i.events + u.events, finished = i.finished OR u.final,
@@ -440,7 +441,7 @@ class _Advance:
             values.append(
                 json.dumps(value) if name in _ARRAY_COLUMNS and value is not None else value
             )
-        values.extend(self.add.get(name, 0) for name in _ADD_COLUMNS)
+        values.extend(self.add.get(name, 0) for name in COUNTER_COLUMNS)
         return tuple(values)
 
 
